@@ -1,0 +1,53 @@
+"""``decode``: small-Sq attention (decode, speculative verification) that reads each KV head
+once for all the query heads of its group.
+
+q (B, Hq, Sq, D) is viewed as (B, Hkv, G*Sq, D), so one matmul per KV head streams K and V
+once; torch SDPA on CPU instead walks the cache once per query head. Masks become an fp32
+additive bias (0 / -inf) on the grouped scores.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..reference import group_heads
+from ._decode_kernel import grouped_decode
+from .registry import AttentionCall
+
+#: Largest Sq this backend takes: past this the work is matmul-bound and SDPA's tiled kernels win.
+MAX_DECODE_Q_LEN = 16
+
+
+def grouped_bias(call: AttentionCall, device) -> torch.Tensor | None:
+    """The call's mask as an fp32 bias (B|1, Hkv|1, G|1, Sq, Sk), or None without a mask."""
+    m = call.mask
+    if m is None:
+        return None
+    allowed = m.materialize(call.batch, call.q_len, call.kv_len, device)
+    bias = m.bias(call.batch, call.q_len, call.kv_len, device)
+    if bias is None:
+        bias = torch.zeros((), device=device)
+    bias = bias.float().masked_fill(~allowed, float("-inf"))
+    return group_heads(bias, call.kv_heads)
+
+
+class DecodeBackend:
+    name = "decode"
+
+    def available(self) -> str | None:
+        return None
+
+    def not_supported_reasons(self, call: AttentionCall) -> list[str]:
+        why = []
+        if call.q_len > MAX_DECODE_Q_LEN:
+            why.append(f"Sq={call.q_len} > {MAX_DECODE_Q_LEN} (decode path is for small query lengths)")
+        if call.return_weights:
+            why.append("return_weights=True")
+        if call.dropout_p > 0:
+            why.append("dropout_p > 0")
+        if call.dtype == torch.float64:
+            why.append("fp64 (use math)")
+        return why
+
+    def run(self, q, k, v, call: AttentionCall):
+        return grouped_decode(q, k, v, call.scale, grouped_bias(call, q.device)), None

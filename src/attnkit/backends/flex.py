@@ -1,0 +1,93 @@
+"""``flex``: torch FlexAttention compiled from the mask's ``mask_mod``, block masks cached.
+
+Optional: the first compiled call per shape takes seconds (about 6-30 s on a 2-core CPU), then
+runs at fused-kernel speed, so ``auto`` never picks it for one-off calls; force it with
+``backend="flex"`` for long runs of one shape with masks SDPA cannot express cheaply (sliding
+window, document, prefix-LM and their compositions).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from ..masks import has_bias
+from .registry import AttentionCall
+
+_COMPILED = None
+_BLOCK_MASKS: "OrderedDict[tuple, object]" = OrderedDict()
+_MAX_CACHED = 64
+
+
+def _flex_module():
+    try:
+        from torch.nn.attention import flex_attention as fa
+    except ImportError:  # torch < 2.5
+        return None
+    return fa
+
+
+def _compiled():
+    global _COMPILED
+    if _COMPILED is None:
+        _COMPILED = torch.compile(_flex_module().flex_attention, dynamic=False)
+    return _COMPILED
+
+
+def block_mask_for(call: AttentionCall, device):
+    """The BlockMask for ``call.mask``: cached per structural mask and shape, or on the mask
+    instance for masks holding tensors (lengths, dense tensors)."""
+    m = call.mask
+    shape = (call.batch, call.q_len, call.kv_len, str(device))
+    key = m.cache_key()
+    if key is not None:
+        key = (key, shape)
+        if key in _BLOCK_MASKS:
+            _BLOCK_MASKS.move_to_end(key)
+            return _BLOCK_MASKS[key]
+    else:
+        per_instance = m.__dict__.setdefault("_flex_block_masks", {})
+        if shape in per_instance:
+            return per_instance[shape]
+    fa = _flex_module()
+    bm = fa.create_block_mask(m.mask_mod(call.q_len, call.kv_len, device),
+                              call.batch if m.has_tensors else None, None,
+                              call.q_len, call.kv_len, device=device)
+    if key is not None:
+        _BLOCK_MASKS[key] = bm
+        if len(_BLOCK_MASKS) > _MAX_CACHED:
+            _BLOCK_MASKS.popitem(last=False)
+    else:
+        per_instance[shape] = bm
+    return bm
+
+
+class FlexBackend:
+    name = "flex"
+
+    def available(self) -> str | None:
+        if _flex_module() is None:
+            return f"torch {torch.__version__} has no torch.nn.attention.flex_attention"
+        return None
+
+    def not_supported_reasons(self, call: AttentionCall) -> list[str]:
+        why = []
+        if call.return_weights:
+            why.append("return_weights=True")
+        if call.dropout_p > 0:
+            why.append("dropout_p > 0 (FlexAttention has no dropout)")
+        if call.needs_grad and call.device.type == "cpu":
+            why.append("backward on CPU (FlexAttention's CPU kernel is forward-only)")
+        if call.mask is not None and has_bias(call.mask):
+            why.append("additive float masks (use a bool mask or the sdpa backend)")
+        if call.dtype == torch.float64 and call.device.type == "cpu":
+            why.append("fp64 on CPU")
+        return why
+
+    def run(self, q, k, v, call: AttentionCall):
+        kwargs = {}
+        if call.mask is not None:
+            kwargs["block_mask"] = block_mask_for(call, q.device)
+        out = _compiled()(q, k, v, scale=call.scale, enable_gqa=call.q_heads != call.kv_heads, **kwargs)
+        return out, None

@@ -1,0 +1,124 @@
+"""Backend registry: what each backend supports, why it refuses, and which one ``auto`` picks.
+
+A backend is an object with ``name``, ``available() -> str | None`` (None when usable on this
+machine, else why not), ``not_supported_reasons(call) -> list[str]`` and
+``run(q, k, v, call) -> (out, weights | None)``. ``auto`` walks the registry in priority order
+and takes the first backend with no reasons; a forced backend that refuses raises
+:class:`BackendNotSupported` listing every backend's reasons.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from ..masks import Mask
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """Everything a backend needs to decide and run, validated by :func:`attnkit.attention`."""
+
+    batch: int
+    q_heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    v_head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    mask: Mask | None  # causal already folded in
+    scale: float
+    dropout_p: float
+    return_weights: bool
+    needs_grad: bool
+
+    @property
+    def groups(self) -> int:
+        return self.q_heads // self.kv_heads
+
+    @property
+    def is_empty(self) -> bool:
+        return self.batch == 0 or self.q_len == 0 or self.kv_len == 0 or self.q_heads == 0
+
+
+class Backend(Protocol):
+    name: str
+
+    def available(self) -> str | None: ...
+
+    def not_supported_reasons(self, call: AttentionCall) -> list[str]: ...
+
+    def run(self, q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> tuple[Tensor, Tensor | None]: ...
+
+
+class BackendNotSupported(ValueError):
+    """Raised when a forced backend cannot run a call; the message lists every backend's reasons."""
+
+
+_REGISTRY: dict[str, Backend] = {}
+_AUTO_ORDER: list[str] = []
+
+
+def register_backend(backend: Backend, *, auto: bool = True, before: str | None = None) -> None:
+    """Add ``backend``; with ``auto=True`` it takes part in ``backend="auto"``, before ``before``."""
+    _REGISTRY[backend.name] = backend
+    if backend.name in _AUTO_ORDER:
+        _AUTO_ORDER.remove(backend.name)
+    if auto:
+        idx = _AUTO_ORDER.index(before) if before in _AUTO_ORDER else len(_AUTO_ORDER)
+        _AUTO_ORDER.insert(idx, backend.name)
+
+
+def get_backend(name: str) -> Backend:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"backend must be 'auto' or one of {sorted(_REGISTRY)}, got {name!r}") from None
+
+
+def backend_names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def auto_order() -> list[str]:
+    return list(_AUTO_ORDER)
+
+
+def reasons(backend: Backend, call: AttentionCall) -> list[str]:
+    why = backend.available()
+    return [why] if why else backend.not_supported_reasons(call)
+
+
+def explain(call: AttentionCall) -> dict[str, list[str]]:
+    """Every registered backend's reasons for refusing ``call`` (empty list = would run it)."""
+    return {name: reasons(b, call) for name, b in _REGISTRY.items()}
+
+
+def _refusal(header: str, call: AttentionCall) -> str:
+    lines = [header]
+    for name, why in explain(call).items():
+        lines.append(f"  {name}: " + ("supported" if not why else "; ".join(why)))
+    return "\n".join(lines)
+
+
+def select(call: AttentionCall, backend: str = "auto") -> Backend:
+    """The backend that will run ``call``: the forced one, or the first in auto order that accepts."""
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string, got {type(backend).__name__}")
+    if backend != "auto":
+        b = get_backend(backend)
+        if reasons(b, call):
+            raise BackendNotSupported(_refusal(f"backend {backend!r} cannot run this call "
+                                               f"(q {call.batch, call.q_heads, call.q_len, call.head_dim}, "
+                                               f"Sk={call.kv_len}, {call.dtype}, {call.device}):", call))
+        return b
+    for name in _AUTO_ORDER:
+        b = _REGISTRY[name]
+        if not reasons(b, call):
+            return b
+    raise BackendNotSupported(_refusal("no backend can run this call:", call))

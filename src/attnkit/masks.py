@@ -1,0 +1,594 @@
+"""Typed, composable attention masks.
+
+A mask says which key each query may attend to (True = attend). Every mask can
+
+* ``materialize(batch, q_len, kv_len)`` to a bool tensor of 4 dims broadcastable to
+  ``(B, H, Sq, Sk)`` (size-1 dims where the mask does not depend on them),
+* give an additive ``bias(...)`` (only :class:`Additive` carries one; others return ``None``),
+* build a ``mask_mod(b, h, q_idx, kv_idx)`` for FlexAttention,
+* ``check(batch, heads, q_len, kv_len)`` that it fits a call, raising ``ValueError`` otherwise.
+
+Masks compose with ``&`` (both allow) and ``|`` (either allows).
+
+Positions. A query's position in key coordinates is ``i + offset``. ``align="bottom_right"``
+uses ``offset = Sk - Sq`` (the last query sits on the last key: decode, chunked prefill, cached
+verification), ``align="top_left"`` uses ``offset = 0`` (torch's ``is_causal``), and
+``offsets=`` gives one offset per sequence (a ragged batch where sequence ``b`` has
+``offsets[b]`` cached tokens before this step's queries).
+
+Notation: B batch, H heads, Sq query length, Sk key length.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "Mask",
+    "Causal",
+    "SlidingWindow",
+    "KeyPadding",
+    "QueryPadding",
+    "Document",
+    "PrefixLM",
+    "Dense",
+    "Additive",
+    "And",
+    "Or",
+    "as_mask",
+    "has_bias",
+]
+
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+_ALIGNS = ("bottom_right", "top_left")
+
+
+class Mask:
+    """Base class. Subclasses implement ``_materialize`` and ``mask_mod``."""
+
+    #: True when the mask holds tensors (so FlexAttention block masks are cached per instance).
+    has_tensors: bool = False
+
+    def materialize(
+        self, batch: int, q_len: int, kv_len: int, device: torch.device | str | None = None
+    ) -> Tensor:
+        """Bool tensor (B|1, H|1, Sq, Sk), True = attend."""
+        out = self._materialize(batch, q_len, kv_len, torch.device(device or "cpu"))
+        return out.reshape((1,) * (4 - out.dim()) + tuple(out.shape))
+
+    def _materialize(self, batch: int, q_len: int, kv_len: int, device: torch.device) -> Tensor:
+        raise NotImplementedError
+
+    def bias(
+        self, batch: int, q_len: int, kv_len: int, device: torch.device | str | None = None
+    ) -> Tensor | None:
+        """Additive float bias (B|1, H|1, Sq, Sk) or None when the mask is purely boolean."""
+        return None
+
+    def mask_mod(self, q_len: int, kv_len: int, device: torch.device | str | None = None) -> MaskMod:
+        """FlexAttention ``mask_mod(b, h, q_idx, kv_idx) -> bool`` for a (Sq, Sk) call."""
+        raise NotImplementedError
+
+    def check(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
+        """Raise ValueError if this mask cannot describe a (B, H, Sq, Sk) call."""
+
+    def is_top_left_causal(self, q_len: int, kv_len: int) -> bool:
+        """True iff the mask equals ``j <= i`` exactly (what torch SDPA's ``is_causal`` does)."""
+        return False
+
+    def cache_key(self) -> tuple | None:
+        """Structural key for masks without tensors (FlexAttention block-mask caching)."""
+        return None
+
+    def __and__(self, other: "Mask") -> "Mask":
+        return And(self, _coerce(other, "&"))
+
+    def __or__(self, other: "Mask") -> "Mask":
+        return Or(self, _coerce(other, "|"))
+
+
+def _coerce(other, op: str) -> Mask:
+    if not isinstance(other, Mask):
+        raise TypeError(f"cannot combine a Mask with {type(other).__name__} using '{op}'; wrap tensors "
+                        "in attnkit.masks.Dense or attnkit.masks.Additive")
+    return other
+
+
+# --------------------------------------------------------------------------- positions
+
+
+def _as_index_tensor(x, name: str) -> Tensor:
+    t = torch.as_tensor(x)
+    if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
+        raise TypeError(f"{name} must hold integers, got dtype {t.dtype}")
+    return t.long()
+
+
+def _check_per_batch(t: Tensor | None, name: str, batch: int) -> None:
+    if t is None or t.dim() == 0:
+        return
+    if t.dim() != 1 or t.shape[0] not in (1, batch):
+        raise ValueError(f"{name} must be an int or a (B,) tensor with B={batch}, got shape {tuple(t.shape)}")
+
+
+def _per_batch(t: Tensor, device: torch.device) -> Tensor:
+    """(B,) or scalar -> (B|1, 1, 1, 1)."""
+    return t.to(device).reshape(-1, 1, 1, 1)
+
+
+class _Positional(Mask):
+    """Shared query-position logic for masks that compare a query's position with key indices."""
+
+    def __init__(self, align: str, offsets):
+        if offsets is None and align not in _ALIGNS:
+            raise ValueError(f"align must be one of {_ALIGNS}, got {align!r}")
+        self.align = align
+        self.offsets = None if offsets is None else _as_index_tensor(offsets, "offsets")
+        self.has_tensors = self.offsets is not None
+
+    def _offset(self, q_len: int, kv_len: int, device: torch.device) -> Tensor:
+        if self.offsets is not None:
+            return _per_batch(self.offsets, device)
+        off = kv_len - q_len if self.align == "bottom_right" else 0
+        return torch.tensor(off, device=device).reshape(1, 1, 1, 1)
+
+    def _grid(self, q_len: int, kv_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """Query positions (B|1, 1, Sq, 1) and key indices (1, 1, 1, Sk)."""
+        qi = torch.arange(q_len, device=device).reshape(1, 1, -1, 1)
+        kj = torch.arange(kv_len, device=device).reshape(1, 1, 1, -1)
+        return qi + self._offset(q_len, kv_len, device), kj
+
+    def _offset_fn(self, q_len: int, kv_len: int, device) -> Callable[[Tensor], Tensor]:
+        if self.offsets is not None:
+            offsets = self.offsets.to(device)
+            return lambda b: offsets[b] if offsets.dim() else offsets
+        off = kv_len - q_len if self.align == "bottom_right" else 0
+        return lambda b: off
+
+    def check(self, batch, heads, q_len, kv_len):
+        _check_per_batch(self.offsets, "offsets", batch)
+
+    def _describe_pos(self) -> str:
+        return "offsets=<tensor>" if self.offsets is not None else f"align={self.align!r}"
+
+
+class Causal(_Positional):
+    """Query at position p sees key j iff j <= p.
+
+    ``Causal()`` is bottom-right aligned (j <= i + Sk - Sq); ``Causal("top_left")`` is torch's
+    ``is_causal`` (j <= i); ``Causal(offsets=cache_lens)`` is a ragged batch (j <= i + cache_lens[b]).
+    """
+
+    def __init__(self, align: str = "bottom_right", *, offsets=None):
+        super().__init__(align, offsets)
+
+    def _materialize(self, batch, q_len, kv_len, device):
+        qpos, kj = self._grid(q_len, kv_len, device)
+        return kj <= qpos
+
+    def mask_mod(self, q_len, kv_len, device=None):
+        off = self._offset_fn(q_len, kv_len, device)
+        return lambda b, h, q, kv: kv <= q + off(b)
+
+    def is_top_left_causal(self, q_len, kv_len):
+        return self.offsets is None and (self.align == "top_left" or q_len == kv_len)
+
+    def cache_key(self):
+        return None if self.offsets is not None else ("causal", self.align)
+
+    def __repr__(self):
+        return f"Causal({self._describe_pos()})"
+
+
+class SlidingWindow(_Positional):
+    """Query at position p sees key j iff p - left <= j <= p + right.
+
+    ``left``/``right`` are extents in tokens (None = unbounded), as flash-attention's
+    ``window_size``. A Mistral-style window of W tokens including the current one is
+    ``SlidingWindow(W - 1)``; ``right=0`` (the default) keeps it causal.
+    """
+
+    def __init__(self, left: int | None, right: int | None = 0, *, align: str = "bottom_right", offsets=None):
+        for name, val in (("left", left), ("right", right)):
+            if val is not None and (not isinstance(val, int) or isinstance(val, bool) or val < 0):
+                raise ValueError(f"{name} must be a non-negative int or None, got {val!r}")
+        super().__init__(align, offsets)
+        self.left, self.right = left, right
+
+    def _materialize(self, batch, q_len, kv_len, device):
+        qpos, kj = self._grid(q_len, kv_len, device)
+        ok = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
+        if self.left is not None:
+            ok = ok & (kj >= qpos - self.left)
+        if self.right is not None:
+            ok = ok & (kj <= qpos + self.right)
+        return ok
+
+    def mask_mod(self, q_len, kv_len, device=None):
+        off = self._offset_fn(q_len, kv_len, device)
+        left, right = self.left, self.right
+
+        def mod(b, h, q, kv):
+            p = q + off(b)
+            ok = kv >= kv  # all-True of the right shape
+            if left is not None:
+                ok = ok & (kv >= p - left)
+            if right is not None:
+                ok = ok & (kv <= p + right)
+            return ok
+
+        return mod
+
+    def cache_key(self):
+        return None if self.offsets is not None else ("window", self.left, self.right, self.align)
+
+    def __repr__(self):
+        return f"SlidingWindow(left={self.left}, right={self.right}, {self._describe_pos()})"
+
+
+class PrefixLM(_Positional):
+    """Bidirectional over each sequence's prefix, causal after it: j < prefix[b] or j <= p."""
+
+    def __init__(self, prefix_lengths, *, align: str = "bottom_right", offsets=None):
+        super().__init__(align, offsets)
+        self.prefix = _as_index_tensor(prefix_lengths, "prefix_lengths")
+        self.has_tensors = True
+
+    def check(self, batch, heads, q_len, kv_len):
+        super().check(batch, heads, q_len, kv_len)
+        _check_per_batch(self.prefix, "prefix_lengths", batch)
+
+    def _materialize(self, batch, q_len, kv_len, device):
+        qpos, kj = self._grid(q_len, kv_len, device)
+        return (kj <= qpos) | (kj < _per_batch(self.prefix, device))
+
+    def mask_mod(self, q_len, kv_len, device=None):
+        off = self._offset_fn(q_len, kv_len, device)
+        prefix = self.prefix.to(device)
+        pre = (lambda b: prefix[b]) if prefix.dim() else (lambda b: prefix)
+        return lambda b, h, q, kv: (kv <= q + off(b)) | (kv < pre(b))
+
+    def __repr__(self):
+        return f"PrefixLM({self._describe_pos()})"
+
+
+# --------------------------------------------------------------------------- padding
+
+
+class _Padding(Mask):
+    """Valid positions along one axis, from lengths (B,) or a (B, S) bool tensor."""
+
+    axis_name = "kv_len"
+    has_tensors = True
+
+    def __init__(self, lengths=None, *, valid: Tensor | None = None, side: str = "right"):
+        if (lengths is None) == (valid is None):
+            raise ValueError(f"{type(self).__name__} takes exactly one of lengths= or valid=")
+        if side not in ("right", "left"):
+            raise ValueError(f"side must be 'right' or 'left', got {side!r}")
+        if valid is not None:
+            if not isinstance(valid, Tensor) or valid.dtype != torch.bool or valid.dim() != 2:
+                raise TypeError(f"valid must be a (B, S) bool tensor, got "
+                                f"{getattr(valid, 'dtype', type(valid).__name__)} of shape "
+                                f"{tuple(getattr(valid, 'shape', ()))}")
+        self.lengths = None if lengths is None else _as_index_tensor(lengths, "lengths")
+        self.valid, self.side = valid, side
+
+    def _axis_valid(self, length: int, device) -> Tensor:
+        """(B|1, S) bool."""
+        if self.valid is not None:
+            return self.valid.to(device)
+        idx = torch.arange(length, device=device).unsqueeze(0)
+        lens = self.lengths.to(device).reshape(-1, 1)
+        return idx < lens if self.side == "right" else idx >= length - lens
+
+    def _axis_valid_fn(self, length: int, device) -> Callable[[Tensor, Tensor], Tensor]:
+        valid = self._axis_valid(length, device)
+        if valid.shape[0] == 1:
+            return lambda b, i: valid[0, i]
+        return lambda b, i: valid[b, i]
+
+    def check(self, batch, heads, q_len, kv_len):
+        length = q_len if self.axis_name == "q_len" else kv_len
+        if self.valid is not None:
+            if self.valid.shape[0] not in (1, batch) or self.valid.shape[1] != length:
+                raise ValueError(f"{type(self).__name__}: valid has shape {tuple(self.valid.shape)}, "
+                                 f"expected ({batch}, {length}) for B={batch}, {self.axis_name}={length}")
+        else:
+            _check_per_batch(self.lengths, "lengths", batch)
+
+
+class KeyPadding(_Padding):
+    """Keys at padded positions are never attended: ``lengths`` (B,) or ``valid`` (B, Sk) bool.
+
+    ``side="left"`` means the valid keys are the last ``lengths[b]`` (left-padded prompts).
+    """
+
+    axis_name = "kv_len"
+
+    def _materialize(self, batch, q_len, kv_len, device):
+        return self._axis_valid(kv_len, device)[:, None, None, :]
+
+    def mask_mod(self, q_len, kv_len, device=None):
+        ok = self._axis_valid_fn(kv_len, device)
+        return lambda b, h, q, kv: ok(b, kv)
+
+    def __repr__(self):
+        return f"KeyPadding(side={self.side!r})"
+
+
+class QueryPadding(_Padding):
+    """Padded queries attend to nothing (their output is exactly 0): ``lengths`` or ``valid`` (B, Sq)."""
+
+    axis_name = "q_len"
+
+    def _materialize(self, batch, q_len, kv_len, device):
+        return self._axis_valid(q_len, device)[:, None, :, None]
+
+    def mask_mod(self, q_len, kv_len, device=None):
+        ok = self._axis_valid_fn(q_len, device)
+        return lambda b, h, q, kv: ok(b, q)
+
+    def __repr__(self):
+        return f"QueryPadding(side={self.side!r})"
+
+
+class Document(Mask):
+    """Block-diagonal mask for packed variable-length sequences.
+
+    ``lengths``: (N,) shared by the batch or (B, N) per batch item (zero-padded) — the lengths of
+    the documents packed one after another along the query axis. ``kv_lengths`` does the same for
+    the key axis (default: the same as ``lengths``, i.e. self-attention). Query i sees key j iff
+    both belong to the same document; positions past the packed total belong to none.
+    Combine with ``Causal()`` for per-document causal attention.
+    """
+
+    has_tensors = True
+
+    def __init__(self, lengths, kv_lengths=None):
+        self.lengths = _as_index_tensor(lengths, "lengths")
+        self.kv_lengths = self.lengths if kv_lengths is None else _as_index_tensor(kv_lengths, "kv_lengths")
+        for name, t in (("lengths", self.lengths), ("kv_lengths", self.kv_lengths)):
+            if t.dim() not in (1, 2):
+                raise ValueError(f"{name} must be (N,) or (B, N), got shape {tuple(t.shape)}")
+            if (t < 0).any():
+                raise ValueError(f"{name} must be non-negative")
+
+    @staticmethod
+    def _doc_ids(lengths: Tensor, size: int, pad_id: int, device) -> Tensor:
+        """(B|1, size) document index of each position; ``pad_id`` past the end."""
+        lens = lengths.to(device)
+        lens = lens.unsqueeze(0) if lens.dim() == 1 else lens
+        ends = lens.cumsum(-1)  # (B|1, N)
+        pos = torch.arange(size, device=device).expand(ends.shape[0], size).contiguous()
+        ids = torch.searchsorted(ends.contiguous(), pos, right=True)
+        return torch.where(ids < lens.shape[-1], ids, torch.full_like(ids, pad_id))
+
+    def check(self, batch, heads, q_len, kv_len):
+        for name, t, size in (("lengths", self.lengths, q_len), ("kv_lengths", self.kv_lengths, kv_len)):
+            if t.dim() == 2 and t.shape[0] not in (1, batch):
+                raise ValueError(f"Document {name} has shape {tuple(t.shape)}, expected (N,) or ({batch}, N)")
+            total = int(t.sum(-1).max()) if t.numel() else 0
+            if total > size:
+                raise ValueError(f"Document {name} sum to {total}, more than the sequence length {size}")
+
+    def _materialize(self, batch, q_len, kv_len, device):
+        qd = self._doc_ids(self.lengths, q_len, -1, device)
+        kd = self._doc_ids(self.kv_lengths, kv_len, -2, device)
+        return (qd[:, None, :, None] == kd[:, None, None, :])
+
+    def mask_mod(self, q_len, kv_len, device=None):
+        qd = self._doc_ids(self.lengths, q_len, -1, device)
+        kd = self._doc_ids(self.kv_lengths, kv_len, -2, device)
+        qb = (lambda b: 0) if qd.shape[0] == 1 else (lambda b: b)
+        kb = (lambda b: 0) if kd.shape[0] == 1 else (lambda b: b)
+        return lambda b, h, q, kv: qd[qb(b), q] == kd[kb(b), kv]
+
+    def __repr__(self):
+        return f"Document(n={self.lengths.shape[-1]})"
+
+
+# --------------------------------------------------------------------------- dense tensors
+
+
+def _check_broadcast(t: Tensor, name: str, batch: int, heads: int, q_len: int, kv_len: int) -> None:
+    target = (batch, heads, q_len, kv_len)
+    if t.dim() > 4:
+        raise ValueError(f"{name} has {t.dim()} dims (shape {tuple(t.shape)}); it must broadcast to "
+                         f"(B, H, Sq, Sk) = {target}")
+    shape = (1,) * (4 - t.dim()) + tuple(t.shape)
+    for got, want in zip(shape, target):
+        if got not in (1, want):
+            raise ValueError(f"{name} of shape {tuple(t.shape)} does not broadcast to (B, H, Sq, Sk) = {target}")
+
+
+def _as_4d(t: Tensor) -> Tensor:
+    return t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))
+
+
+class Dense(Mask):
+    """A bool tensor (True = attend) broadcastable to (B, H, Sq, Sk)."""
+
+    has_tensors = True
+
+    def __init__(self, mask: Tensor):
+        if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+            raise TypeError(f"Dense needs a bool tensor, got {getattr(mask, 'dtype', type(mask).__name__)}")
+        self.tensor = mask
+
+    def check(self, batch, heads, q_len, kv_len):
+        _check_broadcast(self.tensor, "mask", batch, heads, q_len, kv_len)
+
+    def _materialize(self, batch, q_len, kv_len, device):
+        return _as_4d(self.tensor).to(device)
+
+    def mask_mod(self, q_len, kv_len, device=None):
+        t = _as_4d(self.tensor).to(device)
+        pick = [(lambda i: 0) if n == 1 else (lambda i: i) for n in t.shape]
+        return lambda b, h, q, kv: t[pick[0](b), pick[1](h), pick[2](q), pick[3](kv)]
+
+    def __repr__(self):
+        return f"Dense(shape={tuple(self.tensor.shape)})"
+
+
+class Additive(Mask):
+    """A float tensor added to the scores, broadcastable to (B, H, Sq, Sk); -inf means masked.
+
+    The bias is kept in fp32 (fp64 for fp64 tensors), so stacking additive masks never
+    overflows in the input dtype: a sum of masks reaching -inf means masked, anything else is
+    added exactly as given.
+    """
+
+    has_tensors = True
+
+    def __init__(self, bias: Tensor):
+        if not isinstance(bias, Tensor) or not bias.dtype.is_floating_point:
+            raise TypeError(f"Additive needs a floating tensor, got {getattr(bias, 'dtype', type(bias).__name__)}")
+        if torch.isnan(bias).any():
+            raise ValueError("additive mask contains NaN")
+        self.tensor = bias if bias.dtype == torch.float64 else bias.float()
+
+    def check(self, batch, heads, q_len, kv_len):
+        _check_broadcast(self.tensor, "mask", batch, heads, q_len, kv_len)
+
+    def _materialize(self, batch, q_len, kv_len, device):
+        return ~torch.isneginf(_as_4d(self.tensor)).to(device)
+
+    def bias(self, batch, q_len, kv_len, device=None):
+        return _as_4d(self.tensor).to(device or "cpu")
+
+    def mask_mod(self, q_len, kv_len, device=None):
+        return Dense(~torch.isneginf(self.tensor)).mask_mod(q_len, kv_len, device)
+
+    def __repr__(self):
+        return f"Additive(shape={tuple(self.tensor.shape)})"
+
+
+# --------------------------------------------------------------------------- composition
+
+
+class _Compose(Mask):
+    op_name = ""
+
+    def __init__(self, *masks: Mask):
+        flat: list[Mask] = []
+        for m in masks:
+            _coerce(m, self.op_name)
+            flat.extend(m.masks if type(m) is type(self) else [m])
+        self.masks = tuple(flat)
+        self.has_tensors = any(m.has_tensors for m in self.masks)
+
+    def check(self, batch, heads, q_len, kv_len):
+        for m in self.masks:
+            m.check(batch, heads, q_len, kv_len)
+
+    def cache_key(self):
+        keys = [m.cache_key() for m in self.masks]
+        return None if any(k is None for k in keys) else (self.op_name, *keys)
+
+    def __repr__(self):
+        return f" {self.op_name} ".join(map(repr, self.masks)).join("()")
+
+
+class And(_Compose):
+    """Allowed where every part allows; additive biases add up (in fp32)."""
+
+    op_name = "&"
+
+    def _materialize(self, batch, q_len, kv_len, device):
+        out = self.masks[0].materialize(batch, q_len, kv_len, device)
+        for m in self.masks[1:]:
+            out = out & m.materialize(batch, q_len, kv_len, device)
+        return out
+
+    def bias(self, batch, q_len, kv_len, device=None):
+        biases = [b for m in self.masks if (b := m.bias(batch, q_len, kv_len, device)) is not None]
+        if not biases:
+            return None
+        total = biases[0]
+        for b in biases[1:]:
+            total = total + b
+        return total
+
+    def mask_mod(self, q_len, kv_len, device=None):
+        mods = [m.mask_mod(q_len, kv_len, device) for m in self.masks]
+
+        def mod(b, h, q, kv):
+            ok = mods[0](b, h, q, kv)
+            for f in mods[1:]:
+                ok = ok & f(b, h, q, kv)
+            return ok
+
+        return mod
+
+    def is_top_left_causal(self, q_len, kv_len):
+        return len(self.masks) >= 1 and all(m.is_top_left_causal(q_len, kv_len) for m in self.masks)
+
+
+class Or(_Compose):
+    """Allowed where any part allows. Additive masks cannot take part (a sum has no 'or')."""
+
+    op_name = "|"
+
+    def __init__(self, *masks: Mask):
+        super().__init__(*masks)
+        if any(has_bias(m) for m in self.masks):
+            raise TypeError("an Additive mask cannot be combined with '|'; use '&' or a bool mask")
+
+    def _materialize(self, batch, q_len, kv_len, device):
+        out = self.masks[0].materialize(batch, q_len, kv_len, device)
+        for m in self.masks[1:]:
+            out = out | m.materialize(batch, q_len, kv_len, device)
+        return out
+
+    def mask_mod(self, q_len, kv_len, device=None):
+        mods = [m.mask_mod(q_len, kv_len, device) for m in self.masks]
+
+        def mod(b, h, q, kv):
+            ok = mods[0](b, h, q, kv)
+            for f in mods[1:]:
+                ok = ok | f(b, h, q, kv)
+            return ok
+
+        return mod
+
+
+def has_bias(m: Mask) -> bool:
+    """True when ``m`` carries an additive float bias (an :class:`Additive` anywhere inside)."""
+    if isinstance(m, Additive):
+        return True
+    return isinstance(m, _Compose) and any(has_bias(x) for x in m.masks)
+
+
+# --------------------------------------------------------------------------- normalisation
+
+
+def as_mask(mask, causal: bool = False) -> Mask | None:
+    """Normalise the ``mask``/``causal`` arguments of :func:`attnkit.attention` to one Mask or None.
+
+    bool tensor -> :class:`Dense`; floating tensor -> :class:`Additive`; Mask -> itself;
+    ``causal=True`` ANDs a bottom-right :class:`Causal`.
+    """
+    if mask is None:
+        m = None
+    elif isinstance(mask, Mask):
+        m = mask
+    elif isinstance(mask, Tensor):
+        if mask.dtype == torch.bool:
+            m = Dense(mask)
+        elif mask.dtype.is_floating_point:
+            m = Additive(mask)
+        else:
+            raise TypeError(f"mask must be a bool tensor (True = attend), a floating tensor (added to the "
+                            f"scores) or an attnkit.masks.Mask; got a {mask.dtype} tensor of shape "
+                            f"{tuple(mask.shape)}")
+    else:
+        raise TypeError(f"mask must be None, a tensor or an attnkit.masks.Mask, got {type(mask).__name__}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if causal:
+        m = Causal() if m is None else Causal() & m
+    return m

@@ -1,0 +1,107 @@
+"""The reference attention: plain torch ops, every feature, any precision.
+
+``attention_math`` is the ``math`` backend (scores and softmax in fp32 for fp16/bf16/fp32,
+fp64 for fp64) and the engine of ``return_weights``. ``attention_reference`` is the fp64 oracle
+the tests trust: the same arithmetic with everything upcast to fp64 and masks materialized.
+
+Shapes: q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv), Hq = Hkv * G. Query head h uses
+KV head h // G. K and V are never repeated per head: q is viewed as (B, Hkv, G, Sq, D) and each
+KV head is broadcast over its group.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .masks import Mask, as_mask
+
+__all__ = ["attention_math", "attention_reference", "group_heads", "safe_softmax"]
+
+
+def group_heads(t: Tensor, kv_heads: int) -> Tensor:
+    """(B|1, Hq|1, ...) -> (B|1, Hkv|1, G|1, ...), a view where possible."""
+    if t.shape[1] == 1:
+        return t.unsqueeze(2)
+    return t.unflatten(1, (kv_heads, t.shape[1] // kv_heads))
+
+
+def safe_softmax(scores: Tensor, dim: int = -1) -> Tensor:
+    """Softmax whose rows of all -inf are exactly 0, with zero (finite) gradients."""
+    if scores.shape[dim] == 0:  # no keys at all: an empty row; P @ V then gives exact zeros
+        return scores
+    row_ok = scores.amax(dim, keepdim=True) > float("-inf")
+    probs = torch.softmax(scores.masked_fill(~row_ok, 0.0), dim=dim)
+    return probs.masked_fill(~row_ok, 0.0)
+
+
+def attention_math(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Mask | None,
+    *,
+    scale: float,
+    dropout_p: float = 0.0,
+    return_weights: bool = False,
+    compute_dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Attention in torch ops. Returns (out (B, Hq, Sq, Dv) in q.dtype, weights (B, Hq, Sq, Sk) or None).
+
+    ``compute_dtype`` defaults to fp32 (fp64 for fp64 inputs). ``weights`` are the probabilities
+    actually applied to V (after dropout, as torch's MultiheadAttention returns them), in fp32
+    (fp64 for fp64 compute).
+    """
+    if compute_dtype is None:
+        compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    B, Hq, Sq, _ = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    qg = group_heads(q.to(compute_dtype), Hkv)  # (B, Hkv, G, Sq, D)
+    kc = k.to(compute_dtype).unsqueeze(2)  # (B, Hkv, 1, Sk, D)
+    vc = v.to(compute_dtype).unsqueeze(2)  # (B, Hkv, 1, Sk, Dv)
+    scores = torch.matmul(qg, kc.transpose(-1, -2)) * scale  # (B, Hkv, G, Sq, Sk)
+    if mask is not None:
+        bias = mask.bias(B, Sq, Sk, q.device)
+        if bias is not None:
+            scores = scores + group_heads(bias.to(compute_dtype), Hkv)
+        allowed = group_heads(mask.materialize(B, Sq, Sk, q.device), Hkv)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = safe_softmax(scores)
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, p=dropout_p, training=True)
+    out = torch.matmul(probs, vc)  # (B, Hkv, G, Sq, Dv)
+    out = out.flatten(1, 2).to(q.dtype)
+    weights = probs.flatten(1, 2).expand(B, Hq, Sq, Sk) if return_weights else None
+    if weights is not None and compute_dtype not in (torch.float32, torch.float64):
+        weights = weights.float()
+    return out, weights
+
+
+def attention_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask=None,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    return_weights: bool = False,
+):
+    """The fp64 oracle: ``attnkit.attention`` semantics, everything in fp64, masks materialized.
+
+    Returns out (B, Hq, Sq, Dv) in fp64 (and weights (B, Hq, Sq, Sk) in fp64 with
+    ``return_weights``). Equivalent code, for one (b, h) and mask ``m`` (True = attend)::
+
+        s = (q[b, h].double() @ k[b, h // G].double().T) * scale + bias; s[~m] = -inf
+        p = softmax(s) with all -inf rows -> 0;  out = p @ v[b, h // G].double()
+    """
+    m = as_mask(mask, causal)
+    if m is not None:
+        m.check(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    out, w = attention_math(q.double(), k.double(), v.double(), m, scale=scale,
+                            return_weights=return_weights, compute_dtype=torch.float64)
+    return (out, w) if return_weights else out
