@@ -1,0 +1,172 @@
+"""attnkit.attention side by side with torch SDPA and a textbook implementation.
+
+Prefill (causal, Sq = Sk) and decode (Sq = 1 over a KV cache, GQA 32/8 heads), fp32 and bf16.
+Each repetition runs every contender once, in turn, so they share the machine's noise; the
+table reports medians and ratios, plus the decode path's KV read bandwidth against the
+machine's own read bandwidth measured in the same run.
+
+    python benchmarks/bench_attention.py            # full table -> benchmarks/results/
+    python benchmarks/bench_attention.py --quick    # small sizes, seconds (CI smoke test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import attnkit
+
+
+def textbook(q, k, v, causal: bool):
+    """What the tutorials write: K/V repeated per head, materialized scores, a -1e9 mask."""
+    G = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if causal:
+        Sq, Sk = q.shape[2], k.shape[2]
+        keep = torch.ones(Sq, Sk, dtype=torch.bool).tril(Sk - Sq)
+        scores = scores.masked_fill(~keep, -1e9)
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def sdpa(q, k, v, causal: bool):
+    """The peer as a user would call it. Decode (Sq=1) needs no mask; prefill has Sq == Sk."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal and q.shape[2] > 1,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def ours(q, k, v, causal: bool):
+    return attnkit.attention(q, k, v, causal=causal)
+
+
+CONTENDERS = {"attnkit": ours, "torch_sdpa": sdpa, "textbook": textbook}
+
+
+def time_side_by_side(fns: dict, reps: int, warmup: int = 1) -> dict[str, float]:
+    """Median seconds per contender; each repetition runs all of them once, in turn."""
+    samples = {name: [] for name in fns}
+    with torch.inference_mode():
+        for _ in range(warmup):
+            for fn in fns.values():
+                fn()
+        for _ in range(reps):
+            for name, fn in fns.items():
+                t0 = time.perf_counter()
+                fn()
+                samples[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def read_bandwidth(nbytes: int = 1 << 30, reps: int = 7) -> float:
+    """The machine's read bandwidth in GB/s: a sum over a large buffer, median of runs."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32)
+    with torch.inference_mode():
+        x.sum()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            x.sum()
+            times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "attnkit": attnkit.__version__, "python": platform.python_version(),
+            "platform": platform.platform()}
+
+
+def run(quick: bool) -> dict:
+    torch.manual_seed(0)
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    rows = []
+    # Prefill: B=1, 8 heads, D=64, causal, Sq = Sk = S.
+    prefill_sizes = [256, 512] if quick else [512, 2048, 8192]
+    for S in prefill_sizes:
+        for dname, dt in dtypes.items():
+            q, k, v = (torch.randn(1, 8, S, 64, dtype=dt) for _ in range(3))
+            fns = {n: (lambda f=f: f(q, k, v, True)) for n, f in CONTENDERS.items()}
+            if S > 4096:  # the textbook's (8, S, S) fp32 scores alone are 2 GB
+                fns.pop("textbook")
+            reps = 3 if quick else (5 if S >= 8192 else 9)
+            t = time_side_by_side(fns, reps)
+            rows.append({"case": "prefill causal", "shape": f"B1 H8 S{S} D64", "dtype": dname,
+                         "backend": attnkit.describe_call(q, k, v, causal=True), **{f"{n}_ms": t[n] * 1e3 for n in t}})
+    # Decode: B=1, 32 query heads over 8 KV heads, D=128, one new token over the cache.
+    bw = read_bandwidth(1 << 28 if quick else 1 << 30)
+    contexts = [1024, 4096] if quick else [4096, 32768]
+    for ctx in contexts:
+        for dname, dt in dtypes.items():
+            q = torch.randn(1, 32, 1, 128, dtype=dt)
+            k, v = (torch.randn(1, 8, ctx, 128, dtype=dt) for _ in range(2))
+            fns = {n: (lambda f=f: f(q, k, v, True)) for n, f in CONTENDERS.items()}
+            t = time_side_by_side(fns, 5 if quick else 15, warmup=2)
+            kv_bytes = k.numel() * k.element_size() * 2
+            rows.append({"case": "decode", "shape": f"B1 Hq32 Hkv8 ctx{ctx} D128", "dtype": dname,
+                         "backend": attnkit.describe_call(q, k, v, causal=True),
+                         **{f"{n}_ms": t[n] * 1e3 for n in t},
+                         "attnkit_GBps": kv_bytes / t["attnkit"] / 1e9,
+                         "bandwidth_share": kv_bytes / t["attnkit"] / 1e9 / bw})
+    for r in rows:
+        r["speedup_vs_sdpa"] = r["torch_sdpa_ms"] / r["attnkit_ms"]
+        if "textbook_ms" in r:
+            r["speedup_vs_textbook"] = r["textbook_ms"] / r["attnkit_ms"]
+    return {"machine": machine(), "read_bandwidth_GBps": bw, "quick": quick, "rows": rows}
+
+
+def to_markdown(res: dict) -> str:
+    m = res["machine"]
+    lines = [
+        f"Machine: {m['cpu']}, {m['cores']} cores ({m['torch_threads']} torch threads), torch {m['torch']}, "
+        f"attnkit {m['attnkit']}, Python {m['python']}. Read bandwidth (sum over 1 GiB): "
+        f"{res['read_bandwidth_GBps']:.1f} GB/s. Medians of interleaved runs; ratio > 1 means attnkit is faster.",
+        "",
+        "| case | shape | dtype | attnkit backend | attnkit ms | torch SDPA ms | textbook ms | vs SDPA | vs textbook | KV read GB/s (share of bandwidth) |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in res["rows"]:
+        tb = f"{r['textbook_ms']:.2f}" if "textbook_ms" in r else "skipped (2 GB scores)"
+        vt = f"{r['speedup_vs_textbook']:.2f}x" if "speedup_vs_textbook" in r else "-"
+        bw = f"{r['attnkit_GBps']:.1f} ({100 * r['bandwidth_share']:.0f}%)" if "attnkit_GBps" in r else "-"
+        lines.append(f"| {r['case']} | {r['shape']} | {r['dtype']} | {r['backend']} | {r['attnkit_ms']:.2f} | "
+                     f"{r['torch_sdpa_ms']:.2f} | {tb} | {r['speedup_vs_sdpa']:.2f}x | {vt} | {bw} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results",
+                   help="folder for attention.md / attention.json (default: benchmarks/results)")
+    args = p.parse_args(argv)
+    res = run(args.quick)
+    md = to_markdown(res)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = "attention_quick" if args.quick else "attention"
+    (args.out / f"{stem}.json").write_text(json.dumps(res, indent=2))
+    (args.out / f"{stem}.md").write_text(md)
+    print(md)
+    print(f"wrote {args.out / (stem + '.md')} and .json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""FlexAttention backend on a handful of shapes (each compiles once, seconds on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnkit
+from attnkit import masks as M
+from attnkit.backends import BackendNotSupported, get_backend
+
+from conftest import check_against_oracle, make_qkv
+
+pytestmark = pytest.mark.skipif(get_backend("flex").available() is not None,
+                                reason="torch without FlexAttention")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype,mask_fn,Sq,Sk,heads", [
+    (torch.float32, lambda B: M.SlidingWindow(5) & M.KeyPadding(torch.tensor([40, 7])), 33, 47, (4, 2)),
+    (torch.bfloat16, lambda B: M.Causal() & M.Document(torch.tensor([10, 20, 3])), 33, 33, (4, 1)),
+    (torch.float32, lambda B: M.PrefixLM(torch.tensor([3, 0])) & M.QueryPadding(torch.tensor([20, 33])), 33, 33, (2, 2)),
+], ids=["window+padding-gqa-fp32", "document-causal-mqa-bf16", "prefixlm+qpad-mha-fp32"])
+def test_flex_matches_oracle(dtype, mask_fn, Sq, Sk, heads):
+    q, k, v = make_qkv(2, heads[0], heads[1], Sq, Sk, 16, dtype=dtype)
+    mask = mask_fn(2)
+    out = check_against_oracle(q, k, v, mask, backend="flex", grad=False)
+    # Fully masked rows (padded queries) are exactly zero, as on every backend.
+    if isinstance(mask, M.And) and any(isinstance(m, M.QueryPadding) for m in mask.masks):
+        assert (out[0, :, 20:] == 0).all()
+    # Same mask object, same shape: the block mask is reused, not rebuilt.
+    cached = mask.__dict__.get("_flex_block_masks")
+    attnkit.attention(q, k, v, mask, backend="flex")
+    if cached is not None:
+        assert len(cached) == 1
+
+
+def test_flex_refuses_cpu_backward_and_dropout():
+    q, k, v = make_qkv(1, 2, 2, 8, 8, 16)
+    q.requires_grad_()
+    with pytest.raises(BackendNotSupported, match="backward on CPU"):
+        attnkit.attention(q, k, v, causal=True, backend="flex")
+    with pytest.raises(BackendNotSupported, match="dropout"):
+        attnkit.attention(q.detach(), k, v, dropout_p=0.1, backend="flex")
+
+
+def test_auto_never_picks_flex():
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 16)
+    assert attnkit.describe_call(q, k, v, M.SlidingWindow(4)) != "flex"
