@@ -20,7 +20,9 @@ pytestmark = pytest.mark.skipif(get_backend("flex").available() is not None,
     (torch.float32, lambda B: M.SlidingWindow(5) & M.KeyPadding(torch.tensor([40, 7])), 33, 47, (4, 2)),
     (torch.bfloat16, lambda B: M.Causal() & M.Document(torch.tensor([10, 20, 3])), 33, 33, (4, 1)),
     (torch.float32, lambda B: M.PrefixLM(torch.tensor([3, 0])) & M.QueryPadding(torch.tensor([20, 33])), 33, 33, (2, 2)),
-], ids=["window+padding-gqa-fp32", "document-causal-mqa-bf16", "prefixlm+qpad-mha-fp32"])
+    (torch.float32, lambda B: M.Additive(torch.randn(33, 33).masked_fill(torch.rand(33, 33) > 0.7, float("-inf")))
+     & M.Causal(), 33, 33, (4, 2)),
+], ids=["window+padding-gqa-fp32", "document-causal-mqa-bf16", "prefixlm+qpad-mha-fp32", "additive-causal-gqa-fp32"])
 def test_flex_matches_oracle(dtype, mask_fn, Sq, Sk, heads):
     q, k, v = make_qkv(2, heads[0], heads[1], Sq, Sk, 16, dtype=dtype)
     mask = mask_fn(2)

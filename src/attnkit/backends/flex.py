@@ -12,7 +12,6 @@ from collections import OrderedDict
 
 import torch
 
-from ..masks import has_bias
 from .registry import AttentionCall
 
 _COMPILED = None
@@ -63,6 +62,16 @@ def block_mask_for(call: AttentionCall, device):
     return bm
 
 
+def _bias_score_mod(bias):
+    """score_mod adding a (B|1, H|1, Sq|1, Sk|1) bias; size-1 dims broadcast."""
+    pick = [(lambda i: 0) if n == 1 else (lambda i: i) for n in bias.shape]
+
+    def score_mod(score, b, h, q, kv):
+        return score + bias[pick[0](b), pick[1](h), pick[2](q), pick[3](kv)].to(score.dtype)
+
+    return score_mod
+
+
 class FlexBackend:
     name = "flex"
 
@@ -79,8 +88,6 @@ class FlexBackend:
             why.append("dropout_p > 0 (FlexAttention has no dropout)")
         if call.needs_grad and call.device.type == "cpu":
             why.append("backward on CPU (FlexAttention's CPU kernel is forward-only)")
-        if call.mask is not None and has_bias(call.mask):
-            why.append("additive float masks (use a bool mask or the sdpa backend)")
         if call.dtype == torch.float64 and call.device.type == "cpu":
             why.append("fp64 on CPU")
         return why
@@ -89,5 +96,8 @@ class FlexBackend:
         kwargs = {}
         if call.mask is not None:
             kwargs["block_mask"] = block_mask_for(call, q.device)
+            bias = call.mask.bias(call.batch, call.q_len, call.kv_len, q.device)
+            if bias is not None:  # -inf entries are in the block mask; add the finite rest
+                kwargs["score_mod"] = _bias_score_mod(bias.masked_fill(torch.isneginf(bias), 0.0))
         out = _compiled()(q, k, v, scale=call.scale, enable_gqa=call.q_heads != call.kv_heads, **kwargs)
         return out, None

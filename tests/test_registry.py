@@ -1,0 +1,55 @@
+"""The backend registry: custom backends, auto order, refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnkit
+from attnkit.backends import registry
+from attnkit.reference import attention_math
+
+from conftest import make_qkv
+
+
+class _OnlyFp64:
+    name = "only_fp64_test"
+
+    def __init__(self):
+        self.calls = 0
+
+    def available(self):
+        return None
+
+    def not_supported_reasons(self, call):
+        return [] if call.dtype == torch.float64 else [f"dtype {call.dtype} (fp64 only)"]
+
+    def run(self, q, k, v, call):
+        self.calls += 1
+        return attention_math(q, k, v, call.mask, scale=call.scale, return_weights=call.return_weights)
+
+
+@pytest.fixture
+def custom_backend():
+    b = _OnlyFp64()
+    before = registry.auto_order()
+    attnkit.register_backend(b, before="decode")
+    yield b
+    registry._REGISTRY.pop(b.name)
+    registry._AUTO_ORDER[:] = before
+
+
+def test_custom_backend_takes_part_in_auto(custom_backend):
+    q, k, v = make_qkv(1, 2, 1, 3, 5, 4, dtype=torch.float64)
+    attnkit.attention(q, k, v)
+    assert custom_backend.calls == 1
+    q32, k32, v32 = (t.float() for t in (q, k, v))
+    assert attnkit.describe_call(q32, k32, v32) == "decode"  # refused, auto moves on
+    with pytest.raises(attnkit.BackendNotSupported, match=r"only_fp64_test: dtype torch.float32 \(fp64 only\)"):
+        attnkit.attention(q32, k32, v32, backend="only_fp64_test")
+
+
+def test_unknown_backend_names_the_choices():
+    q, k, v = make_qkv(1, 2, 1, 3, 5, 4)
+    with pytest.raises(ValueError, match="backend must be 'auto' or one of"):
+        attnkit.attention(q, k, v, backend="nope")
