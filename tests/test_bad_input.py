@@ -78,7 +78,8 @@ def _rows() -> list[Row]:
         Row("head_dim_q_vs_k", VE, ["head dim", "(2, 4, 3, 9)", "(2, 2, 5, 8)"], lambda: call(q=t(B, HQ, SQ, 9))),
         Row("head_dim_zero", VE, ["head dim", "(2, 4, 3, 0)"],
             lambda: call(q=t(B, HQ, SQ, 0), k=t(B, HKV, SK, 0), v=t(B, HKV, SK, 0))),
-        Row("hq_not_multiple_of_hkv", VE, ["heads", "(2, 5, 3, 8)", "(2, 2, 5, 8)"], lambda: call(q=t(B, 5, SQ, D))),
+        Row("hq_not_multiple_of_hkv", VE, ["heads", "(2, 5, 3, 8)", "(2, 2, 5, 8)"],
+            lambda: call(q=t(B, 5, SQ, D))),
         Row("hq_less_than_hkv", VE, ["heads", "(2, 1, 3, 8)", "(2, 2, 5, 8)"], lambda: call(q=t(B, 1, SQ, D))),
         Row("hkv_zero", VE, ["heads", "(2, 0, 5, 8)"], lambda: call(k=t(B, 0, SK, D), v=t(B, 0, SK, D))),
         # ---- dtypes
@@ -98,17 +99,21 @@ def _rows() -> list[Row]:
         # ---- masks that do not broadcast to (B, Hq, Sq, Sk) = (2, 4, 3, 5)
         Row("bool_mask_bad_sk", VE, ["mask", "(2, 1, 3, 6)", "(2, 4, 3, 5)"],
             lambda: call(mask=torch.ones(B, 1, SQ, 6, dtype=torch.bool))),
-        Row("bool_mask_bad_batch", VE, ["mask", "(3, 1, 3, 5)"], lambda: call(mask=torch.ones(3, 1, SQ, SK, dtype=torch.bool))),
+        Row("bool_mask_bad_batch", VE, ["mask", "(3, 1, 3, 5)"],
+            lambda: call(mask=torch.ones(3, 1, SQ, SK, dtype=torch.bool))),
         Row("bool_mask_kv_heads", VE, ["mask", "(1, 2, 3, 5)"],  # per-KV-head is not per-query-head
             lambda: call(mask=torch.ones(1, HKV, SQ, SK, dtype=torch.bool))),
-        Row("bool_mask_5d", VE, ["mask", "(1, 2, 4, 3, 5)"], lambda: call(mask=torch.ones(1, B, HQ, SQ, SK, dtype=torch.bool))),
-        Row("bool_mask_2d_transposed", VE, ["mask", "(5, 3)"], lambda: call(mask=torch.ones(SK, SQ, dtype=torch.bool))),
+        Row("bool_mask_5d", VE, ["mask", "(1, 2, 4, 3, 5)"],
+            lambda: call(mask=torch.ones(1, B, HQ, SQ, SK, dtype=torch.bool))),
+        Row("bool_mask_2d_transposed", VE, ["mask", "(5, 3)"],
+            lambda: call(mask=torch.ones(SK, SQ, dtype=torch.bool))),
         Row("bool_mask_with_causal", VE, ["mask", "(4, 5)"],
             lambda: call(mask=torch.ones(4, SK, dtype=torch.bool), causal=True)),
         Row("float_mask_bad_sq", VE, ["mask", "(4, 5)"], lambda: call(mask=torch.zeros(4, SK))),
         Row("float_mask_fp16_bad_batch", VE, ["mask", "(3, 1, 1, 5)"],
             lambda: call(mask=torch.zeros(3, 1, 1, SK, dtype=torch.float16))),
-        Row("dense_object_bad", VE, ["mask", "(3, 6)"], lambda: call(mask=M.Dense(torch.ones(SQ, 6, dtype=torch.bool)))),
+        Row("dense_object_bad", VE, ["mask", "(3, 6)"],
+            lambda: call(mask=M.Dense(torch.ones(SQ, 6, dtype=torch.bool)))),
         Row("additive_in_and_bad", VE, ["mask", "(1, 1, 3, 4)"],
             lambda: call(mask=M.Causal() & M.Additive(torch.zeros(1, 1, SQ, 4)))),
         Row("integer_mask_int64", TE, ["mask", "torch.int64", "(2, 1, 3, 5)"],
@@ -120,22 +125,29 @@ def _rows() -> list[Row]:
         Row("mask_not_tensor", TE, ["mask", "list"], lambda: call(mask=[[True] * SK] * SQ)),
         Row("mask_and_tensor", TE, ["Mask", "Tensor"],
             lambda: call(mask=M.Causal() & torch.ones(SQ, SK, dtype=torch.bool))),
-        Row("key_padding_lengths_batch", VE, ["lengths", "(3,)"], lambda: call(mask=M.KeyPadding(torch.tensor([1, 2, 3])))),
-        Row("key_padding_lengths_2d", VE, ["lengths", "(2, 1)"], lambda: call(mask=M.KeyPadding(torch.tensor([[1], [2]])))),
+        Row("key_padding_lengths_batch", VE, ["lengths", "(3,)"],
+            lambda: call(mask=M.KeyPadding(torch.tensor([1, 2, 3])))),
+        Row("key_padding_lengths_2d", VE, ["lengths", "(2, 1)"],
+            lambda: call(mask=M.KeyPadding(torch.tensor([[1], [2]])))),
         Row("key_padding_valid_shape", VE, ["valid", "(2, 6)"],
             lambda: call(mask=M.KeyPadding(valid=torch.ones(B, 6, dtype=torch.bool)))),
         Row("query_padding_lengths_batch", VE, ["lengths", "(4,)"],
             lambda: call(mask=M.QueryPadding(torch.tensor([1, 2, 3, 1])))),
-        Row("causal_offsets_batch", VE, ["offsets", "(3,)"], lambda: call(mask=M.Causal(offsets=torch.tensor([0, 1, 2])))),
+        Row("causal_offsets_batch", VE, ["offsets", "(3,)"],
+            lambda: call(mask=M.Causal(offsets=torch.tensor([0, 1, 2])))),
         Row("window_offsets_batch_in_and", VE, ["offsets", "(5,)"],
-            lambda: call(mask=M.KeyPadding(torch.tensor([5, 5])) & M.SlidingWindow(2, offsets=torch.zeros(5, dtype=torch.long)))),
-        Row("prefix_lengths_batch", VE, ["prefix_lengths", "(3,)"], lambda: call(mask=M.PrefixLM(torch.tensor([1, 1, 1])))),
-        Row("document_lengths_past_sq", VE, ["lengths", "4", "3"], lambda: call(mask=M.Document(torch.tensor([2, 2])))),
+            lambda: call(mask=M.KeyPadding(torch.tensor([5, 5]))
+                         & M.SlidingWindow(2, offsets=torch.zeros(5, dtype=torch.long)))),
+        Row("prefix_lengths_batch", VE, ["prefix_lengths", "(3,)"],
+            lambda: call(mask=M.PrefixLM(torch.tensor([1, 1, 1])))),
+        Row("document_lengths_past_sq", VE, ["lengths", "4", "3"],
+            lambda: call(mask=M.Document(torch.tensor([2, 2])))),
         Row("document_kv_lengths_past_sk", VE, ["kv_lengths", "6", "5"],
             lambda: call(mask=M.Document(torch.tensor([1, 2]), torch.tensor([3, 3])))),
         Row("document_per_batch_past_sq", VE, ["lengths", "4", "3"],  # only batch item 1 overflows
             lambda: call(mask=M.Document(torch.tensor([[1, 2], [3, 1]]), torch.tensor([[2, 2], [2, 2]])))),
-        Row("document_lengths_batch", VE, ["lengths", "(3, 1)"], lambda: call(mask=M.Document(torch.tensor([[1], [1], [1]])))),
+        Row("document_lengths_batch", VE, ["lengths", "(3, 1)"],
+            lambda: call(mask=M.Document(torch.tensor([[1], [1], [1]])))),
         Row("document_with_causal_past_sq", VE, ["lengths", "5", "3"],
             lambda: call(mask=M.Document(torch.tensor([1, 1, 3]), torch.tensor([5])), causal=True)),
         # ---- dropout_p outside [0, 1)
@@ -158,7 +170,8 @@ def _rows() -> list[Row]:
         Row("causal_str", TE, ["causal", "str"], lambda: call(causal="True")),
         Row("causal_none", TE, ["causal", "NoneType"], lambda: call(causal=None)),
         Row("causal_tensor", TE, ["causal", "Tensor"], lambda: call(causal=torch.tensor(True))),
-        Row("causal_int_with_mask", TE, ["causal", "int"], lambda: call(mask=M.KeyPadding(torch.tensor([5, 5])), causal=0)),
+        Row("causal_int_with_mask", TE, ["causal", "int"],
+            lambda: call(mask=M.KeyPadding(torch.tensor([5, 5])), causal=0)),
         # ---- scale
         Row("scale_str", EITHER, ["scale", "'0.5'"], lambda: call(scale="0.5")),
         Row("scale_inf", EITHER, ["scale", "inf"], lambda: call(scale=math.inf)),
@@ -209,10 +222,6 @@ def test_bad_backend_rejected_on_empty_inputs(B_, Sq, Sk, backend, exc):
         attnkit.attention(q, k, v, backend=backend)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "src bug: attention() on empty inputs validates the backend with get_backend(backend), which "
-    "only catches KeyError, so an unhashable backend raises a bare 'unhashable type: list' TypeError "
-    "that does not name the argument (the non-empty path says 'backend must be a string')"))
 def test_unhashable_backend_on_empty_inputs_names_the_argument():
     q, k, v = make_qkv(2, 4, 2, 0, 4, 8)
     with pytest.raises(TypeError) as ei:
@@ -220,9 +229,6 @@ def test_unhashable_backend_on_empty_inputs_names_the_argument():
     assert "backend" in str(ei.value), str(ei.value)
 
 
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception, reason=(
-    "src bug: describe_call() on empty inputs returns 'math' without looking at the backend, so an "
-    "unknown backend name is accepted there while attention() rejects it"))
 def test_describe_call_rejects_unknown_backend_on_empty_inputs():
     q, k, v = make_qkv(2, 4, 2, 0, 4, 8)
     with pytest.raises(ValueError, match="backend"):

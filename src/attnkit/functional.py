@@ -24,7 +24,7 @@ def _shape(t: Tensor) -> tuple[int, ...]:
     return tuple(t.shape)
 
 
-def _validate(q, k, v, mask, causal, scale, dropout_p, return_weights) -> AttentionCall:
+def _validate(q, k, v, mask, causal, scale, dropout_p, return_weights, backend="auto") -> AttentionCall:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -59,6 +59,8 @@ def _validate(q, k, v, mask, causal, scale, dropout_p, return_weights) -> Attent
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     if not isinstance(return_weights, bool):
         raise TypeError(f"return_weights must be a bool, got {type(return_weights).__name__}")
+    if backend != "auto":
+        get_backend(backend)  # unknown names and non-strings fail here, empty inputs included
     m = as_mask(mask, causal)
     if m is not None:
         m.check(B, Hq, Sq, Sk)
@@ -110,10 +112,8 @@ def attention(
         s = s.masked_fill(~allowed, -inf); p = softmax(s.float(), -1) (all -inf rows -> 0)
         out = dropout(p) @ v.repeat_interleave(G, 1)
     """
-    call = _validate(q, k, v, mask, causal, scale, dropout_p, return_weights)
+    call = _validate(q, k, v, mask, causal, scale, dropout_p, return_weights, backend)
     if call.is_empty:
-        if backend != "auto":
-            get_backend(backend)  # an unknown name is still an error
         # Nothing to attend to (Sk = 0) or nothing to compute: the contract's zeros, with grads.
         out, weights = attention_math(q, k, v, call.mask, scale=call.scale, return_weights=return_weights)
     else:
@@ -125,5 +125,5 @@ def describe_call(q: Tensor, k: Tensor, v: Tensor, mask=None, *, causal: bool = 
                   scale: float | None = None, dropout_p: float = 0.0, return_weights: bool = False,
                   backend: str = "auto") -> str:
     """Name of the backend ``attention`` would run for these arguments (for tests and debugging)."""
-    call = _validate(q, k, v, mask, causal, scale, dropout_p, return_weights)
+    call = _validate(q, k, v, mask, causal, scale, dropout_p, return_weights, backend)
     return "math" if call.is_empty else select(call, backend).name

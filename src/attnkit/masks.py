@@ -40,6 +40,7 @@ __all__ = [
     "Or",
     "as_mask",
     "has_bias",
+    "shifted_bias",
 ]
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -447,8 +448,8 @@ class Additive(Mask):
     def __init__(self, bias: Tensor):
         if not isinstance(bias, Tensor) or not bias.dtype.is_floating_point:
             raise TypeError(f"Additive needs a floating tensor, got {getattr(bias, 'dtype', type(bias).__name__)}")
-        if torch.isnan(bias).any():
-            raise ValueError("additive mask contains NaN")
+        if torch.isnan(bias).any() or torch.isposinf(bias).any():
+            raise ValueError("additive mask contains NaN or +inf (only finite values and -inf are meaningful)")
         self.tensor = bias if bias.dtype == torch.float64 else bias.float()
 
     def check(self, batch, heads, q_len, kv_len):
@@ -554,6 +555,20 @@ class Or(_Compose):
             return ok
 
         return mod
+
+
+def shifted_bias(mask: Mask, batch: int, q_len: int, kv_len: int, device=None) -> Tensor | None:
+    """``mask.bias(...)`` minus each row's largest finite value, or None without a bias.
+
+    Softmax is unchanged by a per-row constant, and after the shift the values that decide the
+    result are small, so adding them to fp32 scores (or handing them to a kernel) loses nothing
+    to a large common offset such as two stacked -6e4 masks.
+    """
+    b = mask.bias(batch, q_len, kv_len, device)
+    if b is None or b.shape[-1] == 0:
+        return b
+    row_max = b.amax(-1, keepdim=True)
+    return b - torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
 
 
 def has_bias(m: Mask) -> bool:

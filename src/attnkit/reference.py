@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .masks import Mask, as_mask
+from .masks import Mask, as_mask, shifted_bias
 
 __all__ = ["attention_math", "attention_reference", "group_heads", "safe_softmax"]
 
@@ -64,7 +64,7 @@ def attention_math(
     vc = v.to(compute_dtype).unsqueeze(2)  # (B, Hkv, 1, Sk, Dv)
     scores = torch.matmul(qg, kc.transpose(-1, -2)) * scale  # (B, Hkv, G, Sq, Sk)
     if mask is not None:
-        bias = mask.bias(B, Sq, Sk, q.device)
+        bias = shifted_bias(mask, B, Sq, Sk, q.device)
         if bias is not None:
             scores = scores + group_heads(bias.to(compute_dtype), Hkv)
         allowed = group_heads(mask.materialize(B, Sq, Sk, q.device), Hkv)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..masks import shifted_bias
 from ..reference import group_heads
 from ._decode_kernel import grouped_decode
 from .registry import AttentionCall
@@ -24,7 +25,7 @@ def grouped_bias(call: AttentionCall, device) -> torch.Tensor | None:
     if m is None:
         return None
     allowed = m.materialize(call.batch, call.q_len, call.kv_len, device)
-    bias = m.bias(call.batch, call.q_len, call.kv_len, device)
+    bias = shifted_bias(m, call.batch, call.q_len, call.kv_len, device)
     if bias is None:
         bias = torch.zeros((), device=device)
     bias = bias.float().masked_fill(~allowed, float("-inf"))

@@ -12,6 +12,7 @@ from collections import OrderedDict
 
 import torch
 
+from ..masks import shifted_bias
 from .registry import AttentionCall
 
 _COMPILED = None
@@ -96,7 +97,7 @@ class FlexBackend:
         kwargs = {}
         if call.mask is not None:
             kwargs["block_mask"] = block_mask_for(call, q.device)
-            bias = call.mask.bias(call.batch, call.q_len, call.kv_len, q.device)
+            bias = shifted_bias(call.mask, call.batch, call.q_len, call.kv_len, q.device)
             if bias is not None:  # -inf entries are in the block mask; add the finite rest
                 kwargs["score_mod"] = _bias_score_mod(bias.masked_fill(torch.isneginf(bias), 0.0))
         out = _compiled()(q, k, v, scale=call.scale, enable_gqa=call.q_heads != call.kv_heads, **kwargs)

@@ -75,6 +75,8 @@ def register_backend(backend: Backend, *, auto: bool = True, before: str | None 
 
 
 def get_backend(name: str) -> Backend:
+    if not isinstance(name, str):
+        raise TypeError(f"backend must be a string ('auto' or one of {sorted(_REGISTRY)}), got {type(name).__name__} {name!r}")
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -108,8 +110,6 @@ def _refusal(header: str, call: AttentionCall) -> str:
 
 def select(call: AttentionCall, backend: str = "auto") -> Backend:
     """The backend that will run ``call``: the forced one, or the first in auto order that accepts."""
-    if not isinstance(backend, str):
-        raise TypeError(f"backend must be a string, got {type(backend).__name__}")
     if backend != "auto":
         b = get_backend(backend)
         if reasons(b, call):

@@ -15,21 +15,26 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ..masks import shifted_bias
 from .registry import AttentionCall
 
 
 def sdpa_mask(call: AttentionCall, dtype: torch.dtype, device) -> tuple[Tensor | None, Tensor | None]:
-    """(attn_mask for SDPA or None, row_ok (B|1, H|1, Sq, 1) bool or None when every row attends).
+    """(attn_mask for SDPA, row_ok (B|1, H|1, Sq, 1) bool or None when every row attends).
 
-    A float bias is clamped into ``dtype``'s finite range (keeping -inf), so a finite bias
-    never overflows into a mask it was not.
+    A float bias is shifted per row (see :func:`attnkit.masks.shifted_bias`) and handed over in
+    fp32 on CPU, where SDPA adds an fp32 mask to fp16/bf16 scores exactly; elsewhere it is cast
+    to the input dtype with finite values clamped into its range (never overflowing to -inf).
     """
     m = call.mask
     allowed = m.materialize(call.batch, call.q_len, call.kv_len, device)
-    bias = m.bias(call.batch, call.q_len, call.kv_len, device)
+    bias = shifted_bias(m, call.batch, call.q_len, call.kv_len, device)
     if bias is not None:
-        fin = torch.finfo(dtype)
-        bias = torch.where(torch.isneginf(bias), bias, bias.clamp(fin.min, fin.max)).to(dtype)
+        if device.type == "cpu" and dtype != torch.float64:
+            bias = bias.float()
+        else:
+            fin = torch.finfo(dtype)
+            bias = torch.where(torch.isneginf(bias), bias, bias.clamp(fin.min, fin.max)).to(dtype)
     row_ok = allowed.any(-1, keepdim=True)
     all_ok = bool(row_ok.all())
     if not all_ok:
