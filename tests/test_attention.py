@@ -135,9 +135,9 @@ def test_fp64_math_matches_oracle_exactly_enough():
 
 
 def test_auto_never_copies_kv_per_head_and_picks_expected_backend():
-    q, k, v = make_qkv(1, 8, 2, 1, 64, 16)
+    q, k, v = make_qkv(1, 8, 2, 1, 4096, 16)
     assert attnkit.describe_call(q, k, v, causal=True) == "decode"
-    q2, _, _ = make_qkv(1, 8, 2, 64, 64, 16)
+    q2, k, v = make_qkv(1, 8, 2, 64, 64, 16)
     assert attnkit.describe_call(q2, k, v, causal=True) == "sdpa"
     assert attnkit.describe_call(q2, k, v, causal=True, return_weights=True) == "math"
     assert attnkit.describe_call(q2, k, v, dropout_p=0.1) == "sdpa"

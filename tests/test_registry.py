@@ -21,6 +21,9 @@ class _OnlyFp64:
     def available(self):
         return None
 
+    def auto_skip_reason(self, call):
+        return None
+
     def not_supported_reasons(self, call):
         return [] if call.dtype == torch.float64 else [f"dtype {call.dtype} (fp64 only)"]
 
@@ -44,7 +47,7 @@ def test_custom_backend_takes_part_in_auto(custom_backend):
     attnkit.attention(q, k, v)
     assert custom_backend.calls == 1
     q32, k32, v32 = (t.float() for t in (q, k, v))
-    assert attnkit.describe_call(q32, k32, v32) == "decode"  # refused, auto moves on
+    assert attnkit.describe_call(q32, k32, v32) != "only_fp64_test"  # refused, auto moves on
     with pytest.raises(attnkit.BackendNotSupported, match=r"only_fp64_test: dtype torch.float32 \(fp64 only\)"):
         attnkit.attention(q32, k32, v32, backend="only_fp64_test")
 
@@ -53,3 +56,12 @@ def test_unknown_backend_names_the_choices():
     q, k, v = make_qkv(1, 2, 1, 3, 5, 4)
     with pytest.raises(ValueError, match="backend must be 'auto' or one of"):
         attnkit.attention(q, k, v, backend="nope")
+
+
+def test_auto_skip_reason_passes_over_but_forcing_works():
+    q, k, v = make_qkv(1, 8, 2, 1, 17, 16)  # a tiny decode step: SDPA's one call is faster
+    assert attnkit.describe_call(q, k, v) == "sdpa"
+    assert attnkit.describe_call(q, k, v, backend="decode") == "decode"
+    assert registry.get_backend("decode").auto_skip_reason(
+        registry.AttentionCall(1, 8, 2, 1, 17, 16, 16, torch.float32, torch.device("cpu"), None,
+                               0.25, 0.0, False, False)) is not None

@@ -64,6 +64,8 @@ def _validate(q, k, v, mask, causal, scale, dropout_p, return_weights, backend="
     m = as_mask(mask, causal)
     if m is not None:
         m.check(B, Hq, Sq, Sk)
+        if m.allows_all(Sq, Sk):  # e.g. causal decode (Sq = 1): nothing to mask
+            m = None
         if isinstance(mask, Tensor) and mask.device != q.device:
             raise ValueError(f"mask is on {mask.device} but q is on {q.device}")
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)

@@ -80,6 +80,11 @@ class Mask:
         """True iff the mask equals ``j <= i`` exactly (what torch SDPA's ``is_causal`` does)."""
         return False
 
+    def allows_all(self, q_len: int, kv_len: int) -> bool:
+        """True when the mask allows every (query, key) pair of a (Sq, Sk) call, so callers may
+        drop it (bottom-right causal with Sq = 1: every decode step)."""
+        return False
+
     def cache_key(self) -> tuple | None:
         """Structural key for masks without tensors (FlexAttention block-mask caching)."""
         return None
@@ -176,6 +181,11 @@ class Causal(_Positional):
 
     def is_top_left_causal(self, q_len, kv_len):
         return self.offsets is None and (self.align == "top_left" or q_len == kv_len)
+
+    def allows_all(self, q_len, kv_len):
+        if self.offsets is not None:
+            return False
+        return q_len <= 1 if self.align == "bottom_right" else kv_len <= 1
 
     def cache_key(self):
         return None if self.offsets is not None else ("causal", self.align)
@@ -526,7 +536,10 @@ class And(_Compose):
         return mod
 
     def is_top_left_causal(self, q_len, kv_len):
-        return len(self.masks) >= 1 and all(m.is_top_left_causal(q_len, kv_len) for m in self.masks)
+        return all(m.is_top_left_causal(q_len, kv_len) for m in self.masks)
+
+    def allows_all(self, q_len, kv_len):
+        return all(m.allows_all(q_len, kv_len) for m in self.masks)
 
 
 class Or(_Compose):

@@ -17,6 +17,9 @@ from .registry import AttentionCall
 
 #: Largest Sq this backend takes: past this the work is matmul-bound and SDPA's tiled kernels win.
 MAX_DECODE_Q_LEN = 16
+#: Below this many K+V elements ``auto`` leaves decode to SDPA: at B=1, Hkv=8, Sk=17, D=128
+#: SDPA took 40 us and this path 150 us (benchmarks measure the large cases).
+MIN_AUTO_KV_ELEMS = 1 << 16
 
 
 def grouped_bias(call: AttentionCall, device) -> torch.Tensor | None:
@@ -36,6 +39,14 @@ class DecodeBackend:
     name = "decode"
 
     def available(self) -> str | None:
+        return None
+
+    def auto_skip_reason(self, call: AttentionCall) -> str | None:
+        if call.device.type != "cpu":
+            return f"{call.device.type}: SDPA's fused kernels serve decode there"
+        kv_elems = call.batch * call.kv_heads * call.kv_len * (call.head_dim + call.v_head_dim)
+        if kv_elems < MIN_AUTO_KV_ELEMS:
+            return f"tiny cache ({kv_elems} K/V elements): per-op overhead dominates, SDPA's one call is faster"
         return None
 
     def not_supported_reasons(self, call: AttentionCall) -> list[str]:

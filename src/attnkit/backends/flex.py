@@ -81,6 +81,9 @@ class FlexBackend:
             return f"torch {torch.__version__} has no torch.nn.attention.flex_attention"
         return None
 
+    def auto_skip_reason(self, call: AttentionCall) -> str | None:
+        return None
+
     def not_supported_reasons(self, call: AttentionCall) -> list[str]:
         why = []
         if call.return_weights:

@@ -13,6 +13,9 @@ class MathBackend:
     def available(self) -> str | None:
         return None
 
+    def auto_skip_reason(self, call: AttentionCall) -> str | None:
+        return None
+
     def not_supported_reasons(self, call: AttentionCall) -> list[str]:
         return []
 

@@ -1,7 +1,9 @@
 """Backend registry: what each backend supports, why it refuses, and which one ``auto`` picks.
 
 A backend is an object with ``name``, ``available() -> str | None`` (None when usable on this
-machine, else why not), ``not_supported_reasons(call) -> list[str]`` and
+machine, else why not), ``not_supported_reasons(call) -> list[str]``,
+``auto_skip_reason(call) -> str | None`` (a call it runs correctly but another backend runs
+faster, so ``auto`` passes it over; forcing it still works) and
 ``run(q, k, v, call) -> (out, weights | None)``. ``auto`` walks the registry in priority order
 and takes the first backend with no reasons; a forced backend that refuses raises
 :class:`BackendNotSupported` listing every backend's reasons.
@@ -52,6 +54,8 @@ class Backend(Protocol):
     def available(self) -> str | None: ...
 
     def not_supported_reasons(self, call: AttentionCall) -> list[str]: ...
+
+    def auto_skip_reason(self, call: AttentionCall) -> str | None: ...
 
     def run(self, q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> tuple[Tensor, Tensor | None]: ...
 
@@ -119,6 +123,6 @@ def select(call: AttentionCall, backend: str = "auto") -> Backend:
         return b
     for name in _AUTO_ORDER:
         b = _REGISTRY[name]
-        if not reasons(b, call):
+        if not reasons(b, call) and b.auto_skip_reason(call) is None:
             return b
     raise BackendNotSupported(_refusal("no backend can run this call:", call))

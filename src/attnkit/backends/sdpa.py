@@ -63,6 +63,9 @@ class SdpaBackend:
     def available(self) -> str | None:
         return None
 
+    def auto_skip_reason(self, call: AttentionCall) -> str | None:
+        return None
+
     def not_supported_reasons(self, call: AttentionCall) -> list[str]:
         why = []
         if call.return_weights:
