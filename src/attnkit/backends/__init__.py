@@ -4,7 +4,7 @@
 from .decode import DecodeBackend
 from .flex import FlexBackend
 from .math import MathBackend
-from .registry import (AttentionCall, BackendNotSupported, auto_order, backend_names, explain,
+from .registry import (AttentionCall, BackendBase, BackendNotSupported, auto_order, backend_names, explain,
                        get_backend, register_backend, select)
 from .sdpa import SdpaBackend
 
@@ -13,5 +13,5 @@ register_backend(SdpaBackend())
 register_backend(MathBackend())
 register_backend(FlexBackend(), auto=False)
 
-__all__ = ["AttentionCall", "BackendNotSupported", "auto_order", "backend_names", "explain",
+__all__ = ["AttentionCall", "BackendBase", "BackendNotSupported", "auto_order", "backend_names", "explain",
            "get_backend", "register_backend", "select"]

@@ -13,7 +13,7 @@ import torch
 from ..masks import shifted_bias
 from ..reference import group_heads
 from ._decode_kernel import grouped_decode
-from .registry import AttentionCall
+from .registry import AttentionCall, BackendBase
 
 #: Largest Sq this backend takes: past this the work is matmul-bound and SDPA's tiled kernels win.
 MAX_DECODE_Q_LEN = 16
@@ -35,11 +35,8 @@ def grouped_bias(call: AttentionCall, device) -> torch.Tensor | None:
     return group_heads(bias, call.kv_heads)
 
 
-class DecodeBackend:
+class DecodeBackend(BackendBase):
     name = "decode"
-
-    def available(self) -> str | None:
-        return None
 
     def auto_skip_reason(self, call: AttentionCall) -> str | None:
         if call.device.type != "cpu":

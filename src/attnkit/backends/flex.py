@@ -13,7 +13,7 @@ from collections import OrderedDict
 import torch
 
 from ..masks import shifted_bias
-from .registry import AttentionCall
+from .registry import AttentionCall, BackendBase
 
 _COMPILED = None
 _BLOCK_MASKS: "OrderedDict[tuple, object]" = OrderedDict()
@@ -73,15 +73,12 @@ def _bias_score_mod(bias):
     return score_mod
 
 
-class FlexBackend:
+class FlexBackend(BackendBase):
     name = "flex"
 
     def available(self) -> str | None:
         if _flex_module() is None:
             return f"torch {torch.__version__} has no torch.nn.attention.flex_attention"
-        return None
-
-    def auto_skip_reason(self, call: AttentionCall) -> str | None:
         return None
 
     def not_supported_reasons(self, call: AttentionCall) -> list[str]:

@@ -4,20 +4,11 @@ dropout and fp64; the fallback ``auto`` always reaches."""
 from __future__ import annotations
 
 from ..reference import attention_math
-from .registry import AttentionCall
+from .registry import AttentionCall, BackendBase
 
 
-class MathBackend:
+class MathBackend(BackendBase):
     name = "math"
-
-    def available(self) -> str | None:
-        return None
-
-    def auto_skip_reason(self, call: AttentionCall) -> str | None:
-        return None
-
-    def not_supported_reasons(self, call: AttentionCall) -> list[str]:
-        return []
 
     def run(self, q, k, v, call: AttentionCall):
         return attention_math(q, k, v, call.mask, scale=call.scale, dropout_p=call.dropout_p,

@@ -60,6 +60,21 @@ class Backend(Protocol):
     def run(self, q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> tuple[Tensor, Tensor | None]: ...
 
 
+class BackendBase:
+    """Defaults for the protocol: available everywhere, supports everything, never skipped."""
+
+    name = ""
+
+    def available(self) -> str | None:
+        return None
+
+    def not_supported_reasons(self, call: AttentionCall) -> list[str]:
+        return []
+
+    def auto_skip_reason(self, call: AttentionCall) -> str | None:
+        return None
+
+
 class BackendNotSupported(ValueError):
     """Raised when a forced backend cannot run a call; the message lists every backend's reasons."""
 

@@ -16,7 +16,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..masks import shifted_bias
-from .registry import AttentionCall
+from .registry import AttentionCall, BackendBase
 
 
 def sdpa_mask(call: AttentionCall, dtype: torch.dtype, device) -> tuple[Tensor | None, Tensor | None]:
@@ -57,14 +57,8 @@ def _kernel_choice(call: AttentionCall):
     return contextlib.nullcontext()
 
 
-class SdpaBackend:
+class SdpaBackend(BackendBase):
     name = "sdpa"
-
-    def available(self) -> str | None:
-        return None
-
-    def auto_skip_reason(self, call: AttentionCall) -> str | None:
-        return None
 
     def not_supported_reasons(self, call: AttentionCall) -> list[str]:
         why = []
