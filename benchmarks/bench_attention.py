@@ -102,7 +102,7 @@ def run(quick: bool) -> dict:
             fns = {n: (lambda f=f: f(q, k, v, True)) for n, f in CONTENDERS.items()}
             if S > 4096:  # the textbook's (8, S, S) fp32 scores alone are 2 GB
                 fns.pop("textbook")
-            reps = 3 if quick else (5 if S >= 8192 else 9)
+            reps = 3 if quick else (7 if S >= 8192 else 11)
             t = time_side_by_side(fns, reps)
             rows.append({"case": "prefill causal", "shape": f"B1 H8 S{S} D64", "dtype": dname,
                          "backend": attnkit.describe_call(q, k, v, causal=True), **{f"{n}_ms": t[n] * 1e3 for n in t}})
