@@ -7,7 +7,7 @@ import torch
 
 import attnkit
 from attnkit import masks as M
-from attnkit.backends import BackendNotSupported, get_backend
+from attnkit.backends import BackendNotSupported, flex, get_backend
 
 from conftest import check_against_oracle, make_qkv
 
@@ -30,11 +30,24 @@ def test_flex_matches_oracle(dtype, mask_fn, Sq, Sk, heads):
     # Fully masked rows (padded queries) are exactly zero, as on every backend.
     if isinstance(mask, M.And) and any(isinstance(m, M.QueryPadding) for m in mask.masks):
         assert (out[0, :, 20:] == 0).all()
-    # Same mask object, same shape: the block mask is reused, not rebuilt.
-    cached = mask.__dict__.get("_flex_block_masks")
+    # Same mask, same shape: the block mask is reused, not rebuilt, also when the call ANDs a
+    # causal mask onto it (a new And object each call, with an equal key).
+    n = len(flex._BLOCK_MASKS)
     attnkit.attention(q, k, v, mask, backend="flex")
-    if cached is not None:
-        assert len(cached) == 1
+    assert len(flex._BLOCK_MASKS) == n
+
+
+def test_block_mask_cache_sees_in_place_edits_of_mask_tensors():
+    q, k, v = make_qkv(2, 2, 2, 16, 16, 16)
+    lens = torch.tensor([16, 16])
+    mask = M.KeyPadding(lens)
+    full = attnkit.attention(q, k, v, mask, causal=True, backend="flex")
+    key_before = (M.Causal() & mask).cache_key()
+    assert key_before == (M.Causal() & mask).cache_key()
+    lens[1] = 4  # edited in place: the key changes, so no stale block mask is used
+    assert (M.Causal() & mask).cache_key() != key_before
+    out = check_against_oracle(q, k, v, mask, causal=True, backend="flex", grad=False)
+    assert torch.equal(out[0], full[0]) and not torch.equal(out[1], full[1])
 
 
 def test_flex_refuses_cpu_backward_and_dropout():

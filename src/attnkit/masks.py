@@ -85,9 +85,15 @@ class Mask:
         drop it (bottom-right causal with Sq = 1: every decode step)."""
         return False
 
-    def cache_key(self) -> tuple | None:
-        """Structural key for masks without tensors (FlexAttention block-mask caching)."""
-        return None
+    def tensors(self) -> tuple[Tensor, ...]:
+        """The tensors this mask holds (lengths, offsets, dense masks)."""
+        return ()
+
+    def cache_key(self) -> tuple:
+        """Hashable key of what this mask allows, for caches of derived structures (FlexAttention
+        block masks). Tensor-free masks: their structure. Masks holding tensors: this object and
+        its tensors' version counters, so editing a lengths tensor in place gives a new key."""
+        return (type(self).__name__, id(self), tuple(t._version for t in self.tensors()))
 
     def __and__(self, other: "Mask") -> "Mask":
         return And(self, _coerce(other, "&"))
@@ -157,6 +163,9 @@ class _Positional(Mask):
     def check(self, batch, heads, q_len, kv_len):
         _check_per_batch(self.offsets, "offsets", batch)
 
+    def tensors(self):
+        return () if self.offsets is None else (self.offsets,)
+
     def _describe_pos(self) -> str:
         return "offsets=<tensor>" if self.offsets is not None else f"align={self.align!r}"
 
@@ -188,7 +197,7 @@ class Causal(_Positional):
         return q_len <= 1 if self.align == "bottom_right" else kv_len <= 1
 
     def cache_key(self):
-        return None if self.offsets is not None else ("causal", self.align)
+        return super().cache_key() if self.offsets is not None else ("causal", self.align)
 
     def __repr__(self):
         return f"Causal({self._describe_pos()})"
@@ -234,7 +243,9 @@ class SlidingWindow(_Positional):
         return mod
 
     def cache_key(self):
-        return None if self.offsets is not None else ("window", self.left, self.right, self.align)
+        if self.offsets is not None:
+            return super().cache_key()
+        return ("window", self.left, self.right, self.align)
 
     def __repr__(self):
         return f"SlidingWindow(left={self.left}, right={self.right}, {self._describe_pos()})"
@@ -251,6 +262,9 @@ class PrefixLM(_Positional):
     def check(self, batch, heads, q_len, kv_len):
         super().check(batch, heads, q_len, kv_len)
         _check_per_batch(self.prefix, "prefix_lengths", batch)
+
+    def tensors(self):
+        return (self.prefix, *super().tensors())
 
     def _materialize(self, batch, q_len, kv_len, device):
         qpos, kj = self._grid(q_len, kv_len, device)
@@ -287,6 +301,9 @@ class _Padding(Mask):
                                 f"{tuple(getattr(valid, 'shape', ()))}")
         self.lengths = None if lengths is None else _as_index_tensor(lengths, "lengths")
         self.valid, self.side = valid, side
+
+    def tensors(self):
+        return (self.valid,) if self.valid is not None else (self.lengths,)
 
     def _axis_valid(self, length: int, device) -> Tensor:
         """(B|1, S) bool."""
@@ -368,6 +385,9 @@ class Document(Mask):
             if (t < 0).any():
                 raise ValueError(f"{name} must be non-negative")
 
+    def tensors(self):
+        return (self.lengths, self.kv_lengths)
+
     @staticmethod
     def _doc_ids(lengths: Tensor, size: int, pad_id: int, device) -> Tensor:
         """(B|1, size) document index of each position; ``pad_id`` past the end."""
@@ -433,6 +453,9 @@ class Dense(Mask):
     def check(self, batch, heads, q_len, kv_len):
         _check_broadcast(self.tensor, "mask", batch, heads, q_len, kv_len)
 
+    def tensors(self):
+        return (self.tensor,)
+
     def _materialize(self, batch, q_len, kv_len, device):
         return _as_4d(self.tensor).to(device)
 
@@ -465,6 +488,9 @@ class Additive(Mask):
     def check(self, batch, heads, q_len, kv_len):
         _check_broadcast(self.tensor, "mask", batch, heads, q_len, kv_len)
 
+    def tensors(self):
+        return (self.tensor,)
+
     def _materialize(self, batch, q_len, kv_len, device):
         return ~torch.isneginf(_as_4d(self.tensor)).to(device)
 
@@ -496,9 +522,11 @@ class _Compose(Mask):
         for m in self.masks:
             m.check(batch, heads, q_len, kv_len)
 
+    def tensors(self):
+        return tuple(t for m in self.masks for t in m.tensors())
+
     def cache_key(self):
-        keys = [m.cache_key() for m in self.masks]
-        return None if any(k is None for k in keys) else (self.op_name, *keys)
+        return (self.op_name, *(m.cache_key() for m in self.masks))
 
     def __repr__(self):
         return f" {self.op_name} ".join(map(repr, self.masks)).join("()")

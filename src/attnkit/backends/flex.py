@@ -36,30 +36,21 @@ def _compiled():
 
 
 def block_mask_for(call: AttentionCall, device):
-    """The BlockMask for ``call.mask``: cached per structural mask and shape, or on the mask
-    instance for masks holding tensors (lengths, dense tensors)."""
+    """The BlockMask for ``call.mask``, cached (LRU) per mask key and shape. A mask holding
+    tensors is keyed by identity and tensor versions (see ``Mask.cache_key``); the cache keeps
+    such a mask alive so its id cannot be reused while its entry exists."""
     m = call.mask
-    shape = (call.batch, call.q_len, call.kv_len, str(device))
-    key = m.cache_key()
-    if key is not None:
-        key = (key, shape)
-        if key in _BLOCK_MASKS:
-            _BLOCK_MASKS.move_to_end(key)
-            return _BLOCK_MASKS[key]
-    else:
-        per_instance = m.__dict__.setdefault("_flex_block_masks", {})
-        if shape in per_instance:
-            return per_instance[shape]
-    fa = _flex_module()
-    bm = fa.create_block_mask(m.mask_mod(call.q_len, call.kv_len, device),
-                              call.batch if m.has_tensors else None, None,
-                              call.q_len, call.kv_len, device=device)
-    if key is not None:
-        _BLOCK_MASKS[key] = bm
-        if len(_BLOCK_MASKS) > _MAX_CACHED:
-            _BLOCK_MASKS.popitem(last=False)
-    else:
-        per_instance[shape] = bm
+    key = (m.cache_key(), call.batch, call.q_len, call.kv_len, str(device))
+    hit = _BLOCK_MASKS.get(key)
+    if hit is not None:
+        _BLOCK_MASKS.move_to_end(key)
+        return hit[0]
+    bm = _flex_module().create_block_mask(m.mask_mod(call.q_len, call.kv_len, device),
+                                          call.batch if m.has_tensors else None, None,
+                                          call.q_len, call.kv_len, device=device)
+    _BLOCK_MASKS[key] = (bm, m)
+    if len(_BLOCK_MASKS) > _MAX_CACHED:
+        _BLOCK_MASKS.popitem(last=False)
     return bm
 
 
