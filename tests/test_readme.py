@@ -1,0 +1,27 @@
+"""The README's usage example runs as written (so the front page never lies)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_readme_usage_example_runs():
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    assert blocks, "README has no python example"
+    ns: dict = {}
+    exec(compile(blocks[0], "README.md", "exec"), ns)
+    assert ns["out"].shape == (2, 32, 1, 128)
+    assert ns["w"].shape == (2, 32, 1, 4096)
+    assert (ns["w"][1, :, :, 1000:] == 0).all()  # padded keys get no weight
+
+
+def test_readme_example_takes_the_path_it_claims():
+    block = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)[0]
+    assert "-> 'decode'" in block
+    ns: dict = {}
+    exec(compile(block, "README.md", "exec"), ns)
+    import attnkit
+    assert attnkit.describe_call(ns["q"], ns["k"], ns["v"], causal=True) == "decode"
