@@ -1,0 +1,6 @@
+"""KV caches: one protocol (``update(k, v) -> (k_all, v_all, mask)``, ``lengths``, ``positions``,
+``nbytes``, ``bytes_per_token``, ``reset``, ``crop``, ``reorder``), several kinds."""
+
+from .base import DynamicCache, KVCache, StaticCache
+
+__all__ = ["KVCache", "DynamicCache", "StaticCache"]

@@ -1,0 +1,219 @@
+"""The KV-cache protocol and the contiguous caches (dynamic and static).
+
+Notation: B batch, Hkv key/value heads (a cache never stores K/V repeated to Hq heads), S new
+tokens this step, L cache length (or capacity), D key head dim, Dv value head dim.
+
+Every cache keeps ``lengths`` (B,): how many tokens each sequence holds. ``update(k, v)`` writes
+this step's S tokens of sequence b at positions ``lengths[b] .. lengths[b] + S - 1`` and returns
+what to attend to plus the mask that makes it right::
+
+    k_all, v_all, mask = cache.update(k, v)         # k: (B, Hkv, S, D)
+    out = attnkit.attention(q, k_all, v_all, mask)  # q: (B, Hq, S, D), no causal flag needed
+
+``mask`` is ``Causal(offsets=old_lengths) & KeyPadding(new_lengths)``: query i of sequence b sits
+at position ``old_lengths[b] + i`` and sees the keys at or before it. Prefill, decode of one or
+several tokens (speculative verification) and chunked prefill all go through the same call.
+Ragged batches: ``update(k, v, num_new=n)`` with right-padded new tokens advances sequence b by
+``n[b]`` only (its padding is overwritten by the next step).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..masks import Causal, KeyPadding, Mask
+
+__all__ = ["KVCache", "DynamicCache", "StaticCache"]
+
+
+def _shape(t: Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+class KVCache(nn.Module):
+    """Base of the caches: per-sequence ``lengths``, size accounting, the update contract.
+
+    Buffers are non-persistent (``.to()`` moves them; state dicts stay weight-only).
+    """
+
+    def __init__(self, kv_heads: int, head_dim: int, v_head_dim: int | None = None, *,
+                 dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        for name, val in (("kv_heads", kv_heads), ("head_dim", head_dim)):
+            if not isinstance(val, int) or val < 1:
+                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        self.kv_heads, self.head_dim = kv_heads, head_dim
+        self.v_head_dim = head_dim if v_head_dim is None else v_head_dim
+        self.dtype = dtype
+        self.register_buffer("lengths", torch.zeros(0, dtype=torch.long, device=device), persistent=False)
+
+    # ---------------------------------------------------------------- accounting
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token of one sequence occupies in this layer's cache (K and V, Hkv heads)."""
+        return self.kv_heads * (self.head_dim + self.v_head_dim) * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this cache holds allocated now (capacity, not just the filled part)."""
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    # ---------------------------------------------------------------- protocol
+
+    def positions(self, num_new: int) -> Tensor:
+        """(B, S) positions of the next ``num_new`` tokens of each sequence (for RoPE)."""
+        return self.lengths[:, None] + torch.arange(num_new, device=self.lengths.device)
+
+    def update(self, k: Tensor, v: Tensor, *, num_new: Tensor | None = None) -> tuple[Tensor, Tensor, Mask]:
+        raise NotImplementedError
+
+    def _check_new(self, k: Tensor, v: Tensor, num_new) -> Tensor:
+        """Validate this step's K/V; returns num_new as a (B,) long tensor."""
+        if k.dim() != 4 or v.dim() != 4:
+            raise ValueError(f"k and v must be (B, Hkv, S, D), got k {_shape(k)}, v {_shape(v)}")
+        B, H, S, D = k.shape
+        if v.shape[:3] != k.shape[:3] or H != self.kv_heads or D != self.head_dim or v.shape[3] != self.v_head_dim:
+            raise ValueError(f"k {_shape(k)} and v {_shape(v)} do not fit this cache "
+                             f"(Hkv={self.kv_heads}, D={self.head_dim}, Dv={self.v_head_dim})")
+        if self.lengths.numel() and B != self.lengths.shape[0]:
+            raise ValueError(f"k has batch {B} but the cache holds {self.lengths.shape[0]} sequences; "
+                             f"reset() or reorder() it first")
+        if num_new is None:
+            return torch.full((B,), S, dtype=torch.long, device=k.device)
+        n = torch.as_tensor(num_new, device=k.device)
+        if n.dtype.is_floating_point or n.dtype == torch.bool or n.shape not in ((B,), ()):
+            raise ValueError(f"num_new must be an int or a (B,) int tensor with B={B}, got "
+                             f"{n.dtype} of shape {tuple(n.shape)}")
+        n = n.long().expand(B)
+        if not torch.compiler.is_compiling() and ((n < 0) | (n > S)).any():
+            raise ValueError(f"num_new must be in [0, S={S}], got {n.tolist()}")
+        return n
+
+    @staticmethod
+    def _mask(old: Tensor, new: Tensor) -> Mask:
+        return Causal(offsets=old) & KeyPadding(new)
+
+    # ---------------------------------------------------------------- editing
+
+    def reset(self) -> None:
+        """Forget every sequence (buffers are kept for reuse)."""
+        self.lengths = self.lengths.new_zeros(0)
+
+    def crop(self, n) -> None:
+        """Keep the first ``n`` tokens of each sequence (int or (B,) tensor); a negative int drops
+        ``-n`` tokens from the end (rolling back rejected speculative tokens)."""
+        n = torch.as_tensor(n, device=self.lengths.device).long()
+        keep = self.lengths + n if (n.dim() == 0 and int(n) < 0) else n.expand_as(self.lengths)
+        if (keep < 0).any():
+            raise ValueError(f"crop({n.tolist()}) would leave a negative length: lengths {self.lengths.tolist()}")
+        self.lengths = torch.minimum(self.lengths, keep)
+
+    def reorder(self, indices: Tensor) -> None:
+        """Select / repeat sequences along the batch (beam search): new sequence i = old indices[i]."""
+        idx = torch.as_tensor(indices, device=self.lengths.device)
+        if idx.dtype.is_floating_point or idx.dim() != 1:
+            raise ValueError(f"indices must be a 1-D int tensor, got {idx.dtype} of shape {tuple(idx.shape)}")
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.lengths.shape[0]):
+            raise ValueError(f"indices {idx.tolist()} out of range for {self.lengths.shape[0]} sequences")
+        self._reorder_buffers(idx.long())
+        self.lengths = self.lengths[idx]
+
+    def _reorder_buffers(self, idx: Tensor) -> None:
+        raise NotImplementedError
+
+
+class _ContiguousCache(KVCache):
+    """K/V in (B, Hkv, capacity, D) buffers; tokens written in place by scatter (no cat per step)."""
+
+    def __init__(self, kv_heads, head_dim, v_head_dim=None, *, dtype=torch.float32, device=None):
+        super().__init__(kv_heads, head_dim, v_head_dim, dtype=dtype, device=device)
+        self.register_buffer("k_buf", torch.zeros(0, kv_heads, 0, head_dim, dtype=dtype, device=device),
+                             persistent=False)
+        self.register_buffer("v_buf", torch.zeros(0, kv_heads, 0, self.v_head_dim, dtype=dtype, device=device),
+                             persistent=False)
+
+    def _reserve(self, batch: int, needed: int) -> None:
+        """Make room for ``needed`` tokens per sequence for a batch of ``batch``."""
+        raise NotImplementedError
+
+    def _view_len(self) -> int:
+        """How many positions of the buffers ``update`` returns."""
+        raise NotImplementedError
+
+    def update(self, k, v, *, num_new=None):
+        n = self._check_new(k, v, num_new)
+        B, _, S, _ = k.shape
+        if k.dtype != self.dtype or v.dtype != self.dtype:
+            raise TypeError(f"k/v dtype {k.dtype}/{v.dtype} differs from the cache's {self.dtype}")
+        if self.lengths.numel() == 0:
+            self.lengths = torch.zeros(B, dtype=torch.long, device=k.device)
+        self._reserve(B, S)
+        old = self.lengths.clone()
+        pos = old[:, None] + torch.arange(S, device=k.device)  # (B, S)
+        self.k_buf[:B].scatter_(2, pos[:, None, :, None].expand(B, self.kv_heads, S, self.head_dim), k)
+        self.v_buf[:B].scatter_(2, pos[:, None, :, None].expand(B, self.kv_heads, S, self.v_head_dim), v)
+        self.lengths.add_(n)  # in place: a static cache's buffers keep their identity under compile
+        L = self._view_len()
+        return self.k_buf[:B, :, :L], self.v_buf[:B, :, :L], self._mask(old, self.lengths)
+
+    def _reorder_buffers(self, idx):
+        self.k_buf = self.k_buf[: self.lengths.shape[0]][idx]
+        self.v_buf = self.v_buf[: self.lengths.shape[0]][idx]
+
+
+class DynamicCache(_ContiguousCache):
+    """Grows with the sequences: capacity doubles when full (amortised O(1) per token; one copy
+    per doubling, not a ``torch.cat`` per step). ``update`` returns views up to the longest
+    sequence's end."""
+
+    def _reserve(self, batch, needed):
+        want = int((self.lengths + needed).max()) if self.lengths.numel() else needed
+        cap = self.k_buf.shape[2]
+        if self.k_buf.shape[0] != batch or want > cap:
+            new_cap = max(want, 2 * cap, 16)
+            for name, dv in (("k_buf", self.head_dim), ("v_buf", self.v_head_dim)):
+                old = getattr(self, name)
+                buf = old.new_zeros(batch, self.kv_heads, new_cap, dv)
+                rows = min(batch, old.shape[0])
+                buf[:rows, :, :cap] = old[:rows]
+                setattr(self, name, buf)
+
+    def _view_len(self):
+        return int(self.lengths.max())
+
+
+class StaticCache(_ContiguousCache):
+    """Preallocated (max_batch, Hkv, max_len, D) buffers: every ``update`` returns the same shapes
+    and the positions are tensors, so a decode step compiles once (``torch.compile``) and never
+    recompiles per step. Writing past ``max_len`` raises a ValueError."""
+
+    def __init__(self, kv_heads, head_dim, v_head_dim=None, *, max_batch: int, max_len: int,
+                 dtype=torch.float32, device=None):
+        super().__init__(kv_heads, head_dim, v_head_dim, dtype=dtype, device=device)
+        if max_batch < 1 or max_len < 1:
+            raise ValueError(f"max_batch and max_len must be >= 1, got {max_batch}, {max_len}")
+        self.max_batch, self.max_len = max_batch, max_len
+        self.k_buf = torch.zeros(max_batch, kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        self.v_buf = torch.zeros(max_batch, kv_heads, max_len, self.v_head_dim, dtype=dtype, device=device)
+
+    def _reserve(self, batch, needed):
+        if batch != self.max_batch:
+            raise ValueError(f"k has batch {batch} but the static cache was built for max_batch="
+                             f"{self.max_batch}; build it for the batch you run")
+        if not torch.compiler.is_compiling():
+            end = int((self.lengths + needed).max())
+            if end > self.max_len:
+                raise ValueError(f"writing {needed} tokens after lengths {self.lengths.tolist()} overflows "
+                                 f"the static cache's max_len {self.max_len}")
+
+    def _view_len(self):
+        return self.max_len
+
+    def _reorder_buffers(self, idx):
+        if idx.numel() != self.max_batch:
+            raise ValueError(f"a static cache keeps max_batch={self.max_batch} sequences; reorder got "
+                             f"{idx.numel()} indices")
+        self.k_buf.copy_(self.k_buf[idx])
+        self.v_buf.copy_(self.v_buf[idx])

@@ -1,0 +1,175 @@
+"""KV caches: prefill + decode and chunked prefill equal one full forward; ragged batches equal
+each sequence alone; crop, reorder, accounting and errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnkit
+from attnkit.caches import DynamicCache, StaticCache
+
+from conftest import base_attention, make_qkv, rule_r, stable_seed
+
+VARIANTS = {"mha": (4, 4), "gqa": (6, 2), "mqa": (4, 1)}
+KINDS = ["dynamic", "static"]
+
+
+def make_cache(kind, B, Hkv, D, Dv, dtype, max_len=64):
+    if kind == "dynamic":
+        return DynamicCache(Hkv, D, Dv, dtype=dtype)
+    return StaticCache(Hkv, D, Dv, max_batch=B, max_len=max_len, dtype=dtype)
+
+
+def run_chunks(cache, q, k, v, chunks, backend="auto"):
+    """Feed (q, k, v) through the cache in chunks of the given sizes; concatenate the outputs."""
+    outs, s = [], 0
+    for n in chunks:
+        k_all, v_all, mask = cache.update(k[:, :, s:s + n], v[:, :, s:s + n])
+        outs.append(attnkit.attention(q[:, :, s:s + n], k_all, v_all, mask, backend=backend))
+        s += n
+    return torch.cat(outs, dim=2)
+
+
+@pytest.mark.parametrize("chunks", [[16, 1, 1, 1, 1], [5, 7, 3, 2, 3], [1] * 20], ids=["prefill+decode", "chunked", "token-by-token"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("kind", KINDS)
+def test_incremental_equals_full(kind, variant, dtype, chunks):
+    Hq, Hkv = VARIANTS[variant]
+    S = sum(chunks)
+    q, k, v = make_qkv(2, Hq, Hkv, S, S, 16, Dv=12, dtype=dtype, seed=stable_seed(kind, variant, S))
+    cache = make_cache(kind, 2, Hkv, 16, 12, dtype)
+    out = run_chunks(cache, q, k, v, chunks)
+    full = attnkit.attention(q, k, v, causal=True)
+    if dtype == torch.float32:
+        assert (out - full).abs().max() <= 1e-5
+    else:
+        rule_r(out, base_attention(q, k, v, causal=True), attnkit.attention_reference(q, k, v, causal=True))
+    assert cache.lengths.tolist() == [S, S]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_ragged_batch_equals_each_sequence_alone(kind):
+    Hq, Hkv, D = 4, 2, 8
+    lens = torch.tensor([3, 7, 5])
+    P, steps = int(lens.max()), 4
+    g = torch.Generator().manual_seed(1)
+    seqs = [make_qkv(1, Hq, Hkv, int(n) + steps, int(n) + steps, D, seed=i) for i, n in enumerate(lens)]
+    # Right-padded prompts; the padding holds garbage that must never be attended.
+    pad = lambda t, n: torch.cat([t[:, :, :n], torch.randn(1, t.shape[1], P - n, t.shape[3], generator=g)], 2)
+    cache = make_cache(kind, 3, Hkv, D, D, torch.float32)
+    qp, kp, vp = (torch.cat([pad(s[j], int(n)) for s, n in zip(seqs, lens)]) for j in range(3))
+    k_all, v_all, mask = cache.update(kp, vp, num_new=lens)
+    out = attnkit.attention(qp, k_all, v_all, mask)
+    got = [[out[b:b + 1, :, :int(n)]] for b, n in enumerate(lens)]
+    for t in range(steps):  # decode: each sequence's next token at its own position
+        step = [torch.cat([s[j][:, :, int(n) + t:int(n) + t + 1] for s, n in zip(seqs, lens)]) for j in range(3)]
+        k_all, v_all, mask = cache.update(step[1], step[2])
+        o = attnkit.attention(step[0], k_all, v_all, mask)
+        for b in range(3):
+            got[b].append(o[b:b + 1])
+    for b, (s, n) in enumerate(zip(seqs, lens)):
+        alone = attnkit.attention(*s, causal=True)
+        assert (torch.cat(got[b], 2) - alone).abs().max() <= 1e-5
+    assert cache.lengths.tolist() == (lens + steps).tolist()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_crop_rolls_back_rejected_tokens(kind):
+    q, k, v = make_qkv(2, 4, 2, 12, 12, 8)
+    cache = make_cache(kind, 2, 2, 8, 8, torch.float32)
+    ref = run_chunks(cache, q, k, v, [8, 4])
+    cache.crop(-4)  # reject the last 4 (speculative) tokens
+    assert cache.lengths.tolist() == [8, 8]
+    k2 = k.clone()
+    k2[:, :, 8:] = 0  # a different draft, then the accepted one again
+    run_chunks(cache, q[:, :, 8:], k2[:, :, 8:], v[:, :, 8:], [4])
+    cache.crop(8)
+    again = run_chunks(cache, q[:, :, 8:], k[:, :, 8:], v[:, :, 8:], [4])
+    torch.testing.assert_close(again, ref[:, :, 8:])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_reorder_follows_beams(kind):
+    q, k, v = make_qkv(2, 4, 2, 10, 10, 8)
+    cache = make_cache(kind, 2, 2, 8, 8, torch.float32)
+    run_chunks(cache, q, k, v, [9])
+    cache.reorder(torch.tensor([1, 0]))
+    swap = lambda t: t.flip(0)
+    last = run_chunks(cache, swap(q)[:, :, 9:], swap(k)[:, :, 9:], swap(v)[:, :, 9:], [1])
+    full = attnkit.attention(swap(q), swap(k), swap(v), causal=True)
+    torch.testing.assert_close(last, full[:, :, 9:])
+
+
+def test_dynamic_cache_reorder_can_grow_the_batch():
+    q, k, v = make_qkv(1, 2, 2, 6, 6, 8)
+    cache = DynamicCache(2, 8)
+    run_chunks(cache, q, k, v, [5])
+    cache.reorder(torch.tensor([0, 0, 0]))  # one prompt, three samples
+    qq, kk, vv = (t.expand(3, -1, -1, -1) for t in (q, k, v))
+    out = run_chunks(cache, qq[:, :, 5:], kk[:, :, 5:], vv[:, :, 5:], [1])
+    torch.testing.assert_close(out, attnkit.attention(qq, kk, vv, causal=True)[:, :, 5:])
+
+
+def test_accounting_and_amortised_growth():
+    cache = DynamicCache(8, 128, dtype=torch.bfloat16)
+    assert cache.bytes_per_token == 8 * 256 * 2
+    k = torch.zeros(1, 8, 1, 128, dtype=torch.bfloat16)
+    caps = set()
+    for _ in range(100):
+        cache.update(k, k)
+        caps.add(cache.k_buf.shape[2])
+    assert len(caps) <= 4  # 16, 32, 64, 128: doubling, not a copy per step
+    assert cache.nbytes == 2 * cache.k_buf.numel() * 2 + cache.lengths.numel() * 8  # K, V, lengths
+    static = StaticCache(8, 128, max_batch=2, max_len=4096, dtype=torch.bfloat16)
+    assert static.nbytes == 2 * 2 * 8 * 4096 * 128 * 2 + static.lengths.numel() * 8
+    assert static.bytes_per_token == cache.bytes_per_token
+
+
+def test_positions_follow_each_sequence():
+    cache = DynamicCache(1, 4)
+    k = torch.zeros(2, 1, 5, 4)
+    cache.update(k, k, num_new=torch.tensor([2, 5]))
+    assert cache.positions(3).tolist() == [[2, 3, 4], [5, 6, 7]]
+
+
+def test_static_cache_keeps_shapes_and_buffer_identity():
+    cache = StaticCache(2, 8, max_batch=2, max_len=32)
+    kb = cache.k_buf
+    shapes = set()
+    for n in (5, 1, 1, 3):
+        k = torch.randn(2, 2, n, 8)
+        k_all, v_all, _ = cache.update(k, k)
+        shapes.add(tuple(k_all.shape))
+    assert shapes == {(2, 2, 32, 8)} and cache.k_buf is kb
+
+
+@pytest.mark.parametrize("make,call,exc,text", [
+    (lambda: StaticCache(2, 8, max_batch=1, max_len=4), lambda c: c.update(torch.zeros(1, 2, 5, 8), torch.zeros(1, 2, 5, 8)), ValueError, "max_len 4"),
+    (lambda: StaticCache(2, 8, max_batch=1, max_len=4), lambda c: c.update(torch.zeros(2, 2, 1, 8), torch.zeros(2, 2, 1, 8)), ValueError, "max_batch=1"),
+    (lambda: DynamicCache(2, 8), lambda c: c.update(torch.zeros(1, 3, 1, 8), torch.zeros(1, 3, 1, 8)), ValueError, r"\(1, 3, 1, 8\)"),
+    (lambda: DynamicCache(2, 8), lambda c: c.update(torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 2, 8)), ValueError, "do not fit"),
+    (lambda: DynamicCache(2, 8), lambda c: c.update(torch.zeros(1, 2, 1, 8).half(), torch.zeros(1, 2, 1, 8).half()), TypeError, "dtype"),
+    (lambda: DynamicCache(2, 8), lambda c: c.update(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8), num_new=torch.tensor([4])), ValueError, "num_new"),
+    (lambda: DynamicCache(2, 8), lambda c: c.update(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8), num_new=torch.tensor([1.0])), ValueError, "num_new"),
+    (lambda: DynamicCache(2, 0), None, ValueError, "head_dim"),
+])
+def test_bad_cache_input(make, call, exc, text):
+    with pytest.raises(exc, match=text):
+        c = make()
+        call(c)
+
+
+def test_batch_mismatch_after_prefill_is_an_error():
+    c = DynamicCache(2, 8)
+    c.update(torch.zeros(2, 2, 3, 8), torch.zeros(2, 2, 3, 8))
+    with pytest.raises(ValueError, match="holds 2 sequences"):
+        c.update(torch.zeros(3, 2, 1, 8), torch.zeros(3, 2, 1, 8))
+    with pytest.raises(ValueError, match="negative"):
+        c.crop(-4)
+    with pytest.raises(ValueError, match="out of range"):
+        c.reorder(torch.tensor([2]))
+    c.reset()
+    c.update(torch.zeros(3, 2, 1, 8), torch.zeros(3, 2, 1, 8))
+    assert c.lengths.tolist() == [1, 1, 1]
