@@ -173,3 +173,67 @@ def test_batch_mismatch_after_prefill_is_an_error():
     c.reset()
     c.update(torch.zeros(3, 2, 1, 8), torch.zeros(3, 2, 1, 8))
     assert c.lengths.tolist() == [1, 1, 1]
+
+
+# --------------------------------------------------------------------------- sliding window
+
+from attnkit import masks as M  # noqa: E402
+from attnkit.caches import SlidingWindowCache  # noqa: E402
+
+
+@pytest.mark.parametrize("window,rollback", [(1, 0), (4, 0), (6, 3), (40, 0)])
+@pytest.mark.parametrize("chunks", [[9, 1, 1, 1, 1, 1], [3, 3, 3, 3, 1], [1] * 14, [14]], ids=["prefill+decode", "chunked", "token-by-token", "one-shot"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_sliding_cache_equals_full_with_window_mask(variant, chunks, window, rollback):
+    Hq, Hkv = VARIANTS[variant]
+    S = sum(chunks)
+    q, k, v = make_qkv(2, Hq, Hkv, S, S, 8, seed=stable_seed(variant, window, S))
+    cache = SlidingWindowCache(Hkv, 8, window=window, max_rollback=rollback, max_batch=2)
+    out = run_chunks(cache, q, k, v, chunks)
+    full = attnkit.attention(q, k, v, M.SlidingWindow(window - 1))
+    assert (out - full).abs().max() <= 1e-5
+    assert cache.nbytes == 2 * 2 * Hkv * (window + rollback + 1) * 8 * 4 + 2 * 8
+
+
+def test_sliding_cache_ragged_batch():
+    W, Hq, Hkv, D = 3, 4, 2, 8
+    lens = torch.tensor([2, 6])
+    seqs = [make_qkv(1, Hq, Hkv, int(n) + 3, int(n) + 3, D, seed=10 + i) for i, n in enumerate(lens)]
+    P = int(lens.max())
+    padz = lambda t, n: torch.cat([t[:, :, :n], torch.full((1, t.shape[1], P - n, t.shape[3]), 1e4)], 2)
+    cache = SlidingWindowCache(Hkv, D, window=W, max_batch=2)
+    qp, kp, vp = (torch.cat([padz(s[j], int(n)) for s, n in zip(seqs, lens)]) for j in range(3))
+    k_all, v_all, mask = cache.update(kp, vp, num_new=lens)
+    out = attnkit.attention(qp, k_all, v_all, mask)
+    got = [[out[b:b + 1, :, :int(n)]] for b, n in enumerate(lens)]
+    for t in range(3):
+        step = [torch.cat([s[j][:, :, int(n) + t:int(n) + t + 1] for s, n in zip(seqs, lens)]) for j in range(3)]
+        k_all, v_all, mask = cache.update(step[1], step[2])
+        o = attnkit.attention(step[0], k_all, v_all, mask)
+        for b in range(2):
+            got[b].append(o[b:b + 1])
+    for b, s in enumerate(seqs):
+        alone = attnkit.attention(*s, M.SlidingWindow(W - 1))
+        assert (torch.cat(got[b], 2) - alone).abs().max() <= 1e-5
+
+
+def test_sliding_cache_rollback_within_limit_and_refused_beyond():
+    q, k, v = make_qkv(1, 2, 2, 12, 12, 8)
+    cache = SlidingWindowCache(2, 8, window=4, max_rollback=2, max_batch=1)
+    ref = run_chunks(cache, q, k, v, [8, 2])
+    cache.crop(-2)
+    again = run_chunks(cache, q[:, :, 8:], k[:, :, 8:], v[:, :, 8:], [1, 1])
+    torch.testing.assert_close(again, ref[:, :, 8:])
+    with pytest.raises(ValueError, match="max_rollback"):
+        cache.crop(-3)
+    assert cache.lengths.tolist() == [10]  # refused crop changed nothing
+
+
+def test_sliding_cache_reorder():
+    q, k, v = make_qkv(2, 4, 2, 10, 10, 8)
+    cache = SlidingWindowCache(2, 8, window=3, max_batch=2)
+    run_chunks(cache, q, k, v, [9])
+    cache.reorder(torch.tensor([1, 0]))
+    swap = lambda t: t.flip(0)
+    last = run_chunks(cache, swap(q)[:, :, 9:], swap(k)[:, :, 9:], swap(v)[:, :, 9:], [1])
+    torch.testing.assert_close(last, attnkit.attention(swap(q), swap(k), swap(v), M.SlidingWindow(2))[:, :, 9:])

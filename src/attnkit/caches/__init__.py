@@ -2,5 +2,6 @@
 ``nbytes``, ``bytes_per_token``, ``reset``, ``crop``, ``reorder``), several kinds."""
 
 from .base import DynamicCache, KVCache, StaticCache
+from .sliding import SlidingWindowCache
 
-__all__ = ["KVCache", "DynamicCache", "StaticCache"]
+__all__ = ["KVCache", "DynamicCache", "StaticCache", "SlidingWindowCache"]
