@@ -1,11 +1,14 @@
 """attnkit: every mainstream attention mechanism for PyTorch, behind one functional core."""
 
-from . import masks
+from . import caches, masks
 from .backends import BackendNotSupported, backend_names, explain, register_backend
+from .caches import DynamicCache, SlidingWindowCache, StaticCache
 from .functional import attention, describe_call
+from .modules import GroupedQueryAttention, MultiHeadAttention, MultiQueryAttention
 from .reference import attention_reference
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "attention_reference", "describe_call", "masks", "BackendNotSupported",
-           "backend_names", "explain", "register_backend", "__version__"]
+__all__ = ["attention", "attention_reference", "describe_call", "masks", "caches", "BackendNotSupported",
+           "backend_names", "explain", "register_backend", "MultiHeadAttention", "GroupedQueryAttention",
+           "MultiQueryAttention", "DynamicCache", "StaticCache", "SlidingWindowCache", "__version__"]

@@ -1,0 +1,213 @@
+"""``MultiHeadAttention``: one module for MHA, GQA and MQA, self- and cross-attention.
+
+Notation: B batch, Sq / Sk query / key lengths, E embed dim, H query heads, Hkv key/value heads
+(H = Hkv: MHA; Hkv = 1: MQA; otherwise GQA), hd head dim, hdv value head dim.
+
+The module owns the projections and the wiring (RoPE, cache); the numbers come from
+:func:`attnkit.attention`. Parameter names are Hugging Face's (``q_proj``, ``k_proj``, ``v_proj``,
+``o_proj``) so Llama / Mistral / Qwen2-family attention state dicts load with ``strict=True``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..caches import KVCache
+from ..functional import attention
+from ..masks import KeyPadding, Mask, as_mask
+
+__all__ = ["MultiHeadAttention", "GroupedQueryAttention", "MultiQueryAttention"]
+
+
+def _positive(name: str, val) -> int:
+    if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+        raise ValueError(f"{name} must be a positive int, got {val!r}")
+    return val
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention with ``num_kv_heads`` key/value heads shared by groups of query heads.
+
+    Args:
+        embed_dim: E, width of the query input.
+        num_heads: H query heads.
+        num_kv_heads: Hkv (default H). Must divide H. 1 is MQA.
+        head_dim: hd (default E // H; must then divide evenly).
+        kdim, vdim: widths of the key / value inputs for cross-attention (default E).
+        v_head_dim: hdv (default hd).
+        out_dim: width of the output (default E).
+        bias: bias on q/k/v projections (Qwen2 has them, Llama does not).
+        out_bias: bias on o_proj (default: ``bias``).
+        dropout: attention-probability dropout, applied in training mode only.
+        causal: bottom-right causal self-attention (decoders).
+        rope: an :class:`attnkit.RotaryEmbedding` (or None), applied to q and k at ``positions``.
+        batch_first: inputs (B, S, E) if True, (S, B, E) like ``nn.MultiheadAttention`` if False.
+        backend: the :func:`attnkit.attention` backend ("auto" by default).
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, *, num_kv_heads: int | None = None,
+                 head_dim: int | None = None, kdim: int | None = None, vdim: int | None = None,
+                 v_head_dim: int | None = None, out_dim: int | None = None, bias: bool = False,
+                 out_bias: bool | None = None, dropout: float = 0.0, causal: bool = False,
+                 rope: nn.Module | None = None, batch_first: bool = True, backend: str = "auto",
+                 device=None, dtype=None):
+        super().__init__()
+        self.embed_dim = _positive("embed_dim", embed_dim)
+        self.num_heads = _positive("num_heads", num_heads)
+        self.num_kv_heads = _positive("num_kv_heads", num_heads if num_kv_heads is None else num_kv_heads)
+        if num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})")
+        if head_dim is None:
+            if embed_dim % num_heads:
+                raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads}) "
+                                 f"unless head_dim is given")
+            head_dim = embed_dim // num_heads
+        self.head_dim = _positive("head_dim", head_dim)
+        self.v_head_dim = _positive("v_head_dim", head_dim if v_head_dim is None else v_head_dim)
+        self.kdim = _positive("kdim", embed_dim if kdim is None else kdim)
+        self.vdim = _positive("vdim", embed_dim if vdim is None else vdim)
+        self.out_dim = _positive("out_dim", embed_dim if out_dim is None else out_dim)
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+        self.dropout, self.causal, self.batch_first, self.backend = float(dropout), causal, batch_first, backend
+        self.rope = rope
+        kw = {"device": device, "dtype": dtype}
+        self.q_proj = nn.Linear(embed_dim, num_heads * self.head_dim, bias=bias, **kw)
+        self.k_proj = nn.Linear(self.kdim, self.num_kv_heads * self.head_dim, bias=bias, **kw)
+        self.v_proj = nn.Linear(self.vdim, self.num_kv_heads * self.v_head_dim, bias=bias, **kw)
+        self.o_proj = nn.Linear(num_heads * self.v_head_dim, self.out_dim,
+                                bias=bias if out_bias is None else out_bias, **kw)
+
+    def _heads(self, x: Tensor, heads: int, dim: int) -> Tensor:
+        """(B, S, heads * dim) -> (B, heads, S, dim)."""
+        return x.unflatten(-1, (heads, dim)).transpose(1, 2)
+
+    def _check_input(self, name: str, x: Tensor, width: int) -> None:
+        if not isinstance(x, Tensor) or x.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D tensor ({'B, S' if self.batch_first else 'S, B'}, "
+                             f"{width}), got shape {tuple(getattr(x, 'shape', ()))}")
+        if x.shape[-1] != width:
+            raise ValueError(f"{name} has width {x.shape[-1]} (shape {tuple(x.shape)}), expected {width}")
+
+    def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None, *,
+                mask=None, key_padding_mask: Tensor | None = None, positions: Tensor | None = None,
+                cache: KVCache | None = None, need_weights: bool = False):
+        """Self-attention ``forward(x)`` or cross-attention ``forward(query, key, value)``.
+
+        Args:
+            query: (B, Sq, E) ((Sq, B, E) when ``batch_first=False``).
+            key, value: (B, Sk, kdim), (B, Sk, vdim); default: ``query`` (self-attention).
+            mask: as in :func:`attnkit.attention` (True = attend), over (B, H, Sq, Sk_total).
+            key_padding_mask: (B, Sk) with ``nn.MultiheadAttention``'s meaning: True (or -inf)
+                marks padding to ignore.
+            positions: (B, Sq) int positions for RoPE; default: the cache's next positions, or
+                0..Sq-1.
+            cache: a :class:`attnkit.caches.KVCache`; this step's K/V are appended and the
+                attention runs over everything cached (causal modules only).
+            need_weights: also return the per-head weights (B, H, Sq, Sk_total) in fp32.
+
+        Returns:
+            out (B, Sq, out_dim) (or (Sq, B, out_dim)), and the weights with ``need_weights``.
+        """
+        self_attn = key is None and value is None
+        if self_attn:
+            key = value = query
+        elif key is None or value is None:
+            raise ValueError("pass both key and value for cross-attention, or neither for self-attention")
+        if not self.batch_first:
+            query, key, value = (t.transpose(0, 1) if isinstance(t, Tensor) and t.dim() == 3 else t
+                                 for t in (query, key, value))
+        self._check_input("query", query, self.embed_dim)
+        self._check_input("key", key, self.kdim)
+        self._check_input("value", value, self.vdim)
+        B, Sq, _ = query.shape
+        if key.shape[:2] != value.shape[:2] or key.shape[0] != B:
+            raise ValueError(f"query {tuple(query.shape)}, key {tuple(key.shape)} and value "
+                             f"{tuple(value.shape)} must share the batch, and key/value the length")
+        q = self._heads(self.q_proj(query), self.num_heads, self.head_dim)
+        k = self._heads(self.k_proj(key), self.num_kv_heads, self.head_dim)
+        v = self._heads(self.v_proj(value), self.num_kv_heads, self.v_head_dim)
+        if cache is not None and not self.causal:
+            raise ValueError("cache= needs a causal module (causal=True): a cache attends to the past")
+        if self.rope is not None:
+            if not self_attn:
+                raise ValueError("rope applies to self-attention (query and key share positions)")
+            if positions is None:
+                positions = cache.positions(Sq) if cache is not None else \
+                    torch.arange(Sq, device=query.device).expand(B, Sq)
+            q, k = self.rope.apply(q, k, positions)
+        causal, cache_mask = self.causal, None
+        if cache is not None:
+            k, v, cache_mask = cache.update(k, v)
+            causal = False  # the cache's mask places each query after its sequence's past
+        user_mask = _and(cache_mask, as_mask(mask))
+        if key_padding_mask is not None:
+            user_mask = _and(user_mask, _torch_key_padding(key_padding_mask, B, k.shape[2]))
+        p = self.dropout if self.training else 0.0
+        res = attention(q, k, v, user_mask, causal=causal, dropout_p=p, backend=self.backend,
+                        return_weights=need_weights)
+        out, weights = res if need_weights else (res, None)
+        out = self.o_proj(out.transpose(1, 2).flatten(2))  # (B, Sq, H * hdv) -> (B, Sq, out_dim)
+        if not self.batch_first:
+            out = out.transpose(0, 1)
+        return (out, weights) if need_weights else out
+
+
+    @classmethod
+    def from_torch(cls, mha: nn.MultiheadAttention) -> "MultiHeadAttention":
+        """The same attention as a ``torch.nn.MultiheadAttention``, weights copied.
+
+        Masks keep attnkit's meaning: torch's bool ``attn_mask`` (True = *not* allowed) becomes
+        ``mask=~attn_mask``; float masks are the same; ``key_padding_mask`` keeps torch's meaning.
+        """
+        if mha.bias_k is not None or mha.add_zero_attn:
+            raise ValueError("nn.MultiheadAttention with add_bias_kv or add_zero_attn has no attnkit equivalent")
+        p = mha.out_proj.weight
+        m = cls(mha.embed_dim, mha.num_heads, kdim=mha.kdim, vdim=mha.vdim, bias=mha.in_proj_bias is not None,
+                out_bias=mha.out_proj.bias is not None, dropout=mha.dropout, batch_first=mha.batch_first,
+                device=p.device, dtype=p.dtype)
+        with torch.no_grad():
+            if mha.in_proj_weight is not None:
+                wq, wk, wv = mha.in_proj_weight.chunk(3)
+            else:
+                wq, wk, wv = mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight
+            for lin, w in ((m.q_proj, wq), (m.k_proj, wk), (m.v_proj, wv)):
+                lin.weight.copy_(w)
+            if mha.in_proj_bias is not None:
+                for lin, b in zip((m.q_proj, m.k_proj, m.v_proj), mha.in_proj_bias.chunk(3)):
+                    lin.bias.copy_(b)
+            m.o_proj.weight.copy_(mha.out_proj.weight)
+            if mha.out_proj.bias is not None:
+                m.o_proj.bias.copy_(mha.out_proj.bias)
+        return m
+
+
+def _and(a: Mask | None, b: Mask | None) -> Mask | None:
+    return b if a is None else a if b is None else a & b
+
+
+def _torch_key_padding(kpm: Tensor, batch: int, kv_len: int) -> Mask:
+    """``nn.MultiheadAttention``'s key_padding_mask (True / -inf = ignore) as an attnkit mask."""
+    if not isinstance(kpm, Tensor) or kpm.dim() != 2 or kpm.shape != (batch, kv_len):
+        raise ValueError(f"key_padding_mask must be (B, Sk) = ({batch}, {kv_len}), got shape "
+                         f"{tuple(getattr(kpm, 'shape', ()))}")
+    if kpm.dtype == torch.bool:
+        return KeyPadding(valid=~kpm)
+    if kpm.dtype.is_floating_point:
+        return as_mask(kpm[:, None, None, :])
+    raise TypeError(f"key_padding_mask must be bool (True = padding) or float (added), got {kpm.dtype}")
+
+
+class GroupedQueryAttention(MultiHeadAttention):
+    """:class:`MultiHeadAttention` with ``num_kv_heads`` required (GQA)."""
+
+    def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int, **kwargs):
+        super().__init__(embed_dim, num_heads, num_kv_heads=num_kv_heads, **kwargs)
+
+
+class MultiQueryAttention(MultiHeadAttention):
+    """:class:`MultiHeadAttention` with one key/value head (MQA)."""
+
+    def __init__(self, embed_dim: int, num_heads: int, **kwargs):
+        super().__init__(embed_dim, num_heads, num_kv_heads=1, **kwargs)

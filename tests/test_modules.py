@@ -1,0 +1,129 @@
+"""MultiHeadAttention: parity with torch.nn.MultiheadAttention (weights copied), caches through
+the module, dropout in training only, Hugging Face parameter names, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import attnkit
+from attnkit.caches import DynamicCache, StaticCache
+from attnkit.modules import GroupedQueryAttention, MultiHeadAttention, MultiQueryAttention
+
+
+def _torch_mha(batch_first, bias=True, kdim=None, vdim=None):
+    torch.manual_seed(0)
+    return nn.MultiheadAttention(16, 4, bias=bias, batch_first=batch_first, kdim=kdim, vdim=vdim).eval()
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("bias", [True, False])
+def test_from_torch_self_attention_with_masks_and_weights(batch_first, bias):
+    ref = _torch_mha(batch_first, bias)
+    ours = MultiHeadAttention.from_torch(ref).eval()
+    B, S = 3, 7
+    x = torch.randn(B, S, 16) if batch_first else torch.randn(S, B, 16)
+    kpm = torch.zeros(B, S, dtype=torch.bool)
+    kpm[1, 5:] = True  # padding
+    attn_mask = torch.triu(torch.ones(S, S, dtype=torch.bool), 1)  # torch: True = not allowed
+    want, want_w = ref(x, x, x, key_padding_mask=kpm, attn_mask=attn_mask, need_weights=True,
+                       average_attn_weights=False)
+    got, got_w = ours(x, mask=~attn_mask, key_padding_mask=kpm, need_weights=True)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_w, want_w)
+    # The xformers-style call mha(x, x, x) is self-attention too.
+    torch.testing.assert_close(ours(x, x, x, mask=~attn_mask, key_padding_mask=kpm), want)
+    # A float attn_mask means the same thing in both.
+    fmask = torch.randn(S, S)
+    torch.testing.assert_close(ours(x, mask=fmask), ref(x, x, x, attn_mask=fmask, need_weights=False)[0])
+
+
+def test_from_torch_cross_attention_with_own_widths():
+    ref = _torch_mha(True, kdim=10, vdim=6)
+    ours = MultiHeadAttention.from_torch(ref).eval()
+    q, k, v = torch.randn(2, 5, 16), torch.randn(2, 9, 10), torch.randn(2, 9, 6)
+    torch.testing.assert_close(ours(q, k, v), ref(q, k, v, need_weights=False)[0])
+
+
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_module_with_cache_equals_full_forward(cache_kind, kv_heads):
+    torch.manual_seed(0)
+    m = MultiHeadAttention(32, 4, num_kv_heads=kv_heads, causal=True).eval()
+    x = torch.randn(2, 12, 32)
+    full = m(x)
+    cache = DynamicCache(kv_heads, 8) if cache_kind == "dynamic" else StaticCache(kv_heads, 8, max_batch=2, max_len=16)
+    outs = [m(x[:, :5], cache=cache)] + [m(x[:, i:i + 1], cache=cache) for i in range(5, 9)] + [m(x[:, 9:], cache=cache)]
+    assert (torch.cat(outs, 1) - full).abs().max() <= 1e-5
+
+
+def test_presets_are_parameters_not_copies():
+    g = GroupedQueryAttention(32, 8, 2)
+    q = MultiQueryAttention(32, 8)
+    assert type(g).forward is MultiHeadAttention.forward and type(q).forward is MultiHeadAttention.forward
+    assert g.k_proj.out_features == 2 * 4 and q.k_proj.out_features == 4
+
+
+def test_dropout_in_training_only():
+    torch.manual_seed(0)
+    m = MultiHeadAttention(16, 4, dropout=0.5)
+    x = torch.randn(2, 6, 16)
+    m.eval()
+    a, b = m(x), m(x)
+    assert torch.equal(a, b)
+    m.train()
+    torch.manual_seed(1)
+    c = m(x)
+    assert not torch.allclose(c, a)
+
+
+def test_need_weights_rows_sum_to_one_and_padding_gets_none():
+    m = MultiHeadAttention(16, 4, causal=True).eval()
+    x = torch.randn(2, 5, 16)
+    kpm = torch.tensor([[False] * 5, [False, False, False, True, True]])
+    _, w = m(x, key_padding_mask=kpm, need_weights=True)
+    assert w.shape == (2, 4, 5, 5) and w.dtype == torch.float32
+    torch.testing.assert_close(w.sum(-1), torch.ones(2, 4, 5))
+    assert (w[1, :, :, 3:] == 0).all()
+
+
+def test_hf_llama_attention_state_dict_loads_strict():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaAttention
+    cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
+                                   attention_bias=False)
+    hf = LlamaAttention(cfg, layer_idx=0)
+    ours = MultiHeadAttention(64, 8, num_kv_heads=2, causal=True)
+    ours.load_state_dict(hf.state_dict(), strict=True)
+    qwen = MultiHeadAttention(64, 8, num_kv_heads=2, bias=True, out_bias=False)
+    assert set(qwen.state_dict()) == {"q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias",
+                                      "v_proj.weight", "v_proj.bias", "o_proj.weight"}
+
+
+@pytest.mark.parametrize("make,exc,text", [
+    (lambda: MultiHeadAttention(30, 4), ValueError, r"embed_dim \(30\) must be divisible by num_heads \(4\)"),
+    (lambda: MultiHeadAttention(32, 8, num_kv_heads=3), ValueError, r"num_heads \(8\) must be divisible by num_kv_heads \(3\)"),
+    (lambda: MultiHeadAttention(32, 0), ValueError, "num_heads"),
+    (lambda: MultiHeadAttention(32, 4, dropout=1.0), ValueError, "dropout"),
+])
+def test_bad_construction(make, exc, text):
+    with pytest.raises(exc, match=text):
+        make()
+
+
+@pytest.mark.parametrize("call,exc,text", [
+    (lambda m: m(torch.randn(2, 5, 31)), ValueError, r"width 31 .*expected 32"),
+    (lambda m: m(torch.randn(5, 32)), ValueError, "3-D"),
+    (lambda m: m(torch.randn(2, 5, 32), torch.randn(2, 5, 32)), ValueError, "both key and value"),
+    (lambda m: m(torch.randn(2, 5, 32), torch.randn(3, 4, 32), torch.randn(3, 4, 32)), ValueError, "batch"),
+    (lambda m: m(torch.randn(2, 5, 32), key_padding_mask=torch.zeros(2, 4, dtype=torch.bool)), ValueError, r"\(2, 5\)"),
+    (lambda m: m(torch.randn(2, 5, 32), key_padding_mask=torch.zeros(2, 5, dtype=torch.long)), TypeError, "bool"),
+    (lambda m: MultiHeadAttention(32, 4)(torch.randn(2, 5, 32), cache=DynamicCache(4, 8)), ValueError, "causal"),
+    (lambda m: m(torch.randn(3, 5, 32), cache=StaticCache(4, 8, max_batch=2, max_len=8)), ValueError, "max_batch=2"),
+    (lambda m: m(torch.randn(2, 9, 32), cache=StaticCache(4, 8, max_batch=2, max_len=8)), ValueError, "max_len 8"),
+])
+def test_bad_forward_input(call, exc, text):
+    m = MultiHeadAttention(32, 4, causal=True)
+    with pytest.raises(exc, match=text):
+        call(m)
