@@ -127,3 +127,22 @@ def test_bad_forward_input(call, exc, text):
     m = MultiHeadAttention(32, 4, causal=True)
     with pytest.raises(exc, match=text):
         call(m)
+
+
+@pytest.mark.slow
+def test_static_cache_decode_step_compiles_once_fullgraph():
+    import torch._dynamo
+    torch.manual_seed(0)
+    m = MultiHeadAttention(32, 4, num_kv_heads=2, causal=True).eval()
+    cache = StaticCache(2, 8, max_batch=2, max_len=32)
+    x = torch.randn(2, 16, 32)
+    with torch.no_grad():
+        full = m(x)
+        outs = [m(x[:, :8], cache=cache)]  # eager prefill
+        torch._dynamo.reset()
+        step = torch.compile(lambda t: m(t, cache=cache), fullgraph=True)
+        outs.append(step(x[:, 8:9]))
+        with torch._dynamo.config.patch(error_on_recompile=True):  # a recompile would raise
+            outs += [step(x[:, i:i + 1]) for i in range(9, 16)]
+    assert (torch.cat(outs, 1) - full).abs().max() <= 1e-5
+    assert cache.lengths.tolist() == [16, 16]

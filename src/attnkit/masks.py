@@ -544,12 +544,11 @@ class And(_Compose):
         return out
 
     def bias(self, batch, q_len, kv_len, device=None):
-        biases = [b for m in self.masks if (b := m.bias(batch, q_len, kv_len, device)) is not None]
-        if not biases:
-            return None
-        total = biases[0]
-        for b in biases[1:]:
-            total = total + b
+        total = None
+        for m in self.masks:
+            b = m.bias(batch, q_len, kv_len, device)
+            if b is not None:
+                total = b if total is None else total + b
         return total
 
     def mask_mod(self, q_len, kv_len, device=None):

@@ -271,6 +271,7 @@ def grouped_decode(q, k, v, scale: float, bias=None) -> torch.Tensor:
     if (
         needs_grad
         or q.device.type != "cpu"
+        or torch.compiler.is_compiling()
         or torch.float64 in (q.dtype, k.dtype, v.dtype)
         or not (q.is_floating_point() and k.is_floating_point() and v.is_floating_point())
         or q.numel() == 0

@@ -41,6 +41,8 @@ class DecodeBackend(BackendBase):
     def auto_skip_reason(self, call: AttentionCall) -> str | None:
         if call.device.type != "cpu":
             return f"{call.device.type}: SDPA's fused kernels serve decode there"
+        if torch.compiler.is_compiling():
+            return "under torch.compile (its threaded kernel runs eagerly; SDPA traces)"
         kv_elems = call.batch * call.kv_heads * call.kv_len * (call.head_dim + call.v_head_dim)
         if kv_elems < MIN_AUTO_KV_ELEMS:
             return f"tiny cache ({kv_elems} K/V elements): per-op overhead dominates, SDPA's one call is faster"

@@ -36,7 +36,8 @@ def sdpa_mask(call: AttentionCall, dtype: torch.dtype, device) -> tuple[Tensor |
             fin = torch.finfo(dtype)
             bias = torch.where(torch.isneginf(bias), bias, bias.clamp(fin.min, fin.max)).to(dtype)
     row_ok = allowed.any(-1, keepdim=True)
-    all_ok = bool(row_ok.all())
+    # Under torch.compile the fix-up is applied unconditionally (no data-dependent branch).
+    all_ok = False if torch.compiler.is_compiling() else bool(row_ok.all())
     if not all_ok:
         allowed = allowed | ~row_ok
     if bias is None:
