@@ -172,7 +172,8 @@ def test_from_hf_config_legacy_and_per_layer():
     v4 = SimpleNamespace(hidden_size=64, num_attention_heads=2, rope_theta=500000.0, max_position_embeddings=64,
                          rope_scaling={"type": "linear", "factor": 2.0})
     rope = RotaryEmbedding.from_hf_config(v4)
-    assert (rope.head_dim, rope.config.base, rope.rope_type, rope.config.params["factor"]) == (32, 500000.0, "linear", 2.0)
+    got = (rope.head_dim, rope.config.base, rope.rope_type, rope.config.params["factor"])
+    assert got == (32, 500000.0, "linear", 2.0)
     per_layer = SimpleNamespace(
         head_dim=16, max_position_embeddings=64, layer_types=["sliding_attention", "full_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
@@ -250,7 +251,8 @@ def test_softmax_scale_multiplier_matches_deepseek_v3(case):
     assert RotaryEmbedding.from_hf_config(cfg).softmax_scale_multiplier == mult
     for extra in ({"rope_type": "linear", "factor": 4.0, "mscale_all_dim": 0.5}, {"rope_type": "default"},
                   {"rope_type": "yarn", "factor": 0.5, "mscale_all_dim": 1.0}):
-        assert math.isclose(scale * yarn_softmax_scale_multiplier(extra), yarn_apply_mscale(extra, scale), rel_tol=1e-14)
+        ours_scale = scale * yarn_softmax_scale_multiplier(extra)
+        assert math.isclose(ours_scale, yarn_apply_mscale(extra, scale), rel_tol=1e-14)
     if case == "yarn-deepseek":
         assert math.isclose(mult, (0.1 * math.log(40.0) + 1) ** 2)
 
@@ -482,7 +484,8 @@ BAD = [
      r"base \(10.0\) and scaling\['rope_theta'\] \(500.0\) disagree"),
     ("rotary_dim vs partial", lambda: RotaryEmbedding(32, rotary_dim=8, scaling={"partial_rotary_factor": 0.5}),
      ValueError, r"rotary_dim \(8\) disagrees with int\(head_dim \* partial_rotary_factor\) = int\(32 \* 0.5\) = 16"),
-    ("base <= 1", lambda: RotaryEmbedding(32, base=1.0), ValueError, r"base \(rope_theta\) must be a finite number > 1"),
+    ("base <= 1", lambda: RotaryEmbedding(32, base=1.0), ValueError,
+     r"base \(rope_theta\) must be a finite number > 1, got 1.0"),
     ("scaling not a dict", lambda: RotaryEmbedding(32, scaling=[("rope_type", "linear")]), TypeError,
      r"scaling must be a dict"),
     ("interleaved not bool", lambda: RotaryEmbedding(32, interleaved=1), TypeError, r"interleaved must be a bool"),

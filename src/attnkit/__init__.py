@@ -6,9 +6,10 @@ from .caches import DynamicCache, SlidingWindowCache, StaticCache
 from .functional import attention, describe_call
 from .modules import GroupedQueryAttention, MultiHeadAttention, MultiQueryAttention
 from .reference import attention_reference
+from .rope import RopeConfig, RotaryEmbedding, apply_rotary
 
 __version__ = "0.1.0"
 
 __all__ = ["attention", "attention_reference", "describe_call", "masks", "caches", "BackendNotSupported",
            "backend_names", "explain", "register_backend", "MultiHeadAttention", "GroupedQueryAttention",
-           "MultiQueryAttention", "DynamicCache", "StaticCache", "SlidingWindowCache", "__version__"]
+           "MultiQueryAttention", "DynamicCache", "StaticCache", "SlidingWindowCache", "RotaryEmbedding", "RopeConfig", "apply_rotary", "__version__"]

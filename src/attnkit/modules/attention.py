@@ -136,7 +136,7 @@ class MultiHeadAttention(nn.Module):
             if positions is None:
                 positions = cache.positions(Sq) if cache is not None else \
                     torch.arange(Sq, device=query.device).expand(B, Sq)
-            q, k = self.rope.apply(q, k, positions)
+            q, k = self.rope(q, k, positions)
         causal, cache_mask = self.causal, None
         if cache is not None:
             k, v, cache_mask = cache.update(k, v)
