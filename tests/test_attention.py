@@ -135,8 +135,9 @@ def test_fp64_math_matches_oracle_exactly_enough():
 
 
 def test_auto_never_copies_kv_per_head_and_picks_expected_backend():
-    q, k, v = make_qkv(1, 8, 2, 1, 4096, 16)
+    q, k, v = make_qkv(1, 8, 2, 1, 4096, 16, dtype=torch.bfloat16)
     assert attnkit.describe_call(q, k, v, causal=True) == "decode"
+    assert attnkit.describe_call(q.float(), k.float(), v.float(), causal=True) == "sdpa"  # small fp32 cache
     q2, k, v = make_qkv(1, 8, 2, 64, 64, 16)
     assert attnkit.describe_call(q2, k, v, causal=True) == "sdpa"
     assert attnkit.describe_call(q2, k, v, causal=True, return_weights=True) == "math"

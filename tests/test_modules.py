@@ -146,3 +146,14 @@ def test_static_cache_decode_step_compiles_once_fullgraph():
             outs += [step(x[:, i:i + 1]) for i in range(9, 16)]
     assert (torch.cat(outs, 1) - full).abs().max() <= 1e-5
     assert cache.lengths.tolist() == [16, 16]
+
+
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
+def test_rope_positions_come_from_the_cache(cache_kind):
+    torch.manual_seed(0)
+    m = MultiHeadAttention(32, 4, num_kv_heads=2, causal=True, rope=attnkit.RotaryEmbedding(8)).eval()
+    x = torch.randn(2, 10, 32)
+    full = m(x)  # positions 0..9
+    cache = DynamicCache(2, 8) if cache_kind == "dynamic" else StaticCache(2, 8, max_batch=2, max_len=10)
+    outs = [m(x[:, :6], cache=cache)] + [m(x[:, i:i + 1], cache=cache) for i in range(6, 10)]
+    assert (torch.cat(outs, 1) - full).abs().max() <= 1e-5

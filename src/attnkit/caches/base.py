@@ -63,8 +63,10 @@ class KVCache(nn.Module):
     # ---------------------------------------------------------------- protocol
 
     def positions(self, num_new: int) -> Tensor:
-        """(B, S) positions of the next ``num_new`` tokens of each sequence (for RoPE)."""
-        return self.lengths[:, None] + torch.arange(num_new, device=self.lengths.device)
+        """(B, S) positions of the next ``num_new`` tokens of each sequence (for RoPE); (1, S)
+        shared by the batch while the cache is still empty."""
+        step = torch.arange(num_new, device=self.lengths.device)
+        return step[None] if self.lengths.numel() == 0 else self.lengths[:, None] + step
 
     def update(self, k: Tensor, v: Tensor, *, num_new: Tensor | None = None) -> tuple[Tensor, Tensor, Mask]:
         raise NotImplementedError
@@ -156,7 +158,10 @@ class _ContiguousCache(KVCache):
         self.v_buf[:B].scatter_(2, pos[:, None, :, None].expand(B, self.kv_heads, S, self.v_head_dim), v)
         self.lengths.add_(n)  # in place: a static cache's buffers keep their identity under compile
         L = self._view_len()
-        return self.k_buf[:B, :, :L], self.v_buf[:B, :, :L], self._mask(old, self.lengths)
+        return self.k_buf[:B, :, :L], self.v_buf[:B, :, :L], self._mask_for(old, S, L)
+
+    def _mask_for(self, old: Tensor, num_new: int, view_len: int) -> Mask:
+        return self._mask(old, self.lengths)
 
     def _reorder_buffers(self, idx):
         self.k_buf = self.k_buf[: self.lengths.shape[0]][idx]
@@ -182,6 +187,14 @@ class DynamicCache(_ContiguousCache):
 
     def _view_len(self):
         return int(self.lengths.max())
+
+    def _mask_for(self, old, num_new, view_len):
+        # Every sequence took all its new tokens and ends where the view ends: the mask is plain
+        # bottom-right causal, which the backends run without materializing (and drop entirely
+        # for one-token decode steps).
+        if bool(((self.lengths == view_len) & (old == view_len - num_new)).all()):
+            return Causal()
+        return self._mask(old, self.lengths)
 
 
 class StaticCache(_ContiguousCache):
