@@ -591,7 +591,9 @@ class RotaryEmbedding(nn.Module):
             grown = _dynamic_inv_freq(self.config, seq_len)
             inv_freq = torch.where(seq_len > self.config.max_position_embeddings, grown, inv_freq)
         freqs = positions[..., None].float() * inv_freq  # (B, S, F)
-        cos, sin = freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.attention_scaling != 1.0:
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
         if self.config.interleaved:
             return cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
         return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)

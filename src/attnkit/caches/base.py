@@ -158,10 +158,7 @@ class _ContiguousCache(KVCache):
         self.v_buf[:B].scatter_(2, pos[:, None, :, None].expand(B, self.kv_heads, S, self.v_head_dim), v)
         self.lengths.add_(n)  # in place: a static cache's buffers keep their identity under compile
         L = self._view_len()
-        return self.k_buf[:B, :, :L], self.v_buf[:B, :, :L], self._mask_for(old, S, L)
-
-    def _mask_for(self, old: Tensor, num_new: int, view_len: int) -> Mask:
-        return self._mask(old, self.lengths)
+        return self.k_buf[:B, :, :L], self.v_buf[:B, :, :L], self._mask(old, self.lengths)
 
     def _reorder_buffers(self, idx):
         self.k_buf = self.k_buf[: self.lengths.shape[0]][idx]
@@ -171,10 +168,50 @@ class _ContiguousCache(KVCache):
 class DynamicCache(_ContiguousCache):
     """Grows with the sequences: capacity doubles when full (amortised O(1) per token; one copy
     per doubling, not a ``torch.cat`` per step). ``update`` returns views up to the longest
-    sequence's end."""
+    sequence's end.
+
+    Eager-only by design (its shapes change every step), so it mirrors ``lengths`` as Python
+    ints: sizes need no device sync, and a batch whose sequences are all equally long (the
+    common case) is written with one slice copy and gets the plain bottom-right ``Causal()``
+    mask, which the backends run without materializing (and drop for one-token steps).
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._host: list[int] = []
+
+    def _sync_host(self) -> None:
+        self._host = self.lengths.tolist()
+
+    def update(self, k, v, *, num_new=None):
+        n = self._check_new(k, v, num_new)
+        B, _, S, _ = k.shape
+        if k.dtype != self.dtype or v.dtype != self.dtype:
+            raise TypeError(f"k/v dtype {k.dtype}/{v.dtype} differs from the cache's {self.dtype}")
+        if not self._host:
+            self.lengths = torch.zeros(B, dtype=torch.long, device=k.device)
+            self._host = [0] * B
+        old_host = self._host
+        self._reserve(B, S)
+        new_host = [o + S for o in old_host] if num_new is None else [o + m for o, m in zip(old_host, n.tolist())]
+        if num_new is None and min(old_host) == max(old_host):  # uniform: one slice copy each
+            start = old_host[0]
+            self.k_buf[:B, :, start:start + S].copy_(k)
+            self.v_buf[:B, :, start:start + S].copy_(v)
+            old = None
+        else:
+            old = self.lengths.clone()
+            pos = old[:, None] + torch.arange(S, device=k.device)  # (B, S)
+            self.k_buf[:B].scatter_(2, pos[:, None, :, None].expand(B, self.kv_heads, S, self.head_dim), k)
+            self.v_buf[:B].scatter_(2, pos[:, None, :, None].expand(B, self.kv_heads, S, self.v_head_dim), v)
+        self.lengths.add_(n)
+        self._host = new_host
+        L = max(new_host)
+        mask = Causal() if old is None else self._mask(old, self.lengths)
+        return self.k_buf[:B, :, :L], self.v_buf[:B, :, :L], mask
 
     def _reserve(self, batch, needed):
-        want = int((self.lengths + needed).max()) if self.lengths.numel() else needed
+        want = max(self._host) + needed
         cap = self.k_buf.shape[2]
         if self.k_buf.shape[0] != batch or want > cap:
             new_cap = max(want, 2 * cap, 16)
@@ -185,16 +222,17 @@ class DynamicCache(_ContiguousCache):
                 buf[:rows, :, :cap] = old[:rows]
                 setattr(self, name, buf)
 
-    def _view_len(self):
-        return int(self.lengths.max())
+    def reset(self) -> None:
+        super().reset()
+        self._sync_host()
 
-    def _mask_for(self, old, num_new, view_len):
-        # Every sequence took all its new tokens and ends where the view ends: the mask is plain
-        # bottom-right causal, which the backends run without materializing (and drop entirely
-        # for one-token decode steps).
-        if bool(((self.lengths == view_len) & (old == view_len - num_new)).all()):
-            return Causal()
-        return self._mask(old, self.lengths)
+    def crop(self, n) -> None:
+        super().crop(n)
+        self._sync_host()
+
+    def reorder(self, indices) -> None:
+        super().reorder(indices)
+        self._sync_host()
 
 
 class StaticCache(_ContiguousCache):
