@@ -12,7 +12,9 @@ def test_readme_usage_example_runs():
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
     assert blocks, "README has no python example"
     ns: dict = {}
-    exec(compile(blocks[0], "README.md", "exec"), ns)
+    for i, block in enumerate(blocks):  # every example, in order, in one namespace
+        exec(compile(block, f"README.md[block {i}]", "exec"), ns)
+    assert ns["y_next"].shape == (1, 1, 256)
     assert ns["out"].shape == (2, 32, 1, 128)
     assert ns["w"].shape == (2, 32, 1, 4096)
     assert (ns["w"][1, :, :, 1000:] == 0).all()  # padded keys get no weight
