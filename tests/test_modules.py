@@ -133,7 +133,7 @@ def test_bad_forward_input(call, exc, text):
 def test_static_cache_decode_step_compiles_once_fullgraph():
     import torch._dynamo
     torch.manual_seed(0)
-    m = MultiHeadAttention(32, 4, num_kv_heads=2, causal=True).eval()
+    m = MultiHeadAttention(32, 4, num_kv_heads=2, causal=True, rope=attnkit.RotaryEmbedding(8)).eval()
     cache = StaticCache(2, 8, max_batch=2, max_len=32)
     x = torch.randn(2, 16, 32)
     with torch.no_grad():
@@ -157,3 +157,27 @@ def test_rope_positions_come_from_the_cache(cache_kind):
     cache = DynamicCache(2, 8) if cache_kind == "dynamic" else StaticCache(2, 8, max_batch=2, max_len=10)
     outs = [m(x[:, :6], cache=cache)] + [m(x[:, i:i + 1], cache=cache) for i in range(6, 10)]
     assert (torch.cat(outs, 1) - full).abs().max() <= 1e-5
+
+
+def test_left_padded_batch_with_cache_equals_each_sequence_alone():
+    torch.manual_seed(0)
+    m = MultiHeadAttention(32, 4, num_kv_heads=2, causal=True, rope=attnkit.RotaryEmbedding(8)).eval()
+    lens, P, steps = [3, 6], 6, 3
+    seqs = [torch.randn(1, n + steps, 32) for n in lens]
+    # Left-padded prompts (Hugging Face style): padding first, positions count real tokens only.
+    prompt = torch.cat([torch.cat([torch.full((1, P - n, 32), 1e3), s[:, :n]], 1) for s, n in zip(seqs, lens)])
+    valid = torch.tensor([[j >= P - n for j in range(P)] for n in lens])
+    pos = (valid.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(2, 8)
+    with torch.no_grad():
+        out = m(prompt, key_padding_mask=~valid, positions=pos, cache=cache)
+        got = [[out[b:b + 1, P - n:]] for b, n in enumerate(lens)]
+        for t in range(steps):
+            x = torch.cat([s[:, n + t:n + t + 1] for s, n in zip(seqs, lens)])
+            kpm = torch.cat([~valid, torch.zeros(2, t + 1, dtype=torch.bool)], 1)
+            step_pos = torch.tensor([[n + t] for n in lens])
+            o = m(x, key_padding_mask=kpm, positions=step_pos, cache=cache)
+            for b in range(2):
+                got[b].append(o[b:b + 1])
+        for b, s in enumerate(seqs):
+            assert (torch.cat(got[b], 1) - m(s)).abs().max() <= 1e-5
