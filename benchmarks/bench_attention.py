@@ -11,20 +11,14 @@ machine's own read bandwidth measured in the same run.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import os
-import platform
-import statistics
 import sys
-import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import attnkit
+from _common import bench_main, interleaved_medians, machine, timed
 
 
 def textbook(q, k, v, causal: bool):
@@ -52,42 +46,11 @@ def ours(q, k, v, causal: bool):
 CONTENDERS = {"attnkit": ours, "torch_sdpa": sdpa, "textbook": textbook}
 
 
-def time_side_by_side(fns: dict, reps: int, warmup: int = 1) -> dict[str, float]:
-    """Median seconds per contender; each repetition runs all of them once, in turn, in
-    alternating order (whoever runs right after the memory-hungry textbook pays for it)."""
-    samples = {name: [] for name in fns}
-    with torch.inference_mode():
-        for _ in range(warmup):
-            for fn in fns.values():
-                fn()
-        for rep in range(reps):
-            order = list(fns.items()) if rep % 2 == 0 else list(fns.items())[::-1]
-            for name, fn in order:
-                t0 = time.perf_counter()
-                fn()
-                samples[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(s) for name, s in samples.items()}
-
-
 def read_probe(nbytes: int):
     """A plain read of ``nbytes`` (a sum over an fp32 buffer): the machine's read bandwidth on
     a working set the size of the KV cache, timed side by side with the contenders."""
     buf = torch.ones(nbytes // 4, dtype=torch.float32)
     return lambda: buf.sum()
-
-
-def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "attnkit": attnkit.__version__, "python": platform.python_version(),
-            "platform": platform.platform()}
 
 
 def run(quick: bool) -> dict:
@@ -99,11 +62,12 @@ def run(quick: bool) -> dict:
     for S in prefill_sizes:
         for dname, dt in dtypes.items():
             q, k, v = (torch.randn(1, 8, S, 64, dtype=dt) for _ in range(3))
-            fns = {n: (lambda f=f: f(q, k, v, True)) for n, f in CONTENDERS.items()}
+            fns = {n: timed(lambda f=f: f(q, k, v, True)) for n, f in CONTENDERS.items()}
             if S > 4096:  # the textbook's (8, S, S) fp32 scores alone are 2 GB
                 fns.pop("textbook")
             reps = 3 if quick else (7 if S >= 8192 else 11)
-            t = time_side_by_side(fns, reps)
+            with torch.inference_mode():
+                t = interleaved_medians(fns, reps, warmup=1)
             rows.append({"case": "prefill causal", "shape": f"B1 H8 S{S} D64", "dtype": dname,
                          "backend": attnkit.describe_call(q, k, v, causal=True), **{f"{n}_ms": t[n] * 1e3 for n in t}})
     # Decode: B=1, 32 query heads over 8 KV heads, D=128, one new token over the cache.
@@ -113,9 +77,10 @@ def run(quick: bool) -> dict:
             q = torch.randn(1, 32, 1, 128, dtype=dt)
             k, v = (torch.randn(1, 8, ctx, 128, dtype=dt) for _ in range(2))
             kv_bytes = k.numel() * k.element_size() * 2
-            fns = {n: (lambda f=f: f(q, k, v, True)) for n, f in CONTENDERS.items()}
-            fns["read"] = read_probe(kv_bytes)
-            t = time_side_by_side(fns, 5 if quick else 15, warmup=2)
+            fns = {n: timed(lambda f=f: f(q, k, v, True)) for n, f in CONTENDERS.items()}
+            fns["read"] = timed(read_probe(kv_bytes))
+            with torch.inference_mode():
+                t = interleaved_medians(fns, 5 if quick else 15, warmup=2)
             bw = kv_bytes / t.pop("read") / 1e9
             rows.append({"case": "decode", "shape": f"B1 Hq32 Hkv8 ctx{ctx} D128", "dtype": dname,
                          "backend": attnkit.describe_call(q, k, v, causal=True),
@@ -151,20 +116,7 @@ def to_markdown(res: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results",
-                   help="folder for attention.md / attention.json (default: benchmarks/results)")
-    args = p.parse_args(argv)
-    res = run(args.quick)
-    md = to_markdown(res)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = "attention_quick" if args.quick else "attention"
-    (args.out / f"{stem}.json").write_text(json.dumps(res, indent=2))
-    (args.out / f"{stem}.md").write_text(md)
-    print(md)
-    print(f"wrote {args.out / (stem + '.md')} and .json")
-    return 0
+    return bench_main(argv, __doc__, "attention", run, to_markdown)
 
 
 if __name__ == "__main__":

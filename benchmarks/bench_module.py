@@ -10,20 +10,13 @@ attnkit's DynamicCache and StaticCache). Contenders run in alternating order; me
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-import attnkit
+from _common import bench_main, interleaved_medians, machine, timed
 from attnkit import DynamicCache, MultiHeadAttention, RotaryEmbedding, StaticCache
-
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_attention import machine  # noqa: E402
 
 
 def build(impl: str, dtype):
@@ -65,22 +58,6 @@ def ours_decode(ours, x, prompt, steps, cache):
     return (time.perf_counter() - t0) / steps
 
 
-def median_interleaved(fns: dict, reps: int) -> dict:
-    out = {n: [] for n in fns}
-    for r in range(reps):
-        for n, f in (list(fns.items()) if r % 2 == 0 else list(fns.items())[::-1]):
-            out[n].append(f())
-    return {n: statistics.median(v) for n, v in out.items()}
-
-
-def timed(fn):
-    def run():
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-    return run
-
-
 def run(quick: bool) -> dict:
     S, steps = (256, 16) if quick else (2048, 128)
     prompt = S  # decode continues the prefilled sequence
@@ -95,12 +72,12 @@ def run(quick: bool) -> dict:
             torch.testing.assert_close(ours(xp).float(), hf_prefill(hf_sdpa, rope, xp).float(),
                                        atol=1e-4 if dtype == torch.float32 else 5e-2, rtol=1e-3 if dtype == torch.float32 else 5e-2)
             # The close pair gets many interleaved repetitions; the far slower eager path a few.
-            pre = median_interleaved({
+            pre = interleaved_medians({
                 "attnkit": timed(lambda: ours(xp)),
                 "hf_sdpa": timed(lambda: hf_prefill(hf_sdpa, rope, xp)),
             }, 3 if quick else 15)
-            pre.update(median_interleaved({"hf_eager": timed(lambda: hf_prefill(hf_eager, rope, xp))}, 3))
-            dec = median_interleaved({
+            pre.update(interleaved_medians({"hf_eager": timed(lambda: hf_prefill(hf_eager, rope, xp))}, 3))
+            dec = interleaved_medians({
                 "attnkit": lambda: ours_decode(ours, x, prompt, steps, DynamicCache(4, 64, dtype=dtype)),
                 "attnkit_static": lambda: ours_decode(ours, x, prompt, steps,
                                                       StaticCache(4, 64, max_batch=1, max_len=prompt + steps, dtype=dtype)),
@@ -129,18 +106,7 @@ def to_markdown(res: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    args = p.parse_args(argv)
-    res = run(args.quick)
-    md = to_markdown(res)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = "module_quick" if args.quick else "module"
-    (args.out / f"{stem}.json").write_text(json.dumps(res, indent=2))
-    (args.out / f"{stem}.md").write_text(md)
-    print(md)
-    return 0
+    return bench_main(argv, __doc__, "module", run, to_markdown)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,73 @@
+"""Plumbing shared by the benchmark scripts: interleaved timing, the machine's description, and
+the command line that writes a result table (markdown + JSON)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+import attnkit
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def timed(fn: Callable[[], object]) -> Callable[[], float]:
+    """Wrap ``fn`` so that calling it returns its wall time in seconds."""
+    def run() -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+    return run
+
+
+def interleaved_medians(fns: dict[str, Callable[[], float]], reps: int, warmup: int = 0) -> dict[str, float]:
+    """Median of each contender's seconds. Each repetition runs every contender once, in
+    alternating order (whoever runs right after a memory-hungry peer pays for it). Contenders
+    return their own seconds (see :func:`timed`), so one may time only part of its work."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for rep in range(reps):
+        for name, fn in (list(fns.items()) if rep % 2 == 0 else list(fns.items())[::-1]):
+            samples[name].append(fn())
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "attnkit": attnkit.__version__, "python": platform.python_version(),
+            "platform": platform.platform()}
+
+
+def bench_main(argv, doc: str, name: str, run: Callable[[bool], dict], to_markdown: Callable[[dict], str]) -> int:
+    """``--quick`` / ``--out`` command line: run, print the table, write ``name[_quick].{md,json}``."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
+    p.add_argument("--out", type=Path, default=RESULTS, help="folder for the tables (default: benchmarks/results)")
+    args = p.parse_args(argv)
+    res = run(args.quick)
+    md = to_markdown(res)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"{name}_quick" if args.quick else name
+    (args.out / f"{stem}.json").write_text(json.dumps(res, indent=2))
+    (args.out / f"{stem}.md").write_text(md)
+    print(md)
+    print(f"wrote {args.out / (stem + '.md')} and .json")
+    return 0
