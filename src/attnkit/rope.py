@@ -420,8 +420,14 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = Fal
         raise ValueError(f"cos/sin last dim R ({R}) must be even and <= head dim D ({D}) of x")
     if not isinstance(interleaved, bool):
         raise TypeError(f"interleaved must be a bool, got {type(interleaved).__name__}")
+    return _apply_rotary(x, cos, sin, interleaved)
+
+
+def _apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
+    """:func:`apply_rotary` without the argument checks (callers have validated)."""
+    R, D = cos.shape[-1], x.shape[-1]
     ct = torch.promote_types(x.dtype, torch.float32)
-    xr = x[..., :R].to(ct)
+    xr = (x if R == D else x[..., :R]).to(ct)
     c, s = cos[:, None].to(ct), sin[:, None].to(ct)
     out = (xr * c + _rotate(xr, interleaved) * s).to(x.dtype)
     return out if R == D else torch.cat((out, x[..., R:]), dim=-1)
@@ -640,6 +646,6 @@ class RotaryEmbedding(nn.Module):
         positions = self._check_positions(positions)
         self._check_match("q", q, positions)
         cos, sin = self._cos_sin(positions)
-        cos_q, sin_q = cos.to(q.device), sin.to(q.device)
-        return (apply_rotary(q, cos_q, sin_q, interleaved=self.interleaved),
-                apply_rotary(k, cos.to(k.device), sin.to(k.device), interleaved=self.interleaved))
+        cos, sin = cos.to(q.device), sin.to(q.device)
+        return (_apply_rotary(q, cos, sin, self.interleaved),
+                _apply_rotary(k, cos.to(k.device), sin.to(k.device), self.interleaved))
