@@ -11,7 +11,8 @@ what to attend to plus the mask that makes it right::
     out = attnkit.attention(q, k_all, v_all, mask)  # q: (B, Hq, S, D), no causal flag needed
 
 ``mask`` is ``Causal(offsets=old_lengths) & KeyPadding(new_lengths)``: query i of sequence b sits
-at position ``old_lengths[b] + i`` and sees the keys at or before it. Prefill, decode of one or
+at position ``old_lengths[b] + i`` and sees the keys at or before it. (``DynamicCache`` returns
+the equivalent plain ``Causal()`` when every sequence is equally long.) Prefill, decode of one or
 several tokens (speculative verification) and chunked prefill all go through the same call.
 Ragged batches: ``update(k, v, num_new=n)`` with right-padded new tokens advances sequence b by
 ``n[b]`` only (its padding is overwritten by the next step).
