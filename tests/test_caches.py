@@ -127,6 +127,36 @@ def test_accounting_and_amortised_growth():
     assert static.bytes_per_token == cache.bytes_per_token
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_value_from_key_stores_k_once_and_attends_like_separate_kv(kind):
+    # MLA's latent layout: K = [c_kv, k_rope] (576 wide at DeepSeek-V3 dims), V = c_kv = K[..., :512].
+    q, k, _ = make_qkv(2, 8, 1, 9, 9, 24, seed=3)
+    shared = DynamicCache(1, 24, 16, value_from_key=True) if kind == "dynamic" else \
+        StaticCache(1, 24, 16, max_batch=2, max_len=16, value_from_key=True)
+    separate = make_cache(kind, 2, 1, 24, 16, torch.float32, max_len=16)
+    outs = []
+    for cache in (shared, separate):
+        out, s = [], 0
+        for n in (5, 1, 3):
+            v = None if cache is shared else k[:, :, s:s + n, :16]
+            out.append(cache.attend(q[:, :, s:s + n], k[:, :, s:s + n], v))
+            s += n
+        outs.append(torch.cat(out, 2))
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    torch.testing.assert_close(outs[0], attnkit.attention(q, k, k[..., :16], causal=True))
+    assert shared.bytes_per_token == 24 * 4 and separate.bytes_per_token == (24 + 16) * 4
+    assert shared.v_buf.numel() == 0
+    shared.reorder(torch.tensor([1, 0]))
+    shared.crop(-1)
+    assert shared.lengths.tolist() == [8, 8]
+    with pytest.raises(ValueError, match="v=None"):
+        shared.update(k[:, :, :1], k[:, :, :1, :16])
+    with pytest.raises(ValueError, match="value_from_key"):
+        separate.update(k[:, :, :1], None)
+    with pytest.raises(ValueError, match="v_head_dim <= head_dim"):
+        DynamicCache(1, 8, 16, value_from_key=True)
+
+
 def test_positions_follow_each_sequence():
     cache = DynamicCache(1, 4)
     k = torch.zeros(2, 1, 5, 4)

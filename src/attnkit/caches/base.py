@@ -16,6 +16,14 @@ the equivalent plain ``Causal()`` when every sequence is equally long.) Prefill,
 several tokens (speculative verification) and chunked prefill all go through the same call.
 Ragged batches: ``update(k, v, num_new=n)`` with right-padded new tokens advances sequence b by
 ``n[b]`` only (its padding is overwritten by the next step).
+
+Modules call ``cache.attend(q, k, v, mask)``: update, then :func:`attnkit.attention` over what
+the cache returns. A cache whose memory is not one tensor per sequence (paged) overrides
+``attend`` to run its own attention over its layout, with the same result.
+
+``value_from_key=True`` stores K only and reads V as its first ``v_head_dim`` channels
+(``v_head_dim <= head_dim``): MLA's latent cache keeps ``[c_kv, k_rope]`` per token and attends
+with V = ``c_kv``, so nothing is stored twice. ``update(k, None)`` then.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..functional import attention
 from ..masks import Causal, KeyPadding, Mask
 
 __all__ = ["KVCache", "DynamicCache", "StaticCache"]
@@ -39,13 +48,16 @@ class KVCache(nn.Module):
     """
 
     def __init__(self, kv_heads: int, head_dim: int, v_head_dim: int | None = None, *,
-                 dtype: torch.dtype = torch.float32, device=None):
+                 value_from_key: bool = False, dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
-        for name, val in (("kv_heads", kv_heads), ("head_dim", head_dim)):
-            if not isinstance(val, int) or val < 1:
+        v_head_dim = head_dim if v_head_dim is None else v_head_dim
+        for name, val in (("kv_heads", kv_heads), ("head_dim", head_dim), ("v_head_dim", v_head_dim)):
+            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
-        self.kv_heads, self.head_dim = kv_heads, head_dim
-        self.v_head_dim = head_dim if v_head_dim is None else v_head_dim
+        if value_from_key and v_head_dim > head_dim:
+            raise ValueError(f"value_from_key needs v_head_dim <= head_dim, got {v_head_dim} > {head_dim}")
+        self.kv_heads, self.head_dim, self.v_head_dim = kv_heads, head_dim, v_head_dim
+        self.value_from_key = bool(value_from_key)
         self.dtype = dtype
         self.register_buffer("lengths", torch.zeros(0, dtype=torch.long, device=device), persistent=False)
 
@@ -54,7 +66,8 @@ class KVCache(nn.Module):
     @property
     def bytes_per_token(self) -> int:
         """Bytes one token of one sequence occupies in this layer's cache (K and V, Hkv heads)."""
-        return self.kv_heads * (self.head_dim + self.v_head_dim) * torch.empty((), dtype=self.dtype).element_size()
+        values = self.head_dim + (0 if self.value_from_key else self.v_head_dim)
+        return self.kv_heads * values * torch.empty((), dtype=self.dtype).element_size()
 
     @property
     def nbytes(self) -> int:
@@ -69,11 +82,31 @@ class KVCache(nn.Module):
         step = torch.arange(num_new, device=self.lengths.device)
         return step[None] if self.lengths.numel() == 0 else self.lengths[:, None] + step
 
-    def update(self, k: Tensor, v: Tensor, *, num_new: Tensor | None = None) -> tuple[Tensor, Tensor, Mask]:
+    def update(self, k: Tensor, v: Tensor | None, *, num_new: Tensor | None = None) -> tuple[Tensor, Tensor, Mask]:
+        """Append this step's k (B, Hkv, S, D) and v (B, Hkv, S, Dv) (None with
+        ``value_from_key``); returns (k_all (B, Hkv, L, D), v_all (B, Hkv, L, Dv), mask)."""
         raise NotImplementedError
 
-    def _check_new(self, k: Tensor, v: Tensor, num_new) -> Tensor:
+    def attend(self, q: Tensor, k: Tensor, v: Tensor | None, mask: Mask | None = None, *,
+               num_new: Tensor | None = None, scale: float | None = None, dropout_p: float = 0.0,
+               backend: str = "auto", return_weights: bool = False):
+        """Append k, v and attend q (B, Hq, S, D) over everything cached, ``mask`` ANDed with the
+        cache's own. Returns what :func:`attnkit.attention` returns."""
+        k_all, v_all, cache_mask = self.update(k, v, num_new=num_new)
+        full = cache_mask if mask is None else cache_mask & mask
+        return attention(q, k_all, v_all, full, scale=scale, dropout_p=dropout_p, backend=backend,
+                         return_weights=return_weights)
+
+    def _check_new(self, k: Tensor, v: Tensor | None, num_new) -> Tensor:
         """Validate this step's K/V; returns num_new as a (B,) long tensor."""
+        if self.value_from_key:
+            if v is not None:
+                raise ValueError("this cache reads V from K (value_from_key=True); pass v=None")
+            v = k[..., :self.v_head_dim]
+        elif v is None:
+            raise ValueError("v is None but this cache stores values (value_from_key=False)")
+        if k.dtype != self.dtype or v.dtype != self.dtype:
+            raise TypeError(f"k/v dtype {k.dtype}/{v.dtype} differs from the cache's {self.dtype}")
         if k.dim() != 4 or v.dim() != 4:
             raise ValueError(f"k and v must be (B, Hkv, S, D), got k {_shape(k)}, v {_shape(v)}")
         B, H, S, D = k.shape
@@ -128,14 +161,44 @@ class KVCache(nn.Module):
 
 
 class _ContiguousCache(KVCache):
-    """K/V in (B, Hkv, capacity, D) buffers; tokens written in place by scatter (no cat per step)."""
+    """K/V in (B, Hkv, capacity, D) buffers; tokens written in place by scatter (no cat per step).
+    With ``value_from_key`` there is no V buffer (``v_buf`` stays empty)."""
 
-    def __init__(self, kv_heads, head_dim, v_head_dim=None, *, dtype=torch.float32, device=None):
-        super().__init__(kv_heads, head_dim, v_head_dim, dtype=dtype, device=device)
+    def __init__(self, kv_heads, head_dim, v_head_dim=None, *, value_from_key=False, dtype=torch.float32,
+                 device=None):
+        super().__init__(kv_heads, head_dim, v_head_dim, value_from_key=value_from_key, dtype=dtype, device=device)
         self.register_buffer("k_buf", torch.zeros(0, kv_heads, 0, head_dim, dtype=dtype, device=device),
                              persistent=False)
         self.register_buffer("v_buf", torch.zeros(0, kv_heads, 0, self.v_head_dim, dtype=dtype, device=device),
                              persistent=False)
+
+    def _stored(self) -> list[tuple[str, int]]:
+        """(buffer name, channels) of what this cache keeps."""
+        return [("k_buf", self.head_dim)] + ([] if self.value_from_key else [("v_buf", self.v_head_dim)])
+
+    def _alloc(self, batch: int, length: int) -> None:
+        """Fresh zero buffers of (batch, Hkv, length, ·), keeping what fits of the old ones."""
+        for name, dim in self._stored():
+            old = getattr(self, name)
+            buf = old.new_zeros(batch, self.kv_heads, length, dim)
+            rows, cols = min(batch, old.shape[0]), min(length, old.shape[2])
+            buf[:rows, :, :cols] = old[:rows, :, :cols]
+            setattr(self, name, buf)
+
+    def _write(self, k: Tensor, v: Tensor | None, start: Tensor | int) -> None:
+        """Write the step's S tokens of sequence b at ``start[b] ..`` (an int: one slice copy)."""
+        B, H, S, _ = k.shape
+        for (name, dim), t in zip(self._stored(), (k, v)):
+            buf = getattr(self, name)
+            if isinstance(start, int):
+                buf[:B, :, start:start + S].copy_(t)
+            else:
+                pos = start[:, None] + torch.arange(S, device=k.device)  # (B, S)
+                buf[:B].scatter_(2, pos[:, None, :, None].expand(B, H, S, dim), t)
+
+    def _views(self, batch: int, length: int) -> tuple[Tensor, Tensor]:
+        k = self.k_buf[:batch, :, :length]
+        return k, (k[..., :self.v_head_dim] if self.value_from_key else self.v_buf[:batch, :, :length])
 
     def _reserve(self, batch: int, needed: int) -> None:
         """Make room for ``needed`` tokens per sequence for a batch of ``batch``."""
@@ -148,22 +211,17 @@ class _ContiguousCache(KVCache):
     def update(self, k, v, *, num_new=None):
         n = self._check_new(k, v, num_new)
         B, _, S, _ = k.shape
-        if k.dtype != self.dtype or v.dtype != self.dtype:
-            raise TypeError(f"k/v dtype {k.dtype}/{v.dtype} differs from the cache's {self.dtype}")
         if self.lengths.numel() == 0:
             self.lengths = torch.zeros(B, dtype=torch.long, device=k.device)
         self._reserve(B, S)
         old = self.lengths.clone()
-        pos = old[:, None] + torch.arange(S, device=k.device)  # (B, S)
-        self.k_buf[:B].scatter_(2, pos[:, None, :, None].expand(B, self.kv_heads, S, self.head_dim), k)
-        self.v_buf[:B].scatter_(2, pos[:, None, :, None].expand(B, self.kv_heads, S, self.v_head_dim), v)
+        self._write(k, v, old)
         self.lengths.add_(n)  # in place: a static cache's buffers keep their identity under compile
-        L = self._view_len()
-        return self.k_buf[:B, :, :L], self.v_buf[:B, :, :L], self._mask(old, self.lengths)
+        return (*self._views(B, self._view_len()), self._mask(old, self.lengths))
 
     def _reorder_buffers(self, idx):
-        self.k_buf = self.k_buf[: self.lengths.shape[0]][idx]
-        self.v_buf = self.v_buf[: self.lengths.shape[0]][idx]
+        for name, _ in self._stored():
+            setattr(self, name, getattr(self, name)[: self.lengths.shape[0]][idx])
 
 
 class DynamicCache(_ContiguousCache):
@@ -187,8 +245,6 @@ class DynamicCache(_ContiguousCache):
     def update(self, k, v, *, num_new=None):
         n = self._check_new(k, v, num_new)
         B, _, S, _ = k.shape
-        if k.dtype != self.dtype or v.dtype != self.dtype:
-            raise TypeError(f"k/v dtype {k.dtype}/{v.dtype} differs from the cache's {self.dtype}")
         if not self._host:
             self.lengths = torch.zeros(B, dtype=torch.long, device=k.device)
             self._host = [0] * B
@@ -196,32 +252,21 @@ class DynamicCache(_ContiguousCache):
         self._reserve(B, S)
         new_host = [o + S for o in old_host] if num_new is None else [o + m for o, m in zip(old_host, n.tolist())]
         if num_new is None and min(old_host) == max(old_host):  # uniform: one slice copy each
-            start = old_host[0]
-            self.k_buf[:B, :, start:start + S].copy_(k)
-            self.v_buf[:B, :, start:start + S].copy_(v)
-            old = None
+            self._write(k, v, old_host[0])
+            mask = Causal()
         else:
             old = self.lengths.clone()
-            pos = old[:, None] + torch.arange(S, device=k.device)  # (B, S)
-            self.k_buf[:B].scatter_(2, pos[:, None, :, None].expand(B, self.kv_heads, S, self.head_dim), k)
-            self.v_buf[:B].scatter_(2, pos[:, None, :, None].expand(B, self.kv_heads, S, self.v_head_dim), v)
+            self._write(k, v, old)
+            mask = self._mask(old, self.lengths + n)
         self.lengths.add_(n)
         self._host = new_host
-        L = max(new_host)
-        mask = Causal() if old is None else self._mask(old, self.lengths)
-        return self.k_buf[:B, :, :L], self.v_buf[:B, :, :L], mask
+        return (*self._views(B, max(new_host)), mask)
 
     def _reserve(self, batch, needed):
         want = max(self._host) + needed
         cap = self.k_buf.shape[2]
         if self.k_buf.shape[0] != batch or want > cap:
-            new_cap = max(want, 2 * cap, 16)
-            for name, dv in (("k_buf", self.head_dim), ("v_buf", self.v_head_dim)):
-                old = getattr(self, name)
-                buf = old.new_zeros(batch, self.kv_heads, new_cap, dv)
-                rows = min(batch, old.shape[0])
-                buf[:rows, :, :cap] = old[:rows]
-                setattr(self, name, buf)
+            self._alloc(batch, max(want, 2 * cap, 16))
 
     def reset(self) -> None:
         super().reset()
@@ -242,13 +287,12 @@ class StaticCache(_ContiguousCache):
     recompiles per step. Writing past ``max_len`` raises a ValueError."""
 
     def __init__(self, kv_heads, head_dim, v_head_dim=None, *, max_batch: int, max_len: int,
-                 dtype=torch.float32, device=None):
-        super().__init__(kv_heads, head_dim, v_head_dim, dtype=dtype, device=device)
+                 value_from_key=False, dtype=torch.float32, device=None):
+        super().__init__(kv_heads, head_dim, v_head_dim, value_from_key=value_from_key, dtype=dtype, device=device)
         if max_batch < 1 or max_len < 1:
             raise ValueError(f"max_batch and max_len must be >= 1, got {max_batch}, {max_len}")
         self.max_batch, self.max_len = max_batch, max_len
-        self.k_buf = torch.zeros(max_batch, kv_heads, max_len, head_dim, dtype=dtype, device=device)
-        self.v_buf = torch.zeros(max_batch, kv_heads, max_len, self.v_head_dim, dtype=dtype, device=device)
+        self._alloc(max_batch, max_len)
 
     def _reserve(self, batch, needed):
         if batch != self.max_batch:
@@ -267,5 +311,6 @@ class StaticCache(_ContiguousCache):
         if idx.numel() != self.max_batch:
             raise ValueError(f"a static cache keeps max_batch={self.max_batch} sequences; reorder got "
                              f"{idx.numel()} indices")
-        self.k_buf.copy_(self.k_buf[idx])
-        self.v_buf.copy_(self.v_buf[idx])
+        for name, _ in self._stored():
+            buf = getattr(self, name)
+            buf.copy_(buf[idx])

@@ -137,16 +137,17 @@ class MultiHeadAttention(nn.Module):
                 positions = cache.positions(Sq) if cache is not None else \
                     torch.arange(Sq, device=query.device).expand(B, Sq)
             q, k = self.rope(q, k, positions)
-        causal, cache_mask = self.causal, None
-        if cache is not None:
-            k, v, cache_mask = cache.update(k, v)
-            causal = False  # the cache's mask places each query after its sequence's past
-        user_mask = _and(cache_mask, as_mask(mask))
+        user_mask = as_mask(mask)
         if key_padding_mask is not None:
-            user_mask = _and(user_mask, _torch_key_padding(key_padding_mask, B, k.shape[2]))
-        p = self.dropout if self.training else 0.0
-        res = attention(q, k, v, user_mask, causal=causal, dropout_p=p, backend=self.backend,
-                        return_weights=need_weights)
+            # With a cache, the key length is the cache's; the mask's own check names it.
+            kv_len = k.shape[2] if cache is None else None
+            user_mask = _and(user_mask, _torch_key_padding(key_padding_mask, B, kv_len))
+        kw = dict(dropout_p=self.dropout if self.training else 0.0, backend=self.backend,
+                  return_weights=need_weights)
+        if cache is None:
+            res = attention(q, k, v, user_mask, causal=self.causal, **kw)
+        else:  # the cache's own mask places each query after its sequence's past
+            res = cache.attend(q, k, v, user_mask, **kw)
         out, weights = res if need_weights else (res, None)
         out = self.o_proj(out.transpose(1, 2).flatten(2))  # (B, Sq, H * hdv) -> (B, Sq, out_dim)
         if not self.batch_first:
@@ -187,10 +188,10 @@ def _and(a: Mask | None, b: Mask | None) -> Mask | None:
     return b if a is None else a if b is None else a & b
 
 
-def _torch_key_padding(kpm: Tensor, batch: int, kv_len: int) -> Mask:
+def _torch_key_padding(kpm: Tensor, batch: int, kv_len: int | None) -> Mask:
     """``nn.MultiheadAttention``'s key_padding_mask (True / -inf = ignore) as an attnkit mask."""
-    if not isinstance(kpm, Tensor) or kpm.dim() != 2 or kpm.shape != (batch, kv_len):
-        raise ValueError(f"key_padding_mask must be (B, Sk) = ({batch}, {kv_len}), got shape "
+    if not isinstance(kpm, Tensor) or kpm.dim() != 2 or kpm.shape[0] != batch or kpm.shape[1] != (kv_len or kpm.shape[1]):
+        raise ValueError(f"key_padding_mask must be (B, Sk) = ({batch}, {kv_len or 'cached length'}), got shape "
                          f"{tuple(getattr(kpm, 'shape', ()))}")
     if kpm.dtype == torch.bool:
         return KeyPadding(valid=~kpm)
