@@ -181,3 +181,20 @@ def test_left_padded_batch_with_cache_equals_each_sequence_alone():
                 got[b].append(o[b:b + 1])
         for b, s in enumerate(seqs):
             assert (torch.cat(got[b], 1) - m(s)).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("kind,kw", [("dynamic", {}), ("static", {"max_batch": 2, "max_len": 12}),
+                                     ("sliding", {"window": 64, "max_batch": 2})])
+def test_new_cache_fits_the_module(kind, kw):
+    torch.manual_seed(0)
+    m = MultiHeadAttention(32, 4, num_kv_heads=2, causal=True).eval()
+    x = torch.randn(2, 12, 32)
+    cache = m.new_cache(kind, **kw)
+    assert (cache.kv_heads, cache.head_dim, cache.dtype) == (2, 8, torch.float32)
+    with torch.no_grad():
+        out = torch.cat([m(x[:, :7], cache=cache)] + [m(x[:, i:i + 1], cache=cache) for i in range(7, 12)], 1)
+        assert (out - m(x)).abs().max() <= 1e-5
+    with pytest.raises(ValueError, match="max_len"):
+        m.new_cache("static", max_batch=2)
+    with pytest.raises(ValueError, match="kind must be"):
+        m.new_cache("paged-ish")
