@@ -78,3 +78,53 @@ def test_prefill_then_cached_decode_matches_llama_attention(name):
                            attention_mask=_hf_mask(valid[:, :t + 1], torch.tensor([t]), torch.arange(t + 1)))[0])
     got, want = torch.cat(got, 1), torch.cat(want, 1)
     torch.testing.assert_close(got[valid], want[valid])
+
+
+def _mistral_pair(window):
+    from transformers.models.mistral.modeling_mistral import MistralAttention, MistralRotaryEmbedding
+    cfg = transformers.MistralConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
+                                     sliding_window=window, max_position_embeddings=64)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = MistralAttention(cfg, layer_idx=0).eval()
+    ours = MultiHeadAttention(64, 8, num_kv_heads=2, causal=True, rope=RotaryEmbedding.from_hf_config(cfg)).eval()
+    ours.load_state_dict(hf.state_dict(), strict=True)
+    return cfg, hf, MistralRotaryEmbedding(cfg), ours
+
+
+# window=1 is left out: there HF's DynamicSlidingWindowLayer is wrong during decode (each query
+# should see only itself; attnkit gives o_proj(v_proj(x_t)) exactly, HF does not, and a 3-token
+# chunk raises a shape error inside MistralAttention), checked with transformers 5.23.
+@pytest.mark.parametrize("window", [2, 5, 16])
+def test_sliding_window_matches_mistral_attention(window):
+    """Mistral's sliding window (HF's own mask builder decides who sees whom): padded prefill with
+    ``SlidingWindow(W - 1)``, then chunked + token-by-token decode through a ``SlidingWindowCache``
+    against HF's sliding-window cache layer, past the point where the window evicts."""
+    from transformers.masking_utils import create_sliding_window_causal_mask
+
+    from attnkit import SlidingWindowCache, masks
+    cfg, hf, hf_rope, ours = _mistral_pair(window)
+    B, S = 2, 12
+    valid = torch.arange(S)[None, :] >= torch.tensor([0, 3])[:, None]  # left padding
+    pos = (valid.cumsum(-1) - 1).clamp(min=0)
+    x = torch.randn(B, S, 64)
+    hf_mask = create_sliding_window_causal_mask(config=cfg, inputs_embeds=x, attention_mask=valid.long(),
+                                                past_key_values=None, position_ids=pos)
+    with torch.no_grad():
+        want, _ = hf(x, position_embeddings=hf_rope(x, pos), attention_mask=hf_mask)
+        got = ours(x, mask=masks.SlidingWindow(window - 1), key_padding_mask=~valid, positions=pos)
+    torch.testing.assert_close(got[valid], want[valid])
+
+    total = 20
+    x = torch.randn(B, total, 64)
+    positions = torch.arange(total)[None].expand(B, -1)
+    hf_cache, cache = transformers.DynamicCache(config=cfg), SlidingWindowCache(2, 8, window=window, max_batch=B)
+    got, want = [], []
+    with torch.no_grad():
+        for s0, s1 in [(0, 8), (8, 11)] + [(t, t + 1) for t in range(11, total)]:
+            xs, ps = x[:, s0:s1], positions[:, s0:s1]
+            m = create_sliding_window_causal_mask(config=cfg, inputs_embeds=xs, attention_mask=torch.ones(B, s1, dtype=torch.long),
+                                                  past_key_values=hf_cache, position_ids=ps)
+            want.append(hf(xs, position_embeddings=hf_rope(xs, ps), attention_mask=m, past_key_values=hf_cache)[0])
+            got.append(ours(xs, cache=cache))
+    torch.testing.assert_close(torch.cat(got, 1), torch.cat(want, 1))

@@ -121,7 +121,8 @@ def _plain(q, k, v, scale, bias, G):
     s = torch.matmul(qg, k.to(ct).transpose(-1, -2)) * scale  # (B, Hkv, G*Sq, Sk)
     if bias is not None:
         s = (s.view(B, Hkv, G, Sq, Sk) + bias.to(ct)).view(B, Hkv, G * Sq, Sk)
-    out = torch.matmul(safe_softmax(s), v.to(ct))  # (B, Hkv, G*Sq, Dv)
+    # Without a mask no row can be all -inf, so the plain softmax is exact (and ~2x cheaper).
+    out = torch.matmul(torch.softmax(s, -1) if bias is None else safe_softmax(s), v.to(ct))  # (B, Hkv, G*Sq, Dv)
     return out.reshape(B, Hq, Sq, Dv).to(q.dtype)
 
 

@@ -1,0 +1,167 @@
+"""Attention on one (query block, key block) pair, with its log-sum-exp, and the exact merge.
+
+These are the pieces of every split-KV attention (ring / context parallelism, split-K decoding,
+paged caches): attend a block of queries to one block of keys, keep each row's log-sum-exp
+``lse``, merge partial results exactly, and run the flash-attention backward of one block given
+the *final* (merged) ``lse`` and output.
+
+Shapes: q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv), Hq = Hkv * G; query head h uses
+KV head h // G. K and V are never repeated per head: q is viewed as (B, Hkv, G * Sq, D) so one
+matmul serves a whole group. ``allowed`` is None (every pair allowed) or a bool tensor
+broadcastable to (B, Hq, Sq, Sk), True = attend. Everything is computed in fp32 (fp64 for
+fp64 inputs) and returned in that compute dtype.
+
+A row with nothing allowed has ``lse = -inf``, output 0 and gradients 0, so merging it changes
+nothing and a row masked everywhere ends as exactly 0 (the library's contract).
+
+Equivalent code for one block, one (b, h)::
+
+    s = q @ k.T * scale; s[~allowed] = -inf
+    lse = logsumexp(s, -1); p = exp(s - lse[:, None]); out = p @ v
+    # backward, with the final lse, out and dout of the whole row:
+    delta = (dout * out).sum(-1); dp = dout @ v.T; ds = p * (dp - delta[:, None])
+    dq = ds @ k * scale; dk = ds.T @ q * scale; dv = p.T @ dout
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..masks import Mask, has_bias
+from ..reference import group_heads
+
+__all__ = ["compute_dtype", "block_forward", "block_backward", "merge_partials", "softmax_delta", "mask_at"]
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp64 for fp64, fp32 for everything else (fp16/bf16 softmax runs in fp32)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _flat_groups(t: Tensor, kv_heads: int) -> Tensor:
+    """(B, Hq, S, X) -> (B, Hkv, G * S, X): one matmul per KV head covers its whole group."""
+    B, Hq, S, X = t.shape
+    return t.reshape(B, kv_heads, (Hq // kv_heads) * S, X)
+
+
+def _scores(q: Tensor, k: Tensor, allowed: Tensor | None, scale: float) -> Tensor:
+    """Masked scaled scores (B, Hkv, G, Sq, Sk) in the compute dtype."""
+    B, Hq, Sq, _ = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    ct = compute_dtype(q.dtype)
+    s = torch.matmul(_flat_groups(q.to(ct), Hkv), k.to(ct).transpose(-1, -2)) * scale
+    s = s.view(B, Hkv, Hq // Hkv, Sq, Sk)
+    if allowed is not None:
+        s = s.masked_fill(~group_heads(allowed, Hkv), float("-inf"))
+    return s
+
+
+def _finite(lse: Tensor) -> Tensor:
+    """lse with -inf (rows with nothing allowed) replaced by 0, so exp(-inf - lse) is 0, not NaN."""
+    return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+
+
+def block_forward(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
+    """Attention of ``q`` to this block of keys alone.
+
+    Returns:
+        out (B, Hq, Sq, Dv) normalised within the block, and lse (B, Hq, Sq), both in the compute
+        dtype; rows with nothing allowed get out 0 and lse -inf.
+    """
+    B, Hq, Sq, _ = q.shape
+    Hkv, Sk, Dv = v.shape[1], v.shape[2], v.shape[3]
+    ct = compute_dtype(q.dtype)
+    if Sk == 0 or Sq == 0:
+        return q.new_zeros(B, Hq, Sq, Dv, dtype=ct), q.new_full((B, Hq, Sq), float("-inf"), dtype=ct)
+    s = _scores(q, k, allowed, scale)  # (B, Hkv, G, Sq, Sk)
+    lse = torch.logsumexp(s, dim=-1)  # -inf for rows with nothing allowed
+    p = torch.exp(s - _finite(lse).unsqueeze(-1))
+    out = torch.matmul(p.view(B, Hkv, -1, Sk), v.to(ct))  # (B, Hkv, G * Sq, Dv)
+    return out.view(B, Hq, Sq, Dv), lse.view(B, Hq, Sq)
+
+
+def merge_partials(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> tuple[Tensor, Tensor]:
+    """Exact merge of two partial results over disjoint key sets.
+
+    ``out``/``block_out`` (..., Sq, Dv) each normalised over its own keys, ``lse``/``block_lse``
+    (..., Sq). Returns the (out, lse) of attending to both key sets. Rows where both lse are -inf
+    stay 0 / -inf."""
+    new = torch.logaddexp(lse, block_lse)
+    ref = _finite(new)
+    merged = out * torch.exp(lse - ref).unsqueeze(-1) + block_out * torch.exp(block_lse - ref).unsqueeze(-1)
+    return merged, new
+
+
+def softmax_delta(out: Tensor, dout: Tensor) -> Tensor:
+    """delta = rowsum(dout * out) (B, Hq, Sq) in the compute dtype, from the *final* output."""
+    ct = compute_dtype(out.dtype)
+    return (dout.to(ct) * out.to(ct)).sum(-1)
+
+
+def block_backward(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor,
+                   allowed: Tensor | None, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """This block's share of the gradients, given the final lse and delta of each query row.
+
+    Args:
+        q, k, v, allowed, scale: as in :func:`block_forward`.
+        dout: (B, Hq, Sq, Dv) gradient of the final output.
+        lse: (B, Hq, Sq) log-sum-exp over *all* keys (not just this block's).
+        delta: (B, Hq, Sq) :func:`softmax_delta` of the final output.
+
+    Returns:
+        dq (B, Hq, Sq, D), dk (B, Hkv, Sk, D), dv (B, Hkv, Sk, Dv) in the compute dtype; dk and dv
+        are summed over each KV head's group of query heads. Summing the blocks' dq (and each key
+        block's dk, dv over the query blocks) gives the gradients of the whole attention.
+    """
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk, Dv = v.shape[1], v.shape[2], v.shape[3]
+    ct = compute_dtype(q.dtype)
+    if Sk == 0 or Sq == 0:
+        return (q.new_zeros(B, Hq, Sq, D, dtype=ct), k.new_zeros(B, Hkv, Sk, D, dtype=ct),
+                v.new_zeros(B, Hkv, Sk, Dv, dtype=ct))
+    kc, vc = k.to(ct), v.to(ct)
+    s = _scores(q, kc, allowed, scale)  # (B, Hkv, G, Sq, Sk)
+    p = torch.exp(s - _finite(lse.to(ct)).view(B, Hkv, -1, Sq, 1)).view(B, Hkv, -1, Sk)  # (B, Hkv, G*Sq, Sk)
+    del s
+    do = _flat_groups(dout.to(ct), Hkv)  # (B, Hkv, G*Sq, Dv)
+    dv = torch.matmul(p.transpose(-1, -2), do)  # sums the group: (B, Hkv, Sk, Dv)
+    dp = torch.matmul(do, vc.transpose(-1, -2))  # (B, Hkv, G*Sq, Sk)
+    ds = p.mul_(dp.sub_(delta.to(ct).reshape(B, Hkv, -1, 1)))  # p is not needed after this
+    del dp
+    dq = torch.matmul(ds, kc).mul_(scale).view(B, Hq, Sq, D)
+    dk = torch.matmul(ds.transpose(-1, -2), _flat_groups(q.to(ct), Hkv)).mul_(scale)
+    return dq, dk, dv
+
+
+def mask_at(mask: Mask, q_idx: Tensor, kv_idx: Tensor, *, batch: int, heads: int, q_len: int, kv_len: int,
+            mask_mod=None) -> Tensor:
+    """``mask`` restricted to arbitrary global query / key indices.
+
+    ``mask`` describes a full (Sq, Sk) = (``q_len``, ``kv_len``) problem; ``q_idx`` (n,) and
+    ``kv_idx`` (m,) are int64 indices into it (for example the tokens of one zigzag shard).
+    Returns a bool tensor broadcastable to (B, H, n, m), True = attend, equal to
+    ``mask.materialize(B, q_len, kv_len)[:, :, q_idx][..., kv_idx]`` without building the full
+    (Sq, Sk) grid. It calls the mask's FlexAttention ``mask_mod`` once on broadcast index tensors
+    (batch (B,1,1,1), head (1,H,1,1), query (1,1,n,1), key (1,1,1,m)), which every
+    :mod:`attnkit.masks` mask supports; ``mask_mod`` may pass a prebuilt one. Additive (float)
+    masks are refused: their values, not only where they are -inf, change the result.
+    """
+    if has_bias(mask):
+        raise TypeError(f"mask_at needs a boolean mask; {mask!r} carries an additive float bias")
+    device = q_idx.device
+    mod = mask.mask_mod(q_len, kv_len, device) if mask_mod is None else mask_mod
+    b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
+    h = torch.arange(heads, device=device).view(1, -1, 1, 1)
+    try:
+        out = mod(b, h, q_idx.view(1, 1, -1, 1), kv_idx.view(1, 1, 1, -1))
+    except Exception as e:  # a user Mask whose mask_mod only works on scalars
+        raise TypeError(f"mask {mask!r} cannot be evaluated on index tensors: its mask_mod must use "
+                        f"elementwise tensor ops ({type(e).__name__}: {e})") from e
+    want = (batch, heads, q_idx.numel(), kv_idx.numel())
+    if not isinstance(out, Tensor) or out.dtype != torch.bool or out.dim() > 4 or any(
+            g not in (1, w) for g, w in zip((1,) * (4 - out.dim()) + tuple(out.shape), want)):
+        raise TypeError(f"mask {mask!r}: mask_mod on index tensors gave "
+                        f"{getattr(out, 'dtype', type(out).__name__)} of shape {tuple(getattr(out, 'shape', ()))}, "
+                        f"expected a bool tensor broadcastable to (B, H, n, m) = {want}")
+    return out.reshape((1,) * (4 - out.dim()) + tuple(out.shape))
