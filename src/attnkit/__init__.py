@@ -2,7 +2,7 @@
 
 from . import caches, masks
 from .backends import BackendNotSupported, backend_names, explain, register_backend
-from .caches import DynamicCache, SlidingWindowCache, StaticCache
+from .caches import BlockAllocator, DynamicCache, OutOfBlocks, PagedKVCache, SlidingWindowCache, StaticCache
 from .functional import attention, describe_call
 from .modules import GroupedQueryAttention, MultiHeadAttention, MultiQueryAttention
 from .reference import attention_reference
@@ -12,4 +12,4 @@ __version__ = "0.1.0"
 
 __all__ = ["attention", "attention_reference", "describe_call", "masks", "caches", "BackendNotSupported",
            "backend_names", "explain", "register_backend", "MultiHeadAttention", "GroupedQueryAttention",
-           "MultiQueryAttention", "DynamicCache", "StaticCache", "SlidingWindowCache", "RotaryEmbedding", "RopeConfig", "apply_rotary", "__version__"]
+           "MultiQueryAttention", "DynamicCache", "StaticCache", "SlidingWindowCache", "PagedKVCache", "BlockAllocator", "OutOfBlocks", "RotaryEmbedding", "RopeConfig", "apply_rotary", "__version__"]

@@ -2,6 +2,7 @@
 ``nbytes``, ``bytes_per_token``, ``reset``, ``crop``, ``reorder``), several kinds."""
 
 from .base import DynamicCache, KVCache, StaticCache
+from .paged import BlockAllocator, OutOfBlocks, PagedKVCache
 from .sliding import SlidingWindowCache
 
-__all__ = ["KVCache", "DynamicCache", "StaticCache", "SlidingWindowCache"]
+__all__ = ["KVCache", "DynamicCache", "StaticCache", "SlidingWindowCache", "PagedKVCache", "BlockAllocator", "OutOfBlocks"]

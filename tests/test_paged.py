@@ -1,0 +1,802 @@
+"""Paged KV cache: attention over pages equals the contiguous cache (random ragged batches, block
+sizes 1/3/16/64, scattered block tables, MHA/GQA/MQA and MLA's V-from-K layout, decode,
+verification and chunked prefill), the fp64 oracle under rule R, the modules with a DynamicCache;
+the allocator's bookkeeping as a hypothesis state machine and a 10,000-operation soak against a
+shadow model; fork / copy-on-write, prefix caching, exhaustion and errors."""
+
+from __future__ import annotations
+
+import collections
+import math
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import attnkit
+from attnkit.caches import DynamicCache
+from attnkit.caches import _paged_attention as pa
+from attnkit.caches.paged import BlockAllocator, OutOfBlocks, PagedKVCache
+from attnkit.masks import KeyPadding
+from attnkit.modules import MultiHeadAttention
+from attnkit.rope import RotaryEmbedding
+
+from conftest import base_attention, rule_r, stable_seed
+
+VARIANTS = {"mha": (4, 4), "gqa": (6, 2), "mqa": (4, 1)}
+
+
+def scattered_allocator(num_blocks: int, block_size: int, seed: int) -> BlockAllocator:
+    """An allocator whose free blocks come out in a random order: every block is filled as a
+    cached prefix block and freed in a shuffled order, so later allocations evict them in that
+    (least recently freed first) order and block tables are permutations, not runs."""
+    alloc = BlockAllocator(num_blocks, block_size, prefix_caching=True)
+    sids = [alloc.add_sequence(token_ids=list(range(i * block_size, (i + 1) * block_size)) + [-1])
+            for i in range(num_blocks)]
+    for s in sids:
+        alloc.append(s, block_size)
+    order = list(range(num_blocks))
+    random.Random(seed).shuffle(order)
+    for i in order:
+        alloc.free(sids[i])
+    assert alloc.num_free == num_blocks
+    return alloc
+
+
+def random_steps(seed: int, B: int, n_steps: int):
+    """[(S, num_new)] of a ragged run: prefills, decode, verification and chunked-prefill steps,
+    some rows idle (num_new 0)."""
+    rng = random.Random(seed)
+    steps = []
+    for t in range(n_steps):
+        S = rng.choice([1, 1, 2, 4, 7, 20]) if t else rng.choice([5, 19])
+        steps.append((S, [rng.randint(0, S) for _ in range(B)]))
+    return steps
+
+
+def run_both(paged: PagedKVCache, Hq: int, steps, *, dtype=torch.float32, seed=0, Dv=None):
+    """Feed the same random q/k/v steps to the paged cache (``attend``) and a DynamicCache; yield
+    (paged out, dynamic out, q, k_all, v_all, mask) per step."""
+    g = torch.Generator().manual_seed(seed)
+    Hkv, D = paged.kv_heads, paged.head_dim
+    Dv = paged.v_head_dim if Dv is None else Dv
+    vfk = paged.value_from_key
+    dyn = DynamicCache(Hkv, D, Dv, value_from_key=vfk, dtype=dtype)
+    B = len(steps[0][1])
+    for S, n in steps:
+        q = torch.randn(B, Hq, S, D, generator=g, dtype=torch.float64).to(dtype)
+        k = torch.randn(B, Hkv, S, D, generator=g, dtype=torch.float64).to(dtype)
+        v = None if vfk else torch.randn(B, Hkv, S, Dv, generator=g, dtype=torch.float64).to(dtype)
+        nn_ = torch.tensor(n)
+        got = paged.attend(q, k, v, num_new=nn_)
+        k_all, v_all, mask = dyn.update(k, v, num_new=nn_)
+        want = attnkit.attention(q, k_all, v_all, mask)
+        assert paged.lengths.tolist() == dyn.lengths.tolist()
+        yield got, want, q, k_all, v_all, mask
+
+
+def one_row_empty(steps):
+    """Make row 0 idle until the last step, so its queries see nothing (exact zeros) for a while."""
+    return [(S, [0] + n[1:]) for S, n in steps[:-1]] + [steps[-1]]
+
+
+# --------------------------------------------------------------------------- attention equivalence
+
+
+@pytest.mark.parametrize("scattered", [False, True], ids=["runs", "scattered"])
+@pytest.mark.parametrize("block_size", [1, 3, 16, 64])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_attend_equals_contiguous_cache_on_ragged_steps(variant, block_size, scattered):
+    Hq, Hkv = VARIANTS[variant]
+    seed = stable_seed(variant, block_size, scattered)
+    B, D = 3, 16
+    steps = one_row_empty(random_steps(seed, B, 9))
+    need = sum(-(-sum(n[b] for _, n in steps) // block_size) + 1 for b in range(B))
+    alloc = scattered_allocator(need + 7, block_size, seed) if scattered else BlockAllocator(need + 7, block_size)
+    paged = PagedKVCache(Hkv, D, 12, allocator=alloc)
+    for t, (got, want, q, k_all, v_all, mask) in enumerate(run_both(paged, Hq, steps, seed=seed)):
+        torch.testing.assert_close(got, want)
+        if t < len(steps) - 1:  # row 0 has no key yet: its output is exactly 0
+            assert (got[0] == 0).all()
+        gold = attnkit.attention_reference(q, k_all, v_all, mask)
+        rule_r(got, base_attention(q, k_all, v_all, mask), gold)
+    if scattered:  # the tables really are scattered, not one ascending run
+        flat = [blk for sid in alloc.batch for blk in alloc.blocks(sid)]
+        assert flat != sorted(flat)
+        assert block_size > 3 or max(len(alloc._seqs[sid].runs) for sid in alloc.batch) > 2
+
+
+@pytest.mark.parametrize("path", ["views", "groups", "threads", "threads-groups"])
+def test_every_piece_path_gives_the_same_result(monkeypatch, path):
+    """Long runs are read in place (views), short ones gathered in chunks (groups), over threads
+    when large: force each and compare with the contiguous cache."""
+    if path == "views":
+        monkeypatch.setattr(pa, "VIEW_MIN_BYTES", 0)
+        monkeypatch.setattr(pa, "PIECE_MAX_ROWS", 5)  # and split runs into many pieces
+    elif path == "groups":
+        monkeypatch.setattr(pa, "VIEW_MIN_BYTES", 1 << 40)
+        monkeypatch.setattr(pa, "GROUP_MAX_ROWS", 7)
+        monkeypatch.setattr(pa, "GROUP_CHUNK_ELEMS", 300)  # several chunks
+    else:
+        if torch.get_num_threads() < 2:
+            pytest.skip("one torch thread: the threaded path is not taken")
+        monkeypatch.setattr(pa, "VIEW_MIN_BYTES", 0 if path == "threads" else 1 << 40)
+        monkeypatch.setattr(pa, "GROUP_CHUNK_ELEMS", 1)  # one group per unit
+        monkeypatch.setattr(pa, "_MIN_ELEMS_PER_THREAD", 1)
+    Hq, Hkv = VARIANTS["gqa"]
+    steps = one_row_empty(random_steps(11, 3, 8))
+    paged = PagedKVCache(Hkv, 8, allocator=scattered_allocator(200, 3, 5))
+    for got, want, *_ in run_both(paged, Hq, steps, seed=3):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("block_size", [3, 16])
+def test_half_precision_follows_rule_r(dtype, block_size):
+    Hq, Hkv = VARIANTS["gqa"]
+    steps = random_steps(stable_seed("half", block_size), 3, 7)
+    paged = PagedKVCache(Hkv, 16, num_blocks=200, block_size=block_size, dtype=dtype)
+    for got, want, q, k_all, v_all, mask in run_both(paged, Hq, steps, dtype=dtype):
+        assert got.dtype == dtype
+        rule_r(got, base_attention(q, k_all, v_all, mask), attnkit.attention_reference(q, k_all, v_all, mask))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_value_from_key_latent_layout(dtype, block_size):
+    """MLA's latent cache: one KV head of [c_kv, k_rope] (D = 40 here, 576 in DeepSeek), V its
+    first 32 channels; 8 query heads over it, as the absorbed path runs."""
+    steps = random_steps(stable_seed("mla", block_size), 2, 7)
+    paged = PagedKVCache(1, 40, 32, num_blocks=120, block_size=block_size, value_from_key=True, dtype=dtype)
+    assert paged.v_pool.numel() == 0 and paged.bytes_per_token == 40 * dtype.itemsize
+    for got, want, q, k_all, v_all, mask in run_both(paged, 8, steps, dtype=dtype):
+        assert got.shape[-1] == 32
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want)
+        rule_r(got, base_attention(q, k_all, v_all, mask), attnkit.attention_reference(q, k_all, v_all, mask))
+
+
+def test_update_gathers_what_the_contiguous_cache_holds():
+    """``update`` (the slow path) returns the same tensors and mask as a DynamicCache."""
+    g = torch.Generator().manual_seed(0)
+    paged = PagedKVCache(2, 8, 6, allocator=scattered_allocator(40, 3, 1))
+    dyn = DynamicCache(2, 8, 6)
+    for S, n in random_steps(2, 3, 6):
+        k, v = torch.randn(3, 2, S, 8, generator=g), torch.randn(3, 2, S, 6, generator=g)
+        kp, vp, mp = paged.update(k, v, num_new=torch.tensor(n))
+        kd, vd, md = dyn.update(k, v, num_new=torch.tensor(n))
+        lens = dyn.lengths
+        L = int(lens.max())
+        assert kp.shape[2] == L
+        valid = torch.arange(L)[None, :] < lens[:, None]  # past a row's length both hold filler
+        for a, b in ((kp, kd[:, :, :L]), (vp, vd[:, :, :L])):
+            torch.testing.assert_close(a.transpose(1, 2)[valid], b.transpose(1, 2)[valid], rtol=0, atol=0)
+        q = torch.randn(3, 4, S, 8, generator=g)
+        torch.testing.assert_close(attnkit.attention(q, kp, vp, mp), attnkit.attention(q, kd, vd, md))
+
+
+def test_extra_mask_weights_and_grad_fall_back_to_update_plus_attention():
+    g = torch.Generator().manual_seed(1)
+    paged, dyn = PagedKVCache(2, 8, num_blocks=20, block_size=4), DynamicCache(2, 8)
+    q, k, v = (torch.randn(2, h, 5, 8, generator=g) for h in (4, 2, 2))
+    extra = KeyPadding(torch.tensor([3, 5]))
+    out_p, w_p = paged.attend(q, k, v, extra, return_weights=True)
+    out_d, w_d = dyn.attend(q, k, v, extra, return_weights=True)
+    torch.testing.assert_close(out_p, out_d)
+    torch.testing.assert_close(w_p, w_d)
+    q2, k2, v2 = (torch.randn(2, h, 1, 8, generator=g, requires_grad=True) for h in (4, 2, 2))
+    out_p = paged.attend(q2, k2, v2)
+    out_d = dyn.attend(q2, k2, v2)
+    torch.testing.assert_close(out_p, out_d)
+    (gq,) = torch.autograd.grad(out_p.sum(), q2)
+    (gq_d,) = torch.autograd.grad(out_d.sum(), q2)
+    torch.testing.assert_close(gq, gq_d)
+
+
+def test_fast_path_reads_pages_in_place(monkeypatch):
+    """``attend`` never builds the (B, max_len) copy that ``update`` returns, and long runs are
+    read as views of the pool."""
+    paged = PagedKVCache(2, 8, num_blocks=140, block_size=16)
+    monkeypatch.setattr(PagedKVCache, "update", lambda *a, **k: pytest.fail("attend used the slow path"))
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 2, 1100, 8, generator=g), torch.randn(2, 2, 1100, 8, generator=g)
+    paged.attend(torch.randn(2, 4, 1100, 8, generator=g), k, v, num_new=torch.tensor([1100, 1050]))
+    seen = []
+    real = pa.build_plan
+    monkeypatch.setattr(pa, "build_plan", lambda *a, **kw: seen.append(real(*a, **kw)) or seen[-1])
+    paged.attend(torch.randn(2, 4, 1, 8), torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8))
+    (plan,) = seen
+    assert sum(n for _, _, n, _ in plan.views) == 2152 and plan.grp_rows is None  # both runs in place
+
+
+def test_empty_rows_and_empty_steps_give_zeros():
+    paged = PagedKVCache(1, 4, num_blocks=4, block_size=2)
+    q, k, v = torch.randn(3, 2, 2, 4), torch.randn(3, 1, 2, 4), torch.randn(3, 1, 2, 4)
+    out = paged.attend(q, k, v, num_new=torch.tensor([0, 2, 0]))
+    assert (out[0] == 0).all() and (out[2] == 0).all() and (out[1] != 0).any()
+    out = paged.attend(q[:, :, :0], k[:, :, :0], v[:, :, :0])
+    assert out.shape == (3, 2, 0, 4)
+    assert paged.lengths.tolist() == [0, 2, 0] and paged.allocator.num_used == 1
+
+
+# --------------------------------------------------------------------------- modules
+
+
+def _mha(kv_heads, rope=True):
+    torch.manual_seed(0)
+    return MultiHeadAttention(32, 4, num_kv_heads=kv_heads, causal=True,
+                              rope=RotaryEmbedding(8) if rope else None).eval()
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_module_with_paged_cache_equals_dynamic_cache(kv_heads, block_size):
+    """Chunked prefill, verification of 3 tokens and token-by-token decode through the module."""
+    m = _mha(kv_heads)
+    x = torch.randn(2, 40, 32)
+    with torch.no_grad():
+        full = m(x)
+        paged = PagedKVCache(kv_heads, 8, num_blocks=2 * math.ceil(40 / block_size), block_size=block_size)
+        dyn = DynamicCache(kv_heads, 8)
+        for a, b in ((0, 20), (20, 30), (30, 33)) + tuple((i, i + 1) for i in range(33, 40)):
+            got, want = m(x[:, a:b], cache=paged), m(x[:, a:b], cache=dyn)
+            torch.testing.assert_close(got, want)
+            torch.testing.assert_close(got, full[:, a:b], atol=1e-5, rtol=1e-5)
+    assert paged.lengths.tolist() == [40, 40]
+
+
+def test_module_ragged_batch_prefilled_per_request_then_decoded_together():
+    """vLLM-style: each request is prefilled alone (its own length), then the ragged batch
+    decodes together, RoPE positions per sequence from the cache; equals each request run alone
+    with a DynamicCache."""
+    m = _mha(2)
+    lens, steps = [3, 17, 9], 6
+    xs = [torch.randn(1, n + steps, 32) for n in lens]
+    with torch.no_grad():
+        want = []
+        for x, n in zip(xs, lens):
+            dyn = DynamicCache(2, 8)
+            want.append(torch.cat([m(x[:, :n], cache=dyn)] + [m(x[:, t:t + 1], cache=dyn)
+                                                              for t in range(n, n + steps)], 1))
+        alloc = BlockAllocator(30, 4)
+        paged = PagedKVCache(2, 8, allocator=alloc)
+        sids, got = [], []
+        for x, n in zip(xs, lens):
+            sids.append(alloc.add_sequence())
+            paged.set_batch([sids[-1]])
+            got.append([m(x[:, :n], cache=paged)])
+        paged.set_batch(sids)
+        for t in range(steps):
+            step = torch.cat([x[:, n + t:n + t + 1] for x, n in zip(xs, lens)])
+            out = m(step, cache=paged)
+            for b in range(3):
+                got[b].append(out[b:b + 1])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(torch.cat(g, 1), w)
+    assert paged.lengths.tolist() == [n + steps for n in lens]
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("mode", ["naive", "absorb", "auto"])
+def test_mla_module_with_paged_latent_cache_equals_dynamic_cache(mode, block_size):
+    """MultiHeadLatentAttention with a paged latent cache (one head of [c_kv | k_pe], V read from
+    K) equals it with a DynamicCache: chunked prefill (naive: update; absorbed: attend over the
+    pages), per-request prefill then ragged batched decode, speculative rollback and beams."""
+    from attnkit.modules.mla import MLAConfig, MultiHeadLatentAttention
+
+    cfg = MLAConfig(hidden_size=40, num_heads=4, kv_lora_rank=20, qk_nope_head_dim=8, qk_rope_head_dim=6,
+                    v_head_dim=10, q_lora_rank=12, max_position_embeddings=64)
+    m = MultiHeadLatentAttention(cfg, mode=mode)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+    m.eval()
+    lens, steps = [5, 21, 12], 4
+    xs = [torch.randn(1, n + steps + 3, 40, generator=g) for n in lens]
+    alloc = BlockAllocator(3 * math.ceil(40 / block_size) + 6, block_size)
+    paged = PagedKVCache(1, cfg.latent_dim, cfg.kv_lora_rank, allocator=alloc, value_from_key=True)
+    dyns = [m.new_cache() for _ in lens]
+    with torch.no_grad():
+        sids = []
+        for x, n, dyn in zip(xs, lens, dyns):  # prefill in two chunks, each request alone
+            sids.append(alloc.add_sequence())
+            paged.set_batch([sids[-1]])
+            for a, b in ((0, n - 3), (n - 3, n)):
+                torch.testing.assert_close(m(x[:, a:b], cache=paged), m(x[:, a:b], cache=dyn))
+        paged.set_batch(sids)
+
+        def step(t0, S):
+            xb = torch.cat([x[:, n + t0:n + t0 + S] for x, n in zip(xs, lens)])
+            got = m(xb, cache=paged)
+            for b, dyn in enumerate(dyns):
+                torch.testing.assert_close(got[b:b + 1], m(xb[b:b + 1], cache=dyn))
+
+        for t in range(steps - 1):
+            step(t, 1)
+        step(steps - 1, 3)  # verify 3 draft tokens, then reject 2 of them
+        paged.crop(-2)
+        for dyn in dyns:
+            dyn.crop(-2)
+        step(steps, 1)
+    assert paged.lengths.tolist() == [n + steps + 1 for n in lens] == [d.lengths.item() for d in dyns]
+
+
+# --------------------------------------------------------------------------- several layers
+
+
+def test_layers_sharing_an_allocator_stay_in_step():
+    """Two layers, one block table: equal to two DynamicCaches through prefill, beam reorder
+    (forked, blocks shared), decode (copy-on-write in both layers' pools), crop and reset."""
+    g = torch.Generator().manual_seed(4)
+    alloc = BlockAllocator(40, 4)
+    layers = [PagedKVCache(2, 8, allocator=alloc), PagedKVCache(2, 8, 6, allocator=alloc)]
+    dyns = [DynamicCache(2, 8), DynamicCache(2, 8, 6)]
+
+    def step(S, n=None):
+        B = len(alloc.batch) or 2
+        for pc, dc in zip(layers, dyns):
+            assert pc.positions(S).tolist() == dc.positions(S).tolist()
+            q = torch.randn(B, 4, S, 8, generator=g)
+            k = torch.randn(B, 2, S, 8, generator=g)
+            v = torch.randn(B, 2, S, pc.v_head_dim, generator=g)
+            torch.testing.assert_close(pc.attend(q, k, v, num_new=n), dc.attend(q, k, v, num_new=n))
+
+    step(6, torch.tensor([6, 3]))
+    used = alloc.num_used
+    for c in layers + dyns:
+        c.reorder(torch.tensor([1, 1, 0]))
+    assert alloc.num_used == used and len(alloc.batch) == 3  # forked, not copied
+    shared = alloc.blocks(alloc.batch[0])[-1]
+    assert alloc.refcount(shared) == 2
+    step(1)  # both rows 0 and 1 append to the shared partial block: one copies it
+    assert alloc.refcount(shared) == 1
+    step(3)
+    for c in layers + dyns:
+        c.crop(-2)
+    step(1)
+    for c in layers:
+        c.reset()
+    assert alloc.num_free == alloc.num_blocks and alloc.sequences == ()
+
+
+def test_layer_out_of_step_raises_and_reset_recovers():
+    alloc = BlockAllocator(16, 4)
+    a, b = PagedKVCache(1, 4, allocator=alloc), PagedKVCache(1, 4, allocator=alloc)
+    x = torch.randn(2, 1, 3, 4)
+    a.update(x, x)
+    with pytest.raises(RuntimeError, match="out of step"):
+        b.update(x[:, :, :1], x[:, :, :1])  # b must first join a's 3-token step
+    b.update(x, x)
+    a.update(x[:, :, :1], x[:, :, :1])
+    a.reorder(torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="out of step"):
+        b.update(x[:, :, :1], x[:, :, :1])
+    a.reset()
+    b.reset()
+    assert alloc.num_free == 16
+    a.update(x, x)
+    b.update(x, x)  # in step again
+
+
+# --------------------------------------------------------------------------- editing
+
+
+def test_crop_returns_whole_blocks_and_matches_dynamic_cache():
+    g = torch.Generator().manual_seed(2)
+    paged, dyn = PagedKVCache(2, 8, num_blocks=20, block_size=4), DynamicCache(2, 8)
+    k, v = torch.randn(2, 2, 10, 8, generator=g), torch.randn(2, 2, 10, 8, generator=g)
+    paged.update(k, v)
+    dyn.update(k, v)
+    assert paged.allocator.num_used == 6
+    for c in (paged, dyn):
+        c.crop(-3)  # 7 tokens: the third block goes
+    assert paged.allocator.num_used == 4 and paged.lengths.tolist() == [7, 7]
+    for c in (paged, dyn):
+        c.crop(torch.tensor([7, 2]))
+    assert paged.allocator.num_used == 3
+    q, k, v = (torch.randn(2, h, 2, 8, generator=g) for h in (4, 2, 2))
+    torch.testing.assert_close(paged.attend(q, k, v), dyn.attend(q, k, v))
+    with pytest.raises(ValueError, match="negative length"):
+        paged.crop(-10)
+
+
+def test_reorder_beam_search_shares_blocks():
+    g = torch.Generator().manual_seed(3)
+    paged, dyn = PagedKVCache(1, 4, num_blocks=12, block_size=4), DynamicCache(1, 4)
+    x = torch.randn(2, 1, 6, 4, generator=g)
+    paged.update(x, x)
+    dyn.update(x, x)
+    used = paged.allocator.num_used
+    for c in (paged, dyn):
+        c.reorder(torch.tensor([0, 0, 0, 1]))  # 4 beams from 2 sequences
+    assert paged.allocator.num_used == used
+    for _ in range(3):
+        q, k = torch.randn(4, 2, 1, 4, generator=g), torch.randn(4, 1, 1, 4, generator=g)
+        torch.testing.assert_close(paged.attend(q, k, k), dyn.attend(q, k, k))
+    for c in (paged, dyn):
+        c.reorder(torch.tensor([2]))  # the other beams are freed
+    assert paged.allocator.num_used == 3 and len(paged.allocator.sequences) == 1
+    q, k = torch.randn(1, 2, 1, 4, generator=g), torch.randn(1, 1, 1, 4, generator=g)
+    torch.testing.assert_close(paged.attend(q, k, k), dyn.attend(q, k, k))
+    with pytest.raises(ValueError, match="out of range"):
+        paged.reorder(torch.tensor([1]))
+
+
+def test_out_of_blocks_changes_nothing():
+    paged = PagedKVCache(1, 2, num_blocks=5, block_size=4)
+    x = torch.randn(2, 1, 8, 2)
+    paged.update(x, x)  # 4 of 5 blocks
+    before = (paged.k_pool.clone(), paged.lengths.clone(), paged.allocator.num_free)
+    with pytest.raises(OutOfBlocks) as err:
+        paged.attend(torch.randn(2, 1, 1, 2), x[:, :, :1], x[:, :, :1])  # needs 2 new blocks, 1 free
+    assert (err.value.needed, err.value.free, err.value.capacity) == (2, 1, 5)
+    assert torch.equal(paged.k_pool, before[0]) and torch.equal(paged.lengths, before[1])
+    assert paged.allocator.num_free == before[2]
+    out = paged.attend(torch.randn(2, 1, 1, 2), x[:, :, :1], x[:, :, :1], num_new=torch.tensor([1, 0]))
+    assert out.shape == (2, 1, 1, 2) and paged.lengths.tolist() == [9, 8]
+    fresh = PagedKVCache(1, 2, num_blocks=1, block_size=4)
+    with pytest.raises(OutOfBlocks):
+        fresh.update(x, x)
+    assert fresh.allocator.sequences == () and fresh.lengths.numel() == 0
+
+
+def test_nbytes_and_bytes_used():
+    paged = PagedKVCache(2, 8, 4, num_blocks=10, block_size=4, dtype=torch.bfloat16)
+    assert paged.bytes_per_token == 2 * (8 + 4) * 2
+    assert paged.nbytes == 10 * 4 * paged.bytes_per_token
+    paged.update(torch.zeros(3, 2, 5, 8, dtype=torch.bfloat16), torch.zeros(3, 2, 5, 4, dtype=torch.bfloat16))
+    assert paged.nbytes_used == 6 * 4 * paged.bytes_per_token
+
+
+# --------------------------------------------------------------------------- prefix caching
+
+
+def test_shared_prefix_computed_once_gives_the_same_outputs():
+    """Request B shares 13 tokens with request A; with prefix caching its first 3 full blocks
+    (12 tokens) come from A's pages and only the rest is computed. Outputs equal recomputing B
+    from scratch, through a RoPE module."""
+    m = _mha(2)
+    torch.manual_seed(1)
+    emb = torch.randn(100, 32)
+    toks_a = torch.randint(0, 100, (22,))
+    toks_b = torch.cat([toks_a[:13], torch.randint(0, 100, (6,))])
+    with torch.no_grad():
+        scratch = PagedKVCache(2, 8, num_blocks=10, block_size=4)
+        want = m(emb[toks_b][None], cache=scratch)
+        alloc = BlockAllocator(20, 4, prefix_caching=True)
+        cache = PagedKVCache(2, 8, allocator=alloc)
+        a = alloc.add_sequence(token_ids=toks_a)
+        assert alloc.length(a) == 0
+        cache.set_batch([a])
+        m(emb[toks_a][None], cache=cache)
+        assert alloc.num_cached_blocks == 5
+        b = alloc.add_sequence(token_ids=toks_b)
+        start = alloc.length(b)
+        assert start == 12 and alloc.blocks(b) == alloc.blocks(a)[:3]
+        used = alloc.num_used
+        cache.set_batch([b])
+        got = m(emb[toks_b[start:]][None], cache=cache)
+        assert alloc.num_used == used + 2  # only the 7 new tokens took blocks
+        torch.testing.assert_close(got, want[:, start:])
+        # A freed: its blocks stay cached; a third request still reuses them.
+        cache.set_batch([b])
+        alloc.free(a)
+        c = alloc.add_sequence(token_ids=toks_a)
+        assert alloc.length(c) == 20 and [alloc.refcount(x) for x in alloc.blocks(c)] == [2, 2, 2, 1, 1]
+
+
+def test_prefix_cache_keeps_the_last_token_and_evicts_least_recently_freed():
+    alloc = BlockAllocator(4, 2, prefix_caching=True)
+    a = alloc.add_sequence(token_ids=[1, 2, 3, 4])
+    alloc.append(a, 4)
+    assert alloc.num_cached_blocks == 2
+    b = alloc.add_sequence(token_ids=[1, 2, 3, 4])
+    assert alloc.length(b) == 2  # the last token is always computed
+    c = alloc.add_sequence(token_ids=[1, 2, 3, 4, 5])
+    assert alloc.length(c) == 4 and alloc.refcount(alloc.blocks(a)[1]) == 2
+    for s in (b, c, a):
+        alloc.free(s)
+    assert alloc.num_free == 4 and alloc.num_cached_blocks == 2
+    d = alloc.add_sequence()
+    alloc.append(d, 8)  # takes the 2 clean blocks, then evicts both cached ones
+    assert alloc.num_cached_blocks == 0
+    alloc.crop(d, 3)
+    e = alloc.add_sequence(token_ids=[9, 9, 9])
+    alloc.append(e, token_ids=[9, 9, 9])
+    f = alloc.fork(e)
+    alloc.crop(e, 1)  # e's block 0 is shared with f: stays cached
+    assert alloc.num_cached_blocks == 1
+    alloc.free(f)
+    alloc.append(e, token_ids=[7])  # e alone rewrites its partial block: no longer cached ...
+    g = alloc.add_sequence(token_ids=[9, 9, 9])
+    assert alloc.length(g) == 0  # ... so [9, 9] is not served from it
+    alloc.extend_tokens(e, [3, 3])
+    assert alloc.length(e) == 2 and alloc.num_cached_blocks == 1  # [9, 7] registered
+
+
+# --------------------------------------------------------------------------- allocator errors and tensors
+
+
+def test_block_table_and_context_lengths():
+    alloc = BlockAllocator(10, 3)
+    a, b = alloc.add_sequence(), alloc.add_sequence(7)
+    assert alloc.append(a, 4).tolist() == [0, 1, 2, 3]
+    assert alloc.append(b, 2).tolist() == [6, 7]
+    assert alloc.append(a, 3).tolist() == [4, 5, 9]
+    alloc.set_batch([b, a])
+    assert alloc.block_table().tolist() == [[2, -1, -1], [0, 1, 3]]
+    assert alloc.block_table([a], pad=0).tolist() == [[0, 1, 3]]
+    assert alloc.context_lengths().tolist() == [2, 7]
+    assert alloc.block_table([]).shape == (0, 0)
+
+
+@pytest.mark.parametrize("call, exc, text", [
+    (lambda a: a.free(99), KeyError, "unknown sequence id 99"),
+    (lambda a: (a.free(0), a.free(0)), KeyError, "already freed"),
+    (lambda a: a.append(5, 1), KeyError, "unknown sequence id 5"),
+    (lambda a: a.fork(7), KeyError, "unknown"),
+    (lambda a: a.add_sequence(0), ValueError, "already exists"),
+    (lambda a: a.append(0, -1), ValueError, "num_tokens"),
+    (lambda a: a.append(0), ValueError, "num_tokens or token_ids"),
+    (lambda a: a.append(0, 2, token_ids=[1]), ValueError, "token_ids has 1"),
+    (lambda a: a.crop(0, -1), ValueError, "length"),
+    (lambda a: a.set_batch([0, 0]), ValueError, "distinct"),
+    (lambda a: (a.set_batch([0]), a.free(0)), ValueError, "in the current batch"),
+    (lambda a: a.free("0"), TypeError, "must be an int"),
+    (lambda a: a.add_sequence(token_ids=[1.5]), TypeError, "token_ids"),
+    (lambda a: a.refcount(8), ValueError, "out of range"),
+    (lambda a: a.append(0, 100), OutOfBlocks, "needs 25 free blocks but the pool has 8 of 8"),
+    (lambda a: BlockAllocator(0, 4), ValueError, "num_blocks"),
+    (lambda a: BlockAllocator(4, 0), ValueError, "block_size"),
+    (lambda a: PagedKVCache(1, 4), ValueError, "num_blocks"),
+    (lambda a: PagedKVCache(1, 4, allocator=a, block_size=8), ValueError, "block_size=8"),
+    (lambda a: PagedKVCache(1, 4, allocator=a, prefix_caching=True), ValueError, "prefix_caching"),
+    (lambda a: PagedKVCache(1, 4, allocator="a"), TypeError, "BlockAllocator"),
+])
+def test_bad_allocator_calls(call, exc, text):
+    alloc = BlockAllocator(8, 4)
+    alloc.add_sequence()
+    with pytest.raises(exc, match=text):
+        call(alloc)
+
+
+def test_bad_cache_calls():
+    paged = PagedKVCache(2, 8, num_blocks=8, block_size=4)
+    x = torch.randn(2, 2, 3, 8)
+    paged.update(x, x)
+    with pytest.raises(ValueError, match="holds 2 sequences"):
+        paged.update(x[:1], x[:1])
+    with pytest.raises(ValueError, match="multiple of the cache's KV heads"):
+        paged.attend(torch.randn(2, 3, 3, 8), x, x)
+    with pytest.raises(ValueError, match="share the batch"):
+        paged.attend(torch.randn(2, 4, 2, 8), x, x)
+    with pytest.raises(TypeError, match="dtype"):
+        paged.attend(torch.randn(2, 4, 3, 8, dtype=torch.float64), x, x)
+    with pytest.raises(ValueError, match="v is None"):
+        paged.update(x, None)
+    latent = PagedKVCache(1, 8, 4, num_blocks=4, value_from_key=True)
+    with pytest.raises(ValueError, match="pass v=None"):
+        latent.update(x[:, :1], x[:, :1, :, :4])
+    assert paged.lengths.tolist() == [3, 3] and paged.allocator.num_used == 2  # nothing changed
+
+
+# --------------------------------------------------------------------------- state machine + soak
+
+
+class Harness:
+    """A BlockAllocator with one value-from-key layer (one float per token: its token id) and a
+    shadow model: each live sequence's tokens as a list. Operations through the public API."""
+
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool, seed: int):
+        self.alloc = BlockAllocator(num_blocks, block_size, prefix_caching=prefix_caching)
+        self.cache = PagedKVCache(1, 1, allocator=self.alloc, value_from_key=True, dtype=torch.float64)
+        self.shadow: dict[int, list[int]] = {}
+        self.pending: dict[int, list[int]] = {}
+        self.events: collections.Counter = collections.Counter()  # what the run exercised
+        self.rng = random.Random(seed)
+
+    def needed(self, sids, ns) -> tuple[int, int]:
+        """(blocks, copies-on-write) an append of ns[i] tokens to each sids[i] needs, from the
+        public state."""
+        bs, need, dropped, cows = self.alloc.block_size, 0, {}, 0
+        for s, n in zip(sids, ns):
+            if n == 0:
+                continue
+            length, blocks = self.alloc.length(s), self.alloc.blocks(s)
+            if length % bs and self.alloc.refcount(blocks[-1]) - dropped.get(blocks[-1], 0) > 1:
+                cows += 1
+                need += 1
+                dropped[blocks[-1]] = dropped.get(blocks[-1], 0) + 1
+            need += math.ceil((length + n) / bs) - len(blocks)
+        return need, cows
+
+    def snapshot(self):
+        a = self.alloc
+        return (a.num_free, [a.refcount(b) for b in range(a.num_blocks)],
+                {s: (a.length(s), a.blocks(s)) for s in a.sequences}, self.cache.k_pool.clone(), a.batch)
+
+    def add(self, tokens: list[int] | None) -> int:
+        sid = self.alloc.add_sequence(token_ids=tokens)
+        n = self.alloc.length(sid)
+        assert n == 0 or self.alloc.prefix_caching
+        self.events["prefix hit"] += n > 0
+        self.shadow[sid] = list(tokens[:n]) if tokens else []
+        self.pending[sid] = list(tokens[n:]) if tokens else []  # declared, written next
+        return sid
+
+    def append(self, sids: list[int], ns: list[int]) -> bool:
+        """Write the next ns[i] tokens of each sequence (declared ones first) in one batched
+        update; False if the pool was (correctly) too small, and then nothing changed."""
+        tokens = [self.pending[s][:n] + [self.rng.randrange(6) for _ in range(n - len(self.pending[s][:n]))]
+                  for s, n in zip(sids, ns)]
+        need, cows = self.needed(sids, ns)
+        k = torch.zeros(len(sids), 1, max(ns), 1, dtype=torch.float64)
+        for i, t in enumerate(tokens):
+            k[i, 0, :len(t), 0] = torch.tensor(t, dtype=torch.float64)
+        self.cache.set_batch(sids)
+        before = self.snapshot()
+        try:
+            if need > self.alloc.num_free:
+                with pytest.raises(OutOfBlocks):
+                    self.cache.update(k, None, num_new=torch.tensor(ns))
+                after = self.snapshot()
+                assert after[:3] == before[:3] and after[4] == before[4] and torch.equal(after[3], before[3])
+                self.events["out of blocks"] += 1
+                return False
+            cached = self.alloc.num_cached_blocks
+            self.cache.update(k, None, num_new=torch.tensor(ns))
+            self.events["eviction"] += self.alloc.num_cached_blocks < cached
+            self.events["copy-on-write"] += cows
+        finally:
+            self.alloc.set_batch([])
+        for s, n, t in zip(sids, ns, tokens):
+            self.shadow[s].extend(t)
+            extra = t[len(self.pending[s][:n]):]
+            del self.pending[s][:n]
+            if extra:  # ids not declared before: declare them now (full blocks get cached)
+                self.alloc.extend_tokens(s, extra)
+        return True
+
+    def fork(self, sid: int) -> int:
+        child = self.alloc.fork(sid)
+        self.shadow[child] = list(self.shadow[sid])
+        self.pending[child] = []  # declared future tokens stay with the parent
+        return child
+
+    def free(self, sid: int) -> None:
+        self.alloc.free(sid)
+        del self.shadow[sid], self.pending[sid]
+        with pytest.raises(KeyError, match="already freed"):
+            self.alloc.free(sid)
+
+    def crop(self, sid: int, keep: int) -> None:
+        self.alloc.crop(sid, keep)
+        if keep < len(self.shadow[sid]):
+            del self.shadow[sid][keep:]
+            self.pending[sid] = []  # the allocator forgets ids past the kept tokens
+
+    def check(self) -> None:
+        a, bs = self.alloc, self.alloc.block_size
+        assert a.num_free + a.num_used == a.num_blocks
+        counts = [0] * a.num_blocks
+        for s in a.sequences:
+            for b in a.blocks(s):
+                counts[b] += 1
+        assert [a.refcount(b) for b in range(a.num_blocks)] == counts  # shared <=> refcount > 1
+        assert a.num_used == sum(c > 0 for c in counts)
+        assert set(a.sequences) == set(self.shadow)
+        pool = self.cache.k_pool.flatten()
+        for s, toks in self.shadow.items():
+            blocks = a.blocks(s)
+            assert a.length(s) == len(toks) and len(blocks) == math.ceil(len(toks) / bs)
+            runs = [b for r0, c in a._seqs[s].runs for b in range(r0, r0 + c)]
+            assert runs == list(blocks)  # the runs attention reads match the block table
+            if toks:
+                slots = torch.tensor(blocks)[torch.arange(len(toks)) // bs] * bs + torch.arange(len(toks)) % bs
+                assert pool[slots].tolist() == [float(t) for t in toks]
+
+    def random_op(self) -> None:
+        rng, live = self.rng, sorted(self.shadow)
+        op = rng.choice(["add"] * 3 + ["append"] * 6 + ["fork"] * 2 + ["free"] * 6 + ["crop"] * 2 + ["exhaust"])
+        if op == "add" or not live:
+            prompt = None
+            if rng.random() < 0.7:  # a shared "system prompt" with its own tail: prefix hits
+                prompt = PROMPTS[rng.randrange(len(PROMPTS))][:rng.randrange(2, 9)]
+                prompt += [rng.randrange(6) for _ in range(rng.randrange(4))]
+            self.add(prompt)
+        elif op == "append":
+            sids = rng.sample(live, rng.randint(1, min(3, len(live))))
+            self.append(sids, [rng.randint(0, 7) for _ in sids])
+        elif op == "fork":
+            self.fork(rng.choice(live))
+        elif op == "free":
+            self.free(rng.choice(live))
+        elif op == "crop":
+            s = rng.choice(live)
+            self.crop(s, rng.randint(0, len(self.shadow[s])))
+        else:
+            s = rng.choice(live)
+            assert not self.append([s], [self.alloc.num_free * self.alloc.block_size + self.alloc.block_size + 1])
+
+
+PROMPTS = [[1, 2, 3, 4, 5, 0, 1, 2], [1, 2, 3, 0, 0, 0, 4, 4], [5, 4, 3, 2, 1, 0, 5, 4]]
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    """allocate / append / fork / free / crop / exhaust; invariants after every step."""
+
+    @initialize(block_size=st.sampled_from([1, 3, 4]), num_blocks=st.integers(4, 14),
+                prefix=st.booleans(), seed=st.integers(0, 1000))
+    def setup(self, block_size, num_blocks, prefix, seed):
+        self.h = Harness(num_blocks, block_size, prefix, seed)
+
+    @rule(tokens=st.none() | st.lists(st.integers(0, 2), max_size=10))
+    def add(self, tokens):
+        self.h.add(tokens)
+
+    @precondition(lambda self: self.h.shadow)
+    @rule(data=st.data())
+    def append(self, data):
+        live = sorted(self.h.shadow)
+        sids = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=3, unique=True))
+        self.h.append(sids, data.draw(st.lists(st.integers(0, 6), min_size=len(sids), max_size=len(sids))))
+
+    @precondition(lambda self: self.h.shadow)
+    @rule(data=st.data())
+    def fork(self, data):
+        self.h.fork(data.draw(st.sampled_from(sorted(self.h.shadow))))
+
+    @precondition(lambda self: self.h.shadow)
+    @rule(data=st.data())
+    def free(self, data):
+        self.h.free(data.draw(st.sampled_from(sorted(self.h.shadow))))
+
+    @precondition(lambda self: self.h.shadow)
+    @rule(data=st.data())
+    def crop(self, data):
+        s = data.draw(st.sampled_from(sorted(self.h.shadow)))
+        self.h.crop(s, data.draw(st.integers(0, len(self.h.shadow[s]))))
+
+    @precondition(lambda self: self.h.shadow)
+    @rule(data=st.data())
+    def exhaust(self, data):
+        s = data.draw(st.sampled_from(sorted(self.h.shadow)))
+        a = self.h.alloc
+        assert not self.h.append([s], [(a.num_free + 1) * a.block_size])
+
+    @rule(sid=st.integers(100, 120))
+    def unknown_id(self, sid):
+        before = self.h.snapshot()[:3]
+        with pytest.raises(KeyError, match="unknown sequence id"):
+            self.h.alloc.fork(sid)
+        assert self.h.snapshot()[:3] == before
+
+    @invariant()
+    def consistent(self):
+        if hasattr(self, "h"):
+            self.h.check()
+
+
+TestAllocatorMachine = AllocatorMachine.TestCase
+TestAllocatorMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None,
+                                         suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.mark.parametrize("prefix", [False, True], ids=["plain", "prefix-caching"])
+def test_soak_10000_operations_end_with_every_block_free(prefix):
+    h = Harness(32, 3, prefix, seed=7 + prefix)
+    for i in range(10_000):
+        h.random_op()
+        if i % 50 == 0:
+            h.check()
+    h.check()
+    for s in sorted(h.shadow):
+        h.free(s)
+    h.check()
+    assert h.alloc.num_free == h.alloc.num_blocks and h.alloc.num_used == 0
+    wanted = {"copy-on-write", "out of blocks"} | ({"prefix hit", "eviction"} if prefix else set())
+    assert all(h.events[e] > 20 for e in wanted), h.events
