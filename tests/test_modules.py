@@ -184,7 +184,8 @@ def test_left_padded_batch_with_cache_equals_each_sequence_alone():
 
 
 @pytest.mark.parametrize("kind,kw", [("dynamic", {}), ("static", {"max_batch": 2, "max_len": 12}),
-                                     ("sliding", {"window": 64, "max_batch": 2})])
+                                     ("sliding", {"window": 64, "max_batch": 2}),
+                                     ("paged", {"allocator": attnkit.BlockAllocator(8, 4)})])
 def test_new_cache_fits_the_module(kind, kw):
     torch.manual_seed(0)
     m = MultiHeadAttention(32, 4, num_kv_heads=2, causal=True).eval()
@@ -198,3 +199,5 @@ def test_new_cache_fits_the_module(kind, kw):
         m.new_cache("static", max_batch=2)
     with pytest.raises(ValueError, match="kind must be"):
         m.new_cache("paged-ish")
+    with pytest.raises(ValueError, match="allocator"):
+        m.new_cache("paged")

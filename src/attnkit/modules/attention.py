@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..caches import DynamicCache, KVCache, SlidingWindowCache, StaticCache
+from ..caches import KVCache, new_cache
 from ..functional import attention
 from ..masks import KeyPadding, Mask, as_mask
 
@@ -156,25 +156,16 @@ class MultiHeadAttention(nn.Module):
 
 
     def new_cache(self, kind: str = "dynamic", *, max_batch: int | None = None, max_len: int | None = None,
-                  window: int | None = None, dtype: torch.dtype | None = None, device=None) -> KVCache:
+                  window: int | None = None, allocator=None, dtype: torch.dtype | None = None,
+                  device=None) -> KVCache:
         """An empty cache shaped for this module (Hkv heads, hd / hdv), in the weights' dtype and
-        device unless given: "dynamic", "static" (needs max_batch, max_len) or "sliding" (needs
-        window, max_batch)."""
+        device unless given: "dynamic", "static" (needs max_batch, max_len), "sliding" (needs
+        window, max_batch) or "paged" (needs the :class:`~attnkit.caches.BlockAllocator` that
+        all layers of a model share)."""
         w = self.q_proj.weight
-        kw = dict(dtype=dtype or w.dtype, device=device or w.device)
-        dims = (self.num_kv_heads, self.head_dim, self.v_head_dim)
-        need = {"dynamic": (), "static": ("max_batch", "max_len"), "sliding": ("window", "max_batch")}
-        if kind not in need:
-            raise ValueError(f"kind must be one of {sorted(need)}, got {kind!r}")
-        given = {"max_batch": max_batch, "max_len": max_len, "window": window}
-        missing = [n for n in need[kind] if given[n] is None]
-        if missing:
-            raise ValueError(f"a {kind} cache needs {', '.join(missing)}")
-        if kind == "dynamic":
-            return DynamicCache(*dims, **kw)
-        if kind == "static":
-            return StaticCache(*dims, max_batch=max_batch, max_len=max_len, **kw)
-        return SlidingWindowCache(*dims, window=window, max_batch=max_batch, **kw)
+        return new_cache(kind, (self.num_kv_heads, self.head_dim, self.v_head_dim), max_batch=max_batch,
+                         max_len=max_len, window=window, allocator=allocator, dtype=dtype or w.dtype,
+                         device=device or w.device)
 
     @classmethod
     def from_torch(cls, mha: nn.MultiheadAttention) -> "MultiHeadAttention":
