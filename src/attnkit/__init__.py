@@ -1,15 +1,16 @@
 """attnkit: every mainstream attention mechanism for PyTorch, behind one functional core."""
 
-from . import caches, masks
+from . import caches, masks, sizing
 from .backends import BackendNotSupported, backend_names, explain, register_backend
 from .caches import BlockAllocator, DynamicCache, OutOfBlocks, PagedKVCache, SlidingWindowCache, StaticCache
 from .functional import attention, describe_call
-from .modules import GroupedQueryAttention, MultiHeadAttention, MultiQueryAttention
+from .modules import GroupedQueryAttention, MLAConfig, MultiHeadAttention, MultiHeadLatentAttention, MultiQueryAttention
 from .reference import attention_reference
+from .sizing import kv_cache_bytes, kv_cache_table
 from .rope import RopeConfig, RotaryEmbedding, apply_rotary
 
 __version__ = "0.1.0"
 
 __all__ = ["attention", "attention_reference", "describe_call", "masks", "caches", "BackendNotSupported",
            "backend_names", "explain", "register_backend", "MultiHeadAttention", "GroupedQueryAttention",
-           "MultiQueryAttention", "DynamicCache", "StaticCache", "SlidingWindowCache", "PagedKVCache", "BlockAllocator", "OutOfBlocks", "RotaryEmbedding", "RopeConfig", "apply_rotary", "__version__"]
+           "MultiQueryAttention", "MLAConfig", "MultiHeadLatentAttention", "sizing", "kv_cache_bytes", "kv_cache_table", "DynamicCache", "StaticCache", "SlidingWindowCache", "PagedKVCache", "BlockAllocator", "OutOfBlocks", "RotaryEmbedding", "RopeConfig", "apply_rotary", "__version__"]

@@ -259,6 +259,13 @@ class RopeConfig:
                      mscale_all_dim=scaling.get("mscale_all_dim"), truncate=truncate)
         return p
 
+    def __reduce__(self):
+        # The read-only MappingProxyType fields cannot be pickled or deep-copied (which
+        # copy.deepcopy(model) and torch.save(model) need); rebuild from the resolved arguments.
+        scaling = None if self.scaling is None else dict(self.scaling)
+        return (type(self), (self.head_dim, self.rotary_dim, self.base, self.max_position_embeddings, scaling,
+                             self.interleaved))
+
     def _attention_scaling(self) -> float:
         if self.rope_type != "yarn":
             return 1.0

@@ -1,5 +1,6 @@
 """Attention modules: parameters and wiring around :func:`attnkit.attention`."""
 
 from .attention import GroupedQueryAttention, MultiHeadAttention, MultiQueryAttention
+from .mla import MLAConfig, MultiHeadLatentAttention
 
-__all__ = ["MultiHeadAttention", "GroupedQueryAttention", "MultiQueryAttention"]
+__all__ = ["MultiHeadAttention", "GroupedQueryAttention", "MultiQueryAttention", "MLAConfig", "MultiHeadLatentAttention"]

@@ -26,7 +26,7 @@ dimensions, against H * (dqk + dv) = 40,960 for per-head K and V)::
   saves (:attr:`MultiHeadLatentAttention.absorb_max_len`; 170 at DeepSeek dimensions), naive
   otherwise.
 
-Both paths compute the same function (fp64: equal to ~1e-15), support backward, masks, dropout
+Both paths compute the same function (in fp64 they agree to ~1e-15 relative), support backward, masks, dropout
 and ragged batches, and call :func:`attnkit.attention` (or the cache's ``attend``) for the
 attention itself. Parameter names are Hugging Face's / DeepSeek's, so a DeepSeek-V2/V3 attention
 layer's state dict loads with ``strict=True``.
@@ -35,14 +35,14 @@ layer's state dict loads with ``strict=True``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, Mapping
 
 import torch
 from torch import Tensor, nn
 
-from ..caches import DynamicCache, KVCache, StaticCache
+from ..caches import KVCache, new_cache
 from ..functional import attention
 from ..masks import as_mask
 from ..rope import RopeConfig, RotaryEmbedding, yarn_get_mscale
@@ -82,8 +82,8 @@ class MLAConfig:
         max_position_embeddings: context length (the default of Hugging Face's
             ``DeepseekV3Config``); used by YaRN's ``original_max_position_embeddings`` fallback and
             dynamic NTK.
-        attention_bias: biases on ``q_a_proj`` / ``q_proj``... as Hugging Face: on ``q_a_proj``,
-            ``kv_a_proj_with_mqa`` and ``o_proj`` (never on ``q_proj``, ``q_b_proj``, ``kv_b_proj``).
+        attention_bias: biases on ``q_a_proj``, ``kv_a_proj_with_mqa`` and ``o_proj``, as Hugging
+            Face places them (never on ``q_proj``, ``q_b_proj`` or ``kv_b_proj``).
         attention_dropout: dropout on the attention probabilities, training mode only.
         rms_norm_eps: epsilon of ``q_a_layernorm`` and ``kv_a_layernorm`` (1e-6 in DeepSeek's and
             Hugging Face's attention, whatever the model's ``rms_norm_eps``).
@@ -151,6 +151,19 @@ class MLAConfig:
             scale = scale * m * m
         object.__setattr__(self, "softmax_scale", scale)
 
+    def __hash__(self):  # the generated hash would fail on the read-only rope_scaling mapping
+        scaling = self.rope_scaling
+        scaling = None if scaling is None else tuple(sorted((k, repr(v)) for k, v in scaling.items()))
+        return hash(tuple(getattr(self, f.name) for f in fields(self) if f.compare and f.name != "rope_scaling")
+                    + (scaling,))
+
+    def __reduce__(self):
+        # rope_scaling is a read-only MappingProxyType, which cannot be pickled or deep-copied
+        # (copy.deepcopy(model), torch.save(model)); rebuild from the constructor arguments.
+        args = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+        args["rope_scaling"] = None if self.rope_scaling is None else dict(self.rope_scaling)
+        return (_rebuild_config, (args,))
+
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
@@ -196,6 +209,10 @@ class MLAConfig:
         )
 
 
+def _rebuild_config(kwargs: dict) -> MLAConfig:
+    return MLAConfig(**kwargs)
+
+
 class _RopeView:
     """A config seen with ``head_dim = qk_rope_head_dim`` (what its rotary embedding rotates)."""
 
@@ -227,16 +244,20 @@ class _RMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
+def _cpu_half(x: Tensor) -> bool:
+    """fp16/bf16 GEMMs on CPU have no fast kernel without AVX512-BF16/AMX (measured ~5x slower
+    than fp32 on AVX2), so the matmuls MLA adds run in fp32 there and round once to the input
+    dtype (the same single rounding a half GEMM with fp32 accumulation makes)."""
+    return x.device.type == "cpu" and x.dtype in (torch.float16, torch.bfloat16)
+
+
 def _per_head_matmul(x: Tensor, w: Tensor) -> Tensor:
     """x (B, H, S, i) @ w (H, i, o) -> (B, H, S, o), one GEMM per head with the batch folded in
-    (``torch.matmul`` would broadcast w over B by copying it).
-
-    On CPU, fp16/bf16 GEMMs have no fast kernel without AVX512-BF16/AMX (~5x slower than fp32
-    there), so they run in fp32 and round once; on accelerators they stay in the input dtype.
+    (``torch.matmul`` would broadcast w over B by copying it). fp32 compute for CPU fp16/bf16.
     """
     B, H, S, i = x.shape
     dt = x.dtype
-    if x.device.type == "cpu" and dt in (torch.float16, torch.bfloat16):
+    if _cpu_half(x):
         x, w = x.float(), w.float()
     out = torch.bmm(x.transpose(0, 1).reshape(H, B * S, i), w)  # (H, B*S, o)
     return out.view(H, B, S, -1).transpose(0, 1).to(dt)
@@ -248,13 +269,19 @@ class MultiHeadLatentAttention(nn.Module):
     Args:
         config: an :class:`MLAConfig`.
         mode: "naive" (expand K/V per head), "absorb" (attend over the latent) or "auto"
-            (absorbed for cached steps of fewer than :attr:`absorb_max_len` tokens). All three give
+            (absorbed for cached steps of at most :attr:`absorb_max_len` tokens). All three give
             the same result up to rounding.
         backend: the :func:`attnkit.attention` backend.
 
     Parameters (Hugging Face / DeepSeek names): ``q_a_proj, q_a_layernorm, q_b_proj`` (or
     ``q_proj`` when ``q_lora_rank`` is None), ``kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj,
-    o_proj``. ``rope`` holds no state-dict entries.
+    o_proj``. ``rope`` holds no state-dict entries. The absorbed path splits ``kv_b_proj.weight``
+    per head (:meth:`absorbed_weights`) instead of calling ``kv_b_proj``, so forward hooks or
+    wrappers on that one Linear do not run there.
+
+    Pieces, for custom decoders: :meth:`project` (x -> q_nope, q_pe, latent), :meth:`attend_latent`
+    (-> per-head outputs before ``o_proj``), :meth:`expand_latent`, :meth:`new_cache`,
+    :meth:`check_cache`, :meth:`resolve_mode`.
     """
 
     def __init__(self, config: MLAConfig, mode: str = "auto", backend: str = "auto", device=None, dtype=None):
@@ -307,7 +334,11 @@ class MultiHeadLatentAttention(nn.Module):
         k (B, H, L, dqk) = ``[c_kv @ W_UK^T | k_pe]``, v (B, H, L, dv) = ``c_kv @ W_UV^T``."""
         c = self.config
         B, _, L, _ = latent.shape
-        kv = self.kv_b_proj(latent[:, 0, :, :c.kv_lora_rank])  # (B, L, H * (dn + dv))
+        c_kv = latent[:, 0, :, :c.kv_lora_rank]
+        if _cpu_half(c_kv) and B * L >= 16:  # enough rows that the GEMM, not the weight's upcast, dominates
+            kv = nn.functional.linear(c_kv.float(), self.kv_b_proj.weight.float()).to(c_kv.dtype)
+        else:
+            kv = self.kv_b_proj(c_kv)  # (B, L, H * (dn + dv))
         kv = kv.view(B, L, c.num_heads, c.qk_nope_head_dim + c.v_head_dim).transpose(1, 2)
         k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
         k_pe = latent[..., c.kv_lora_rank:].expand(B, c.num_heads, L, c.qk_rope_head_dim)
@@ -334,21 +365,17 @@ class MultiHeadLatentAttention(nn.Module):
                             f"build the cache with dtype={dtype}")
 
     def new_cache(self, kind: str = "dynamic", *, max_batch: int | None = None, max_len: int | None = None,
-                  dtype: torch.dtype | None = None, device=None) -> KVCache:
+                  allocator=None, dtype: torch.dtype | None = None, device=None) -> KVCache:
         """An empty latent cache for this layer: one "head" of ``[c_kv | k_pe]`` (r + dr values per
-        token), V read as its first r channels. ``kind``: "dynamic" (grows) or "static" (needs
-        ``max_batch`` and ``max_len``). Dtype and device default to the weights'."""
+        token), V read as its first r channels. ``kind``: "dynamic" (grows), "static" (needs
+        ``max_batch`` and ``max_len``) or "paged" (needs the model's shared ``allocator``).
+        Dtype and device default to the weights'."""
+        if kind == "sliding":
+            raise ValueError("kind must be 'dynamic', 'static' or 'paged' for an MLA layer, got 'sliding'")
         w = self.kv_b_proj.weight
-        kw = dict(value_from_key=True, dtype=dtype or w.dtype, device=device or w.device)
-        dims = (1, self.config.latent_dim, self.config.kv_lora_rank)
-        if kind == "dynamic":
-            return DynamicCache(*dims, **kw)
-        if kind == "static":
-            missing = [n for n, v in (("max_batch", max_batch), ("max_len", max_len)) if v is None]
-            if missing:
-                raise ValueError(f"a static cache needs {', '.join(missing)}")
-            return StaticCache(*dims, max_batch=max_batch, max_len=max_len, **kw)
-        raise ValueError(f"kind must be 'dynamic' or 'static', got {kind!r}")
+        return new_cache(kind, (1, self.config.latent_dim, self.config.kv_lora_rank), value_from_key=True,
+                         max_batch=max_batch, max_len=max_len, allocator=allocator,
+                         dtype=dtype or w.dtype, device=device or w.device)
 
     def resolve_mode(self, q_len: int, cached: bool) -> str:
         """The path ``forward`` takes for ``q_len`` new tokens, with or without a cache."""
@@ -357,6 +384,57 @@ class MultiHeadLatentAttention(nn.Module):
         return "absorb" if cached and q_len <= self.absorb_max_len else "naive"
 
     # ................................................................. forward
+
+    def project(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The projections before attention: x (B, S, E), positions (B, S) or (1, S) ->
+        q_nope (B, H, S, dn), q_pe (B, H, S, dr) rotated, latent ``[c_kv | k_pe]`` (B, 1, S, r + dr)
+        with c_kv normalised and k_pe rotated (what the cache stores)."""
+        c = self.config
+        q_nope, q_pe = self._queries(x).split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv)
+        q_pe, k_pe = self.rope(q_pe, k_pe[:, None], positions)  # (B, H, S, dr), (B, 1, S, dr)
+        return q_nope, q_pe, torch.cat((c_kv[:, None], k_pe), dim=-1)
+
+    def attend_latent(self, q_nope: Tensor, q_pe: Tensor, latent: Tensor, mask=None, *,
+                      cache: KVCache | None = None, need_weights: bool = False, mode: str | None = None):
+        """Attention from :meth:`project`'s outputs to per-head outputs (B, H, S, dv), before
+        ``o_proj``; with ``cache``, ``latent`` is appended and everything cached is attended.
+
+        ``mask``: None or an attnkit mask / tensor over (B, H, S, L), ANDed with causality.
+        ``mode``: "naive" / "absorb" (default: :meth:`resolve_mode`). Returns the output, or
+        (output, weights (B, H, S, L) fp32) with ``need_weights``.
+        """
+        c = self.config
+        r, S = c.kv_lora_rank, q_nope.shape[2]
+        if cache is not None:
+            self.check_cache(cache, latent.dtype)
+        mode = self.resolve_mode(S, cache is not None) if mode is None else mode
+        if mode not in ("naive", "absorb"):
+            raise ValueError(f"mode must be 'naive', 'absorb' or None, got {mode!r}")
+        user_mask = as_mask(mask)
+        kw = dict(scale=c.softmax_scale, dropout_p=c.attention_dropout if self.training else 0.0,
+                  backend=self.backend, return_weights=need_weights)
+        if mode == "absorb":
+            w_uk, w_uv = self.absorbed_weights()
+            q_cat = torch.cat((_per_head_matmul(q_nope, w_uk), q_pe), dim=-1)  # (B, H, S, r + dr)
+            if cache is None:
+                res = attention(q_cat, latent, latent[..., :r], user_mask, causal=True, **kw)
+            else:  # MQA over the single latent head; V is the cache's first r channels
+                res = cache.attend(q_cat, latent, None, user_mask, **kw)
+            out_latent, weights = res if need_weights else (res, None)  # (B, H, S, r)
+            out = _per_head_matmul(out_latent, w_uv.transpose(1, 2))  # (B, H, S, dv)
+        else:
+            q = torch.cat((q_nope, q_pe), dim=-1)
+            if cache is None:
+                k, v = self.expand_latent(latent)
+                res = attention(q, k, v, user_mask, causal=True, **kw)
+            else:  # the cache's own mask places each query after its sequence's past
+                all_latent, _, cache_mask = cache.update(latent, None)
+                k, v = self.expand_latent(all_latent)
+                res = attention(q, k, v, _and(cache_mask, user_mask), **kw)
+            out, weights = res if need_weights else (res, None)
+        return (out, weights) if need_weights else out
 
     def forward(self, x: Tensor, *, mask=None, key_padding_mask: Tensor | None = None,
                 positions: Tensor | None = None, cache: KVCache | None = None, need_weights: bool = False):
@@ -379,41 +457,15 @@ class MultiHeadLatentAttention(nn.Module):
             raise ValueError(f"x must be (B, S, hidden_size={c.hidden_size}), got shape "
                              f"{tuple(getattr(x, 'shape', ()))}")
         B, S, _ = x.shape
-        r, dn = c.kv_lora_rank, c.qk_nope_head_dim
-        q_nope, q_pe = self._queries(x).split([dn, c.qk_rope_head_dim], dim=-1)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([r, c.qk_rope_head_dim], dim=-1)
-        c_kv = self.kv_a_layernorm(c_kv)
-        if cache is not None:
-            self.check_cache(cache, c_kv.dtype)
+        if cache is not None:  # before any work: a wrong cache is the likeliest mistake
+            self.check_cache(cache)
         if positions is None:
             positions = cache.positions(S) if cache is not None else torch.arange(S, device=x.device).expand(B, S)
-        q_pe, k_pe = self.rope(q_pe, k_pe[:, None], positions)  # (B, H, S, dr), (B, 1, S, dr)
-        latent = torch.cat((c_kv[:, None], k_pe), dim=-1)  # (B, 1, S, r + dr)
-
+        q_nope, q_pe, latent = self.project(x, positions)
         user_mask = as_mask(mask)
         if key_padding_mask is not None:
             user_mask = _and(user_mask, _torch_key_padding(key_padding_mask, B, S if cache is None else None))
-        kw = dict(scale=c.softmax_scale, dropout_p=c.attention_dropout if self.training else 0.0,
-                  backend=self.backend, return_weights=need_weights)
-
-        if self.resolve_mode(S, cache is not None) == "absorb":
-            w_uk, w_uv = self.absorbed_weights()
-            q_cat = torch.cat((_per_head_matmul(q_nope, w_uk), q_pe), dim=-1)  # (B, H, S, r + dr)
-            if cache is None:
-                res = attention(q_cat, latent, latent[..., :r], user_mask, causal=True, **kw)
-            else:
-                res = cache.attend(q_cat, latent, None, user_mask, **kw)
-            out_latent, weights = res if need_weights else (res, None)  # (B, H, S, r)
-            out = _per_head_matmul(out_latent, w_uv.transpose(1, 2))  # (B, H, S, dv)
-        else:
-            q = torch.cat((q_nope, q_pe), dim=-1)
-            if cache is None:
-                k, v = self.expand_latent(latent)
-                res = attention(q, k, v, user_mask, causal=True, **kw)
-            else:  # the cache's own mask places each query after its sequence's past
-                all_latent, _, cache_mask = cache.update(latent, None)
-                k, v = self.expand_latent(all_latent)
-                res = attention(q, k, v, _and(cache_mask, user_mask), **kw)
-            out, weights = res if need_weights else (res, None)
+        res = self.attend_latent(q_nope, q_pe, latent, user_mask, cache=cache, need_weights=need_weights)
+        out, weights = res if need_weights else (res, None)
         out = self.o_proj(out.transpose(1, 2).flatten(2))  # (B, S, H * dv) -> (B, S, E)
         return (out, weights) if need_weights else out

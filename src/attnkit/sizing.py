@@ -1,0 +1,376 @@
+"""KV-cache sizing: how many bytes a token costs per layer and for a whole model.
+
+MHA / GQA / MQA cache K and V for every key/value head: ``num_kv_heads * (head_dim +
+v_head_dim)`` values per token per layer. Multi-head latent attention (DeepSeek-V2/V3) caches one
+latent ``c_kv`` and one shared rope key: ``kv_lora_rank + qk_rope_head_dim`` values (576 at
+DeepSeek-V3 dimensions), where expanding them per head would hold ``num_heads * (qk_nope +
+qk_rope + v_head_dim)`` = 128 * (128 + 64 + 128) = 40,960: a 71x reduction. The DeepSeek-V2 paper
+(section 2.1.4) puts it as "equal to GQA with only 2.25 groups": 576 = 2.25 * 2 * 128.
+
+Example::
+
+    >>> import torch
+    >>> from attnkit.sizing import PRESETS, kv_cache_bytes, values_per_token, expanded_dims
+    >>> v3 = PRESETS["deepseek-v3"].spec
+    >>> values_per_token(v3), values_per_token(expanded_dims(v3))
+    (576, 40960)
+    >>> kv_cache_bytes(v3, context=1, layers=1, dtype=torch.bfloat16)
+    1152
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, NamedTuple
+
+import torch
+
+from .modules.attention import MultiHeadAttention
+from .modules.mla import MLAConfig, MultiHeadLatentAttention
+
+__all__ = ["AttentionDims", "Preset", "PRESETS", "cache_spec", "values_per_token", "bytes_per_token",
+           "kv_cache_bytes", "expanded_dims", "gqa_equivalent_groups", "kv_cache_table", "parse_spec",
+           "parse_dtype", "parse_context", "add_kv_arguments", "run_kv"]
+
+
+def _positive(name: str, val) -> int:
+    if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+        raise ValueError(f"{name} must be a positive int, got {val!r}")
+    return val
+
+
+@dataclass(frozen=True)
+class AttentionDims:
+    """What an MHA / GQA / MQA layer caches per token: ``num_kv_heads`` heads of K (``head_dim``)
+    and V (``v_head_dim``, default ``head_dim``). ``num_heads`` (query heads, optional) only names
+    the kind and the reduction against full MHA."""
+
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int | None = None
+    num_heads: int | None = None
+
+    def __post_init__(self):
+        _positive("num_kv_heads", self.num_kv_heads)
+        _positive("head_dim", self.head_dim)
+        if self.v_head_dim is None:
+            object.__setattr__(self, "v_head_dim", self.head_dim)
+        _positive("v_head_dim", self.v_head_dim)
+        if self.num_heads is not None:
+            _positive("num_heads", self.num_heads)
+            if self.num_heads % self.num_kv_heads:
+                raise ValueError(f"num_heads ({self.num_heads}) must be divisible by num_kv_heads "
+                                 f"({self.num_kv_heads})")
+
+    @property
+    def kind(self) -> str:
+        if self.num_heads is None:
+            return "MQA" if self.num_kv_heads == 1 else f"{self.num_kv_heads} KV heads"
+        if self.num_kv_heads == self.num_heads:
+            return "MHA"
+        return "MQA" if self.num_kv_heads == 1 else "GQA"
+
+
+Spec = MLAConfig | AttentionDims
+
+
+class Preset(NamedTuple):
+    spec: Spec
+    layers: int
+    note: str
+
+
+def _mla(hidden, heads, q_lora_rank) -> MLAConfig:
+    return MLAConfig(hidden_size=hidden, num_heads=heads, kv_lora_rank=512, qk_nope_head_dim=128,
+                     qk_rope_head_dim=64, v_head_dim=128, q_lora_rank=q_lora_rank)
+
+
+#: Published attention dimensions of well-known models (their config.json files).
+PRESETS: dict[str, Preset] = {
+    "deepseek-v3": Preset(_mla(7168, 128, 1536), 61, "DeepSeek-V3 / R1, 671B"),
+    "deepseek-v2": Preset(_mla(5120, 128, 1536), 60, "DeepSeek-V2, 236B"),
+    "deepseek-v2-lite": Preset(_mla(2048, 16, None), 27, "DeepSeek-V2-Lite, 16B"),
+    "llama-2-7b": Preset(AttentionDims(32, 128, num_heads=32), 32, "MHA"),
+    "llama-3-8b": Preset(AttentionDims(8, 128, num_heads=32), 32, "GQA, 4 query heads per KV head"),
+    "llama-3-70b": Preset(AttentionDims(8, 128, num_heads=64), 80, "GQA, 8 query heads per KV head"),
+    "falcon-7b": Preset(AttentionDims(1, 64, num_heads=71), 32, "MQA"),
+}
+
+
+def cache_spec(obj: Any) -> Spec:
+    """Normalise ``obj`` to an :class:`MLAConfig` or :class:`AttentionDims`.
+
+    Accepts those two, a preset name, a :class:`~attnkit.modules.mla.MultiHeadLatentAttention` or
+    :class:`~attnkit.MultiHeadAttention`, a mapping of :class:`AttentionDims` fields, or a Hugging
+    Face config (``kv_lora_rank`` present: MLA; else ``num_key_value_heads`` / ``head_dim``).
+    """
+    if isinstance(obj, (MLAConfig, AttentionDims)):
+        return obj
+    if isinstance(obj, str):
+        key = obj.lower()
+        if key not in PRESETS:
+            raise ValueError(f"unknown preset {obj!r}; presets: {', '.join(PRESETS)}")
+        return PRESETS[key].spec
+    if isinstance(obj, MultiHeadLatentAttention):
+        return obj.config
+    if isinstance(obj, MultiHeadAttention):
+        return AttentionDims(obj.num_kv_heads, obj.head_dim, obj.v_head_dim, obj.num_heads)
+    if isinstance(obj, Mapping):
+        try:
+            return AttentionDims(**obj)
+        except TypeError as e:
+            raise TypeError(f"a mapping spec takes AttentionDims fields (num_kv_heads, head_dim, v_head_dim, "
+                            f"num_heads): {e}") from None
+    if getattr(obj, "kv_lora_rank", None) is not None:
+        return MLAConfig.from_hf_config(obj)
+    heads = getattr(obj, "num_attention_heads", None)
+    if heads is not None:
+        head_dim = getattr(obj, "head_dim", None) or obj.hidden_size // heads
+        return AttentionDims(getattr(obj, "num_key_value_heads", None) or heads, head_dim, num_heads=heads)
+    raise TypeError(f"cannot size the KV cache of a {type(obj).__name__}; pass an MLAConfig, AttentionDims, "
+                    f"preset name, attnkit attention module or Hugging Face config")
+
+
+def values_per_token(spec) -> int:
+    """Values one token of one sequence stores in one layer's cache."""
+    s = cache_spec(spec)
+    if isinstance(s, MLAConfig):
+        return s.latent_dim
+    return s.num_kv_heads * (s.head_dim + s.v_head_dim)
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def bytes_per_token(spec, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes per token per layer (what ``cache.bytes_per_token`` reports for the matching cache)."""
+    return values_per_token(spec) * _element_size(dtype)
+
+
+def kv_cache_bytes(spec, *, context: int = 1, layers: int = 1, batch: int = 1,
+                   dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes of KV cache for ``batch`` sequences of ``context`` tokens over ``layers`` layers.
+
+    ``spec``: anything :func:`cache_spec` accepts (an :class:`MLAConfig` sizes the latent cache;
+    use :func:`expanded_dims` for the per-head cache the naive path would keep).
+    """
+    for name, val in (("context", context), ("layers", layers), ("batch", batch)):
+        if not isinstance(val, int) or isinstance(val, bool) or val < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {val!r}")
+    return bytes_per_token(spec, dtype) * context * layers * batch
+
+
+def expanded_dims(config: MLAConfig) -> AttentionDims:
+    """The per-head K/V an MLA layer would cache if it stored keys and values expanded (what
+    older Hugging Face DeepSeek code did): ``num_heads`` heads of qk_head_dim and v_head_dim."""
+    if not isinstance(config, MLAConfig):
+        raise TypeError(f"config must be an MLAConfig, got {type(config).__name__}")
+    return AttentionDims(config.num_heads, config.qk_head_dim, config.v_head_dim, config.num_heads)
+
+
+def gqa_equivalent_groups(spec, head_dim: int | None = None) -> float:
+    """How many GQA key/value groups of ``head_dim`` (K and V each) cache as much per token:
+    ``values_per_token / (2 * head_dim)``. Without ``head_dim``: MLA uses its
+    ``qk_nope_head_dim`` (the DeepSeek-V2 paper's d_h; 576 / (2 * 128) = 2.25 for V2/V3), and an
+    MHA/GQA/MQA layer its own K+V width per head (so the answer is its ``num_kv_heads``)."""
+    s = cache_spec(spec)
+    if head_dim is not None:
+        return values_per_token(s) / (2 * _positive("head_dim", head_dim))
+    if isinstance(s, MLAConfig):
+        return values_per_token(s) / (2 * s.qk_nope_head_dim)
+    return values_per_token(s) / (s.head_dim + s.v_head_dim)
+
+
+# --------------------------------------------------------------------------- table
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    short = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+    return short.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def _rows(specs) -> list[tuple[str, Spec, int | None]]:
+    if specs is None:
+        return [(name, p.spec, p.layers) for name, p in PRESETS.items()]
+    items = specs.items() if isinstance(specs, Mapping) else ((None, s) for s in specs)
+    rows = []
+    for name, s in items:
+        layers = None
+        if isinstance(s, tuple) and len(s) == 2 and not isinstance(s, Preset):
+            s, layers = s
+        if isinstance(s, Preset):
+            s, layers = s.spec, s.layers
+        if isinstance(s, str) and s.lower() in PRESETS:
+            name, layers = name or s.lower(), layers or PRESETS[s.lower()].layers
+        rows.append((name or f"#{len(rows) + 1}", cache_spec(s), layers))
+    return rows
+
+
+def kv_cache_table(specs=None, *, context: int = 4096, dtype: torch.dtype = torch.bfloat16, batch: int = 1,
+                   layers: int | None = None) -> str:
+    """A markdown table of KV-cache sizes: per token per layer, per token for the model, and for
+    ``batch`` sequences of ``context`` tokens.
+
+    Args:
+        specs: None (every :data:`PRESETS` entry), a mapping ``name -> spec`` or ``name ->
+            (spec, layers)``, or a sequence of specs / preset names / ``(spec, layers)``.
+        context, dtype, batch: the cache to size.
+        layers: overrides every row's layer count (rows without one use 1).
+
+    MLA rows are followed by their expanded per-head equivalent. "vs per-head" is how many times
+    smaller the cache is than K and V for every query head; "GQA groups" is
+    :func:`gqa_equivalent_groups`.
+    """
+    if layers is not None:
+        _positive("layers", layers)
+    _positive("context", context)
+    _positive("batch", batch)
+    elem = _element_size(dtype)
+    lines = [f"KV cache at {context} tokens x batch {batch}, {_dtype_name(dtype)} ({elem} bytes/value)", "",
+             "| model | attention | layers | values/token/layer | bytes/token/layer | bytes/token (model) "
+             "| cache (model) | vs per-head | GQA groups |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, s, n_layers in _rows(specs):
+        n_layers = layers or n_layers or 1
+        pairs = [(name, s)]
+        if isinstance(s, MLAConfig):
+            pairs.append((f"{name} (expanded per head)", expanded_dims(s)))
+        for label, spec in pairs:
+            vals = values_per_token(spec)
+            if isinstance(spec, MLAConfig):
+                kind = f"MLA (r={spec.kv_lora_rank}, rope={spec.qk_rope_head_dim}, {spec.num_heads} heads)"
+                full = values_per_token(expanded_dims(spec))
+            else:
+                kind = f"{spec.kind} ({spec.num_kv_heads}x{spec.head_dim}" + (
+                    f"/{spec.v_head_dim})" if spec.v_head_dim != spec.head_dim else ")")
+                full = (spec.num_heads or spec.num_kv_heads) * (spec.head_dim + spec.v_head_dim)
+            lines.append(
+                f"| {label} | {kind} | {n_layers} | {vals:,} | {vals * elem:,} | {_fmt_bytes(vals * elem * n_layers)} "
+                f"| {_fmt_bytes(kv_cache_bytes(spec, context=context, layers=n_layers, batch=batch, dtype=dtype))} "
+                f"| {full / vals:.1f}x | {gqa_equivalent_groups(spec):.3g} |")
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- command line
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+           "fp8": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn, "int8": torch.int8}
+
+_SPEC_KEYS = {
+    "mla": {"heads": "num_heads", "num_heads": "num_heads", "rank": "kv_lora_rank", "kv_lora_rank": "kv_lora_rank",
+            "rope": "qk_rope_head_dim", "qk_rope_head_dim": "qk_rope_head_dim", "nope": "qk_nope_head_dim",
+            "qk_nope_head_dim": "qk_nope_head_dim", "v": "v_head_dim", "v_head_dim": "v_head_dim",
+            "hidden": "hidden_size", "hidden_size": "hidden_size", "q_lora_rank": "q_lora_rank",
+            "layers": "layers"},
+    "dims": {"heads": "num_heads", "num_heads": "num_heads", "kv_heads": "num_kv_heads",
+             "num_kv_heads": "num_kv_heads", "head_dim": "head_dim", "v_head_dim": "v_head_dim", "v": "v_head_dim",
+             "layers": "layers"},
+}
+
+
+def parse_dtype(text: str) -> torch.dtype:
+    """"bf16", "fp16", "fp32", "fp8", "int8" (and torch's long names) -> torch.dtype."""
+    try:
+        return _DTYPES[text.lower()]
+    except (KeyError, AttributeError):
+        raise ValueError(f"unknown dtype {text!r}; use one of {', '.join(_DTYPES)}") from None
+
+
+def parse_context(text: str | int) -> int:
+    """"4096", "128k" (x1024), "1m" (x1024**2) -> tokens."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return _positive("context", text)
+    m = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", str(text))
+    if not m:
+        raise ValueError(f"context must be a token count such as 4096, 128k or 1m, got {text!r}")
+    n = int(m.group(1)) * {"": 1, "k": 1024, "m": 1024 ** 2}[m.group(2).lower()]
+    return _positive("context", n)
+
+
+def parse_spec(text: str) -> tuple[str, Spec, int | None]:
+    """A command-line spec -> (name, spec, layers or None).
+
+    * a preset name: ``deepseek-v3``, ``llama-3-8b``, ... (:data:`PRESETS`);
+    * ``mla:heads=128,rank=512,rope=64,nope=128,v=128[,layers=61]`` (``hidden`` and
+      ``q_lora_rank`` optional: they do not change the cache);
+    * ``mha:heads=32,head_dim=128``, ``gqa:heads=32,kv_heads=8,head_dim=128[,v=..]``,
+      ``mqa:heads=71,head_dim=64``, each with optional ``layers=``.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"spec must be a string, got {type(text).__name__}")
+    if ":" not in text:
+        key = text.strip().lower()
+        if key not in PRESETS:
+            raise ValueError(f"unknown preset {text!r}; presets: {', '.join(PRESETS)}; or give "
+                             f"mla:heads=..,rank=..,rope=..,nope=..,v=.. / gqa:heads=..,kv_heads=..,head_dim=..")
+        return key, PRESETS[key].spec, PRESETS[key].layers
+    kind, _, body = text.partition(":")
+    kind = kind.strip().lower()
+    if kind not in ("mla", "mha", "gqa", "mqa"):
+        raise ValueError(f"spec kind must be mla, mha, gqa or mqa, got {kind!r} in {text!r}")
+    keys = _SPEC_KEYS["mla" if kind == "mla" else "dims"]
+    vals: dict[str, int] = {}
+    for item in filter(None, (p.strip() for p in body.split(","))):
+        k, eq, v = item.partition("=")
+        if not eq or k.strip() not in keys or not v.strip().isdigit():
+            raise ValueError(f"bad item {item!r} in {text!r}: expected key=int with key one of {sorted(keys)}")
+        vals[keys[k.strip()]] = int(v)
+    layers = vals.pop("layers", None)
+    try:
+        if kind == "mla":
+            need = ("num_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+            missing = [n for n in need if n not in vals]
+            if missing:
+                raise ValueError(f"mla spec {text!r} is missing {missing}")
+            vals.setdefault("hidden_size", vals["num_heads"] * vals["v_head_dim"])
+            spec: Spec = MLAConfig(**vals)
+        else:
+            if kind == "mha":
+                vals.setdefault("num_kv_heads", vals.get("num_heads", 0))
+            elif kind == "mqa":
+                vals.setdefault("num_kv_heads", 1)
+            missing = [n for n in ("num_kv_heads", "head_dim") if n not in vals]
+            if missing:
+                raise ValueError(f"{kind} spec {text!r} is missing {missing}")
+            spec = AttentionDims(**vals)
+    except TypeError as e:
+        raise ValueError(f"bad spec {text!r}: {e}") from None
+    return text, spec, layers
+
+
+def add_kv_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The ``attnkit kv`` options: specs, ``--context``, ``--dtype``, ``--batch``, ``--layers``."""
+    parser.add_argument("specs", nargs="*", metavar="SPEC",
+                        help=f"preset ({', '.join(PRESETS)}) or mla:heads=..,rank=..,rope=..,nope=..,v=.. "
+                             f"or mha/gqa/mqa:heads=..,kv_heads=..,head_dim=.. (default: every preset)")
+    parser.add_argument("--context", type=parse_context, default=4096, help="tokens per sequence (4096, 128k)")
+    parser.add_argument("--dtype", type=parse_dtype, default=torch.bfloat16, help="cache dtype (bf16, fp16, fp32, fp8)")
+    parser.add_argument("--batch", type=int, default=1, help="sequences")
+    parser.add_argument("--layers", type=int, default=None, help="override every model's layer count")
+    return parser
+
+
+def run_kv(args: argparse.Namespace) -> int:
+    """Print :func:`kv_cache_table` for parsed ``attnkit kv`` arguments."""
+    specs = None
+    if args.specs:
+        specs = {}
+        for text in args.specs:
+            name, spec, layers = parse_spec(text)
+            specs[name] = (spec, layers)
+    print(kv_cache_table(specs, context=args.context, dtype=args.dtype, batch=args.batch, layers=args.layers), end="")
+    return 0

@@ -1,0 +1,137 @@
+"""KV-cache sizing: DeepSeek's published figures (576 vs 40,960 values, 71x; "GQA with 2.25
+groups"), MHA/GQA/MQA arithmetic, agreement with what real caches allocate, the table and the
+command-line parsing."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from attnkit import DynamicCache, MultiHeadAttention, StaticCache
+from attnkit.modules.mla import MLAConfig, MultiHeadLatentAttention
+from attnkit.sizing import (PRESETS, AttentionDims, add_kv_arguments, bytes_per_token, cache_spec, expanded_dims,
+                            gqa_equivalent_groups, kv_cache_bytes, kv_cache_table, parse_context, parse_dtype,
+                            parse_spec, run_kv, values_per_token)
+
+V3 = MLAConfig(hidden_size=7168, num_heads=128, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+               v_head_dim=128, q_lora_rank=1536)
+
+
+def test_deepseek_v3_latent_is_576_values_against_40960_expanded():
+    assert values_per_token(V3) == 576
+    assert values_per_token(expanded_dims(V3)) == 128 * (192 + 128) == 40960
+    assert round(40960 / 576, 1) == 71.1
+    assert bytes_per_token(V3, torch.bfloat16) == 1152 and bytes_per_token(expanded_dims(V3), torch.bfloat16) == 81920
+    assert PRESETS["deepseek-v3"].spec == V3 and PRESETS["deepseek-v3"].layers == 61
+
+
+def test_mla_cache_equals_gqa_with_2_25_groups():
+    """DeepSeek-V2 paper, section 2.1.4: (d_c + d_h^R) l = 9/2 d_h l, 'equal to GQA with only 2.25
+    groups', d_c = 4 d_h, d_h^R = d_h / 2, d_h = 128."""
+    assert gqa_equivalent_groups(V3) == 2.25
+    gqa = AttentionDims(num_kv_heads=1, head_dim=128)
+    assert values_per_token(V3) == 2.25 * values_per_token(gqa) == 2.25 * 2 * 128
+    assert gqa_equivalent_groups(PRESETS["deepseek-v2-lite"].spec) == 2.25
+    assert gqa_equivalent_groups(AttentionDims(8, 128, num_heads=32)) == 8  # a GQA layer is its own count
+    assert gqa_equivalent_groups(V3, head_dim=64) == 4.5
+
+
+@pytest.mark.parametrize("dims,values,kind", [
+    (AttentionDims(32, 128, num_heads=32), 8192, "MHA"),       # Llama-2-7B
+    (AttentionDims(8, 128, num_heads=32), 2048, "GQA"),        # Llama-3-8B
+    (AttentionDims(1, 64, num_heads=71), 128, "MQA"),          # Falcon-7B
+    (AttentionDims(2, 96, v_head_dim=64), 320, "2 KV heads"),  # different K and V widths
+])
+def test_mha_gqa_mqa_values_per_token(dims, values, kind):
+    assert values_per_token(dims) == values and dims.kind == kind
+
+
+def test_whole_model_bytes_at_context_and_dtype():
+    # Llama-3-8B, bf16: 128 KiB per token, 16 GiB at 128k tokens (the commonly quoted figures).
+    llama = PRESETS["llama-3-8b"]
+    assert kv_cache_bytes(llama.spec, context=1, layers=llama.layers) == 128 * 1024
+    assert kv_cache_bytes(llama.spec, context=131072, layers=32, dtype=torch.bfloat16) == 16 * 2 ** 30
+    assert kv_cache_bytes(V3, context=1000, layers=61, batch=3, dtype=torch.float32) == 576 * 4 * 1000 * 61 * 3
+    assert kv_cache_bytes(V3, context=0) == 0
+    assert kv_cache_bytes(V3, dtype=torch.float8_e4m3fn) == 576
+
+
+def test_figures_match_what_the_caches_allocate():
+    mla = MultiHeadLatentAttention(MLAConfig(hidden_size=64, num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
+                                             qk_rope_head_dim=8, v_head_dim=12))
+    mha = MultiHeadAttention(64, 8, num_kv_heads=2, head_dim=16, v_head_dim=12, causal=True)
+    for module in (mla, mha):
+        for dtype in (torch.float32, torch.bfloat16):
+            static = module.new_cache("static", max_batch=3, max_len=50, dtype=dtype)
+            assert static.bytes_per_token == bytes_per_token(module, dtype)
+            held = static.nbytes - static.lengths.numel() * 8
+            assert held == kv_cache_bytes(module, context=50, batch=3, dtype=dtype)
+    assert cache_spec(mha) == AttentionDims(2, 16, 12, num_heads=8)
+    assert DynamicCache(2, 16, 12).bytes_per_token == bytes_per_token(mha, torch.float32)
+    assert StaticCache(1, 40, 32, max_batch=1, max_len=1, value_from_key=True).bytes_per_token == \
+        bytes_per_token(mla, torch.float32)
+
+
+def test_cache_spec_accepts_hf_configs():
+    transformers = pytest.importorskip("transformers")
+    assert cache_spec(transformers.DeepseekV3Config()) == V3
+    llama = transformers.LlamaConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8)
+    assert cache_spec(llama) == AttentionDims(8, 128, num_heads=32)
+    assert cache_spec({"num_kv_heads": 4, "head_dim": 64}) == AttentionDims(4, 64)
+
+
+def test_table_lists_every_preset_with_expanded_mla_rows():
+    t = kv_cache_table(context=131072)
+    assert "KV cache at 131072 tokens x batch 1, bf16" in t
+    row = next(line for line in t.splitlines() if line.startswith("| deepseek-v3 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[2:] == ["61", "576", "1,152", "68.62 KiB", "8.58 GiB", "71.1x", "2.25"]
+    exp = next(line for line in t.splitlines() if line.startswith("| deepseek-v3 (expanded per head) |"))
+    assert "40,960" in exp and "610.00 GiB" in exp
+    for name in PRESETS:
+        assert f"| {name} |" in t
+    custom = kv_cache_table({"tiny": (AttentionDims(2, 8), 3)}, context=10, dtype=torch.float32, layers=4)
+    assert "| tiny | 2 KV heads (2x8) | 4 | 32 | 128 | 512 B | 5.00 KiB | 1.0x | 2 |" in custom
+
+
+def test_parse_spec_dtype_context():
+    name, spec, layers = parse_spec("mla:heads=128,rank=512,rope=64,nope=128,v=128,layers=61")
+    assert values_per_token(spec) == 576 and values_per_token(expanded_dims(spec)) == 40960 and layers == 61
+    assert parse_spec("gqa:heads=32,kv_heads=8,head_dim=128")[1] == AttentionDims(8, 128, num_heads=32)
+    assert parse_spec("mha:heads=32,head_dim=128")[1] == AttentionDims(32, 128, num_heads=32)
+    assert parse_spec("mqa:heads=71,head_dim=64")[1] == AttentionDims(1, 64, num_heads=71)
+    assert parse_spec("DeepSeek-V3") == ("deepseek-v3", V3, 61)
+    assert parse_dtype("bf16") == torch.bfloat16 and parse_dtype("float32") == torch.float32
+    assert parse_context("128k") == 131072 and parse_context("4096") == 4096 and parse_context("1m") == 2 ** 20
+
+
+def test_run_kv_prints_the_table(capsys):
+    p = add_kv_arguments(argparse.ArgumentParser())
+    args = p.parse_args(["deepseek-v3", "gqa:heads=32,kv_heads=8,head_dim=128,layers=32", "--context", "4k",
+                         "--dtype", "fp32"])
+    assert run_kv(args) == 0
+    out = capsys.readouterr().out
+    assert "4096 tokens" in out and "fp32" in out and "| deepseek-v3 |" in out and "2,304" in out  # 576 * 4
+
+
+@pytest.mark.parametrize("call,exc,text", [
+    (lambda: parse_spec("mla:heads=128,rank=512"), ValueError, "missing"),
+    (lambda: parse_spec("mla:heads=128,rank=512,rope=63,nope=128,v=128"), ValueError, r"qk_rope_head_dim \(63\)"),
+    (lambda: parse_spec("gqa:heads=32,kv_heads=5,head_dim=128"), ValueError, r"num_heads \(32\) must be divisible"),
+    (lambda: parse_spec("gqa:heads=x"), ValueError, "bad item 'heads=x'"),
+    (lambda: parse_spec("rnn:h=1"), ValueError, "spec kind must be"),
+    (lambda: parse_spec("llama-9"), ValueError, "unknown preset 'llama-9'"),
+    (lambda: parse_dtype("fp64x"), ValueError, "unknown dtype"),
+    (lambda: parse_context("12 tokens"), ValueError, "context must be"),
+    (lambda: kv_cache_bytes(V3, context=-1), ValueError, "context must be a non-negative int"),
+    (lambda: kv_cache_bytes(V3, dtype="bf16"), TypeError, "dtype must be a torch.dtype"),
+    (lambda: cache_spec(3.5), TypeError, "cannot size the KV cache of a float"),
+    (lambda: cache_spec({"heads": 3}), TypeError, "AttentionDims fields"),
+    (lambda: AttentionDims(0, 128), ValueError, "num_kv_heads must be a positive int"),
+    (lambda: expanded_dims(AttentionDims(1, 8)), TypeError, "MLAConfig"),
+])
+def test_bad_input(call, exc, text):
+    with pytest.raises(exc, match=text):
+        call()
