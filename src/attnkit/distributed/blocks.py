@@ -50,10 +50,10 @@ def _scores(q: Tensor, k: Tensor, allowed: Tensor | None, scale: float) -> Tenso
     B, Hq, Sq, _ = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     ct = compute_dtype(q.dtype)
-    s = torch.matmul(_flat_groups(q.to(ct), Hkv), k.to(ct).transpose(-1, -2)) * scale
+    s = torch.matmul(_flat_groups(q.to(ct), Hkv), k.to(ct).transpose(-1, -2)).mul_(scale)
     s = s.view(B, Hkv, Hq // Hkv, Sq, Sk)
-    if allowed is not None:
-        s = s.masked_fill(~group_heads(allowed, Hkv), float("-inf"))
+    if allowed is not None:  # in place: one score-sized buffer per tile
+        s.masked_fill_(~group_heads(allowed, Hkv), float("-inf"))
     return s
 
 
@@ -76,7 +76,7 @@ def block_forward(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None, scale
         return q.new_zeros(B, Hq, Sq, Dv, dtype=ct), q.new_full((B, Hq, Sq), float("-inf"), dtype=ct)
     s = _scores(q, k, allowed, scale)  # (B, Hkv, G, Sq, Sk)
     lse = torch.logsumexp(s, dim=-1)  # -inf for rows with nothing allowed
-    p = torch.exp(s - _finite(lse).unsqueeze(-1))
+    p = s.sub_(_finite(lse).unsqueeze(-1)).exp_()
     out = torch.matmul(p.view(B, Hkv, -1, Sk), v.to(ct))  # (B, Hkv, G * Sq, Dv)
     return out.view(B, Hq, Sq, Dv), lse.view(B, Hq, Sq)
 
@@ -100,7 +100,8 @@ def softmax_delta(out: Tensor, dout: Tensor) -> Tensor:
 
 
 def block_backward(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor,
-                   allowed: Tensor | None, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                   allowed: Tensor | None, scale: float, *, dk_out: Tensor | None = None,
+                   dv_out: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """This block's share of the gradients, given the final lse and delta of each query row.
 
     Args:
@@ -108,6 +109,9 @@ def block_backward(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, d
         dout: (B, Hq, Sq, Dv) gradient of the final output.
         lse: (B, Hq, Sq) log-sum-exp over *all* keys (not just this block's).
         delta: (B, Hq, Sq) :func:`softmax_delta` of the final output.
+        dk_out, dv_out: optional (B, Hkv, Sk, D) / (B, Hkv, Sk, Dv) accumulators in the compute
+            dtype (views are fine, e.g. a slice along Sk of a larger buffer): the block's dk / dv
+            are *added* to them in place, without a temporary, and they are returned.
 
     Returns:
         dq (B, Hq, Sq, D), dk (B, Hkv, Sk, D), dv (B, Hkv, Sk, Dv) in the compute dtype; dk and dv
@@ -117,20 +121,25 @@ def block_backward(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, d
     B, Hq, Sq, D = q.shape
     Hkv, Sk, Dv = v.shape[1], v.shape[2], v.shape[3]
     ct = compute_dtype(q.dtype)
+    for name, t, want in (("dk_out", dk_out, (B, Hkv, Sk, D)), ("dv_out", dv_out, (B, Hkv, Sk, Dv))):
+        if t is not None and (tuple(t.shape) != want or t.dtype != ct):
+            raise ValueError(f"{name} must be {want} in {ct}, got {tuple(t.shape)} in {t.dtype}")
+    dk = k.new_zeros(B, Hkv, Sk, D, dtype=ct) if dk_out is None else dk_out
+    dv = v.new_zeros(B, Hkv, Sk, Dv, dtype=ct) if dv_out is None else dv_out
     if Sk == 0 or Sq == 0:
-        return (q.new_zeros(B, Hq, Sq, D, dtype=ct), k.new_zeros(B, Hkv, Sk, D, dtype=ct),
-                v.new_zeros(B, Hkv, Sk, Dv, dtype=ct))
+        return q.new_zeros(B, Hq, Sq, D, dtype=ct), dk, dv
     kc, vc = k.to(ct), v.to(ct)
     s = _scores(q, kc, allowed, scale)  # (B, Hkv, G, Sq, Sk)
-    p = torch.exp(s - _finite(lse.to(ct)).view(B, Hkv, -1, Sq, 1)).view(B, Hkv, -1, Sk)  # (B, Hkv, G*Sq, Sk)
-    del s
-    do = _flat_groups(dout.to(ct), Hkv)  # (B, Hkv, G*Sq, Dv)
-    dv = torch.matmul(p.transpose(-1, -2), do)  # sums the group: (B, Hkv, Sk, Dv)
-    dp = torch.matmul(do, vc.transpose(-1, -2))  # (B, Hkv, G*Sq, Sk)
-    ds = p.mul_(dp.sub_(delta.to(ct).reshape(B, Hkv, -1, 1)))  # p is not needed after this
+    p = s.sub_(_finite(lse.to(ct)).reshape(B, Hkv, -1, Sq, 1)).exp_().view(B * Hkv, -1, Sk)  # (B*Hkv, G*Sq, Sk)
+    do = _flat_groups(dout.to(ct), Hkv).reshape(B * Hkv, -1, Dv)  # (B*Hkv, G*Sq, Dv)
+    # dv += p^T dout, summed over the group by the matmul itself; accumulated in place.
+    dv.view(B * Hkv, Sk, Dv).baddbmm_(p.transpose(-1, -2), do)
+    dp = torch.bmm(do, vc.reshape(B * Hkv, Sk, Dv).transpose(-1, -2))  # (B*Hkv, G*Sq, Sk)
+    ds = p.mul_(dp.sub_(delta.to(ct).reshape(B * Hkv, -1, 1)))  # p is not needed after this
     del dp
-    dq = torch.matmul(ds, kc).mul_(scale).view(B, Hq, Sq, D)
-    dk = torch.matmul(ds.transpose(-1, -2), _flat_groups(q.to(ct), Hkv)).mul_(scale)
+    dq = torch.bmm(ds, kc.reshape(B * Hkv, Sk, D)).mul_(scale).view(B, Hq, Sq, D)
+    dk.view(B * Hkv, Sk, D).baddbmm_(ds.transpose(-1, -2), _flat_groups(q.to(ct), Hkv).reshape(B * Hkv, -1, D),
+                                      alpha=scale)
     return dq, dk, dv
 
 

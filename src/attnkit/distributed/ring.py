@@ -1,0 +1,306 @@
+"""Ring attention: exact attention over a sequence sharded across the ranks of a process group.
+
+Every rank holds its shard of q, k, v (B, H, S/P, D). K/V shards travel around the ring (rank r
+sends to r+1 and receives from r-1) with ``torch.distributed`` point-to-point ops
+(``batch_isend_irecv``: NCCL on GPUs, gloo on CPU). At each of the P steps a rank starts sending
+the K/V block it holds and receiving the next one, attends its queries to the block it holds
+while that transfer is in flight, and merges the partial result exactly with its log-sum-exp.
+
+Backward is the same ring again: K/V travel as in forward, and each K/V block's gradient
+accumulator travels *with* it (as in ring-flash-attention): the rank holding a block adds its
+queries' share and passes the sum on, so after P steps (one more hop) every accumulator arrives
+at the rank that owns the block. The hop of step i's accumulator overlaps step i+1's compute.
+
+Masks are evaluated per block at global indices (:func:`attnkit.distributed.blocks.mask_at`):
+causal, key padding, documents, sliding windows, prefix-LM and bool tensors over the full
+(B, H, S, S) problem (held by every rank, so O(S^2) memory: fine for tests, not for long
+sequences). Blocks a mask leaves empty are skipped, which is what makes zigzag sharding cheap.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..masks import And, Causal, Mask, as_mask, has_bias
+from .blocks import block_backward, block_forward, compute_dtype, mask_at, merge_partials, softmax_delta
+from .sharding import SHARDINGS, shard_ranges
+
+__all__ = ["ring_attention"]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Score tiles (B * Hq * rows * keys elements; backward holds two at once) are a quarter of this
+# rank's q shard, within [2^18, 2^25] elements: the workspace then scales with the shard, like
+# the activations, instead of with (S/P)^2. Tiles merge exactly (log-sum-exp), so tiling changes
+# nothing but memory and which tiles a mask lets us skip. Tests set _TILE_ELEMENTS to force
+# many small tiles.
+_TILE_MIN, _TILE_MAX = 1 << 18, 1 << 25
+_TILE_ELEMENTS: int | None = None
+
+
+class _Plan:
+    """Which (query rows, key columns) tiles of each ring step to compute, and their masks.
+
+    Built once per call from this rank's layout; forward and backward walk the same tiles."""
+
+    def __init__(self, mask: Mask | None, *, rank: int, world: int, sharding: str, batch: int, heads: int,
+                 q_local: int, kv_local: int, head_dim: int, device: torch.device):
+        self.mask, self.rank, self.world, self.sharding = mask, rank, world, sharding
+        self.batch, self.heads, self.device = batch, heads, device
+        self.q_len, self.kv_len = q_local * world, kv_local * world
+        self.q_ranges = shard_ranges(q_local, rank, world, sharding)
+        self.kv_local = kv_local
+        self.mod = None if mask is None else mask.mask_mod(self.q_len, self.kv_len, device)
+        # Causal terms let whole tiles be skipped (or taken unmasked) from their index ranges alone.
+        causal_terms = [mask] if isinstance(mask, Causal) else \
+            list(mask.masks) if isinstance(mask, And) else []
+        self.causal_offsets = [self.kv_len - self.q_len if c.align == "bottom_right" else 0
+                               for c in causal_terms if isinstance(c, Causal) and c.offsets is None]
+        self.pure_causal = isinstance(mask, Causal) and mask.offsets is None
+        budget = _TILE_ELEMENTS or min(_TILE_MAX, max(_TILE_MIN, batch * heads * q_local * head_dim // 4))
+        # Square tiles: along a causal diagonal only the tiles the mask reaches are computed.
+        self.side = max(1, math.isqrt(budget // max(1, batch * heads)))
+
+    def tiles(self, src: int):
+        """Yield (query slice, key slice, allowed or None) for the K/V block of rank ``src``;
+        tiles the mask leaves empty are not yielded."""
+        kv_ranges = shard_ranges(self.kv_local, src, self.world, self.sharding)
+        side = self.side
+        for q_lo, q_g, q_n in self.q_ranges:
+            for r0 in range(0, q_n, side):
+                r1 = min(q_n, r0 + side)
+                qa, qb = q_g + r0, q_g + r1 - 1  # first and last global query index of the tile
+                for k_lo, k_g, k_n in kv_ranges:
+                    for c0 in range(0, k_n, side):
+                        c1 = min(k_n, c0 + side)
+                        ka, kb = k_g + c0, k_g + c1 - 1
+                        # Causal j <= i + off: nothing allowed if the first key is past the last query.
+                        if any(ka > qb + off for off in self.causal_offsets):
+                            continue
+                        qs, ks = slice(q_lo + r0, q_lo + r1), slice(k_lo + c0, k_lo + c1)
+                        if self.mask is None or (self.pure_causal and kb <= qa + self.causal_offsets[0]):
+                            yield qs, ks, None
+                            continue
+                        allowed = mask_at(self.mask, torch.arange(qa, qb + 1, device=self.device),
+                                          torch.arange(ka, kb + 1, device=self.device), batch=self.batch,
+                                          heads=self.heads, q_len=self.q_len, kv_len=self.kv_len,
+                                          mask_mod=self.mod)
+                        if not bool(allowed.any()):
+                            continue
+                        yield qs, ks, (None if bool(allowed.all()) else allowed)
+
+
+class _Ring:
+    """Point-to-point neighbours of this rank in ``group``: send to r+1, receive from r-1."""
+
+    def __init__(self, group, rank: int, world: int):
+        self.group = group
+        self.next = dist.get_global_rank(group, (rank + 1) % world) if group is not None else (rank + 1) % world
+        self.prev = dist.get_global_rank(group, (rank - 1) % world) if group is not None else (rank - 1) % world
+
+    def start(self, send: list[Tensor], recv: list[Tensor]):
+        """Start sending ``send`` to the next rank and receiving ``recv`` from the previous one."""
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in send]
+        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in recv]
+        return dist.batch_isend_irecv(ops)
+
+    @staticmethod
+    def wait(reqs) -> None:
+        for r in reqs:
+            r.wait()
+
+
+def _forward(q, k, v, plan: _Plan, ring: _Ring, scale: float) -> tuple[Tensor, Tensor]:
+    B, Hq, Sq, _ = q.shape
+    ct = compute_dtype(q.dtype)
+    out = q.new_zeros(B, Hq, Sq, v.shape[-1], dtype=ct)
+    lse = q.new_full((B, Hq, Sq), float("-inf"), dtype=ct)
+    comm = plan.world > 1 and k.numel() + v.numel() > 0
+    k_cur, v_cur = k, v
+    for step in range(plan.world):
+        reqs = None
+        if comm and step < plan.world - 1:
+            k_next, v_next = torch.empty_like(k_cur), torch.empty_like(v_cur)
+            reqs = ring.start([k_cur, v_cur], [k_next, v_next])  # in flight during this step's compute
+        src = (plan.rank - step) % plan.world
+        kc, vc = k_cur.to(ct), v_cur.to(ct)
+        for qs, ks, allowed in plan.tiles(src):
+            bo, bl = block_forward(q[:, :, qs], kc[:, :, ks], vc[:, :, ks], allowed, scale)
+            out[:, :, qs], lse[:, :, qs] = merge_partials(out[:, :, qs], lse[:, :, qs], bo, bl)
+        if reqs is not None:
+            ring.wait(reqs)
+            k_cur, v_cur = k_next, v_next
+    return out, lse
+
+
+def _backward(q, k, v, out, lse, dout, plan: _Plan, ring: _Ring, scale: float):
+    ct = compute_dtype(q.dtype)
+    delta = softmax_delta(out, dout)
+    dq = torch.zeros(q.shape, dtype=ct, device=q.device)
+    comm = plan.world > 1 and k.numel() + v.numel() > 0
+    k_cur, v_cur = k, v
+    d_reqs, d_recv = None, None
+    dk_acc, dv_acc = None, None
+    for step in range(plan.world):
+        kv_reqs = None
+        if comm and step < plan.world - 1:
+            k_next, v_next = torch.empty_like(k_cur), torch.empty_like(v_cur)
+            kv_reqs = ring.start([k_cur, v_cur], [k_next, v_next])
+        src = (plan.rank - step) % plan.world
+        kc, vc = k_cur.to(ct), v_cur.to(ct)
+        dk_blk = torch.zeros(k.shape, dtype=ct, device=k.device)
+        dv_blk = torch.zeros(v.shape, dtype=ct, device=v.device)
+        for qs, ks, allowed in plan.tiles(src):
+            dq_t, _, _ = block_backward(q[:, :, qs], kc[:, :, ks], vc[:, :, ks], dout[:, :, qs], lse[:, :, qs],
+                                        delta[:, :, qs], allowed, scale, dk_out=dk_blk[:, :, ks],
+                                        dv_out=dv_blk[:, :, ks])
+            dq[:, :, qs] += dq_t
+        if d_reqs is not None:  # the accumulator for block `src`, sent by the previous rank last step
+            ring.wait(d_reqs)
+            dk_blk += d_recv[0]
+            dv_blk += d_recv[1]
+            d_reqs = d_recv = None  # free the receive buffers before the next ones are allocated
+        dk_acc, dv_acc = dk_blk, dv_blk  # drops the accumulator sent last step (its send is done)
+        if comm:  # pass it on; after the last step this hop delivers each accumulator to its owner
+            d_recv = [torch.empty_like(dk_acc), torch.empty_like(dv_acc)]
+            d_reqs = ring.start([dk_acc, dv_acc], d_recv)
+        if kv_reqs is not None:
+            ring.wait(kv_reqs)
+            k_cur, v_cur = k_next, v_next
+    if comm:
+        ring.wait(d_reqs)
+        dk_acc, dv_acc = d_recv
+    return dq, dk_acc, dv_acc
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan, ring, scale):
+        out, lse = _forward(q, k, v, plan, ring, scale)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.ring, ctx.scale = plan, ring, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(q, k, v, out, lse, dout.contiguous(), ctx.plan, ctx.ring, ctx.scale)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def _shape(t: Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def _validate(q, k, v, scale) -> float:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be this rank's shard (B, H, S/P, D), got shape {_shape(t)}")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name} must be fp16, bf16, fp32 or fp64, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
+    B, Hq, _, D = q.shape
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ValueError(f"batch sizes differ: q {_shape(q)}, k {_shape(k)}, v {_shape(v)}")
+    if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
+        raise ValueError(f"k and v must share heads and length: k {_shape(k)}, v {_shape(v)}")
+    if k.shape[3] != D:
+        raise ValueError(f"q and k must have the same head dim: q {_shape(q)}, k {_shape(k)}")
+    if k.shape[1] == 0 or Hq % k.shape[1]:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({k.shape[1]}): "
+                         f"q {_shape(q)}, k {_shape(k)}")
+    if D == 0:
+        raise ValueError(f"head dim must be at least 1: q {_shape(q)}")
+    if scale is None:
+        return 1.0 / math.sqrt(D)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise TypeError(f"scale must be a finite float or None, got {scale!r}")
+    return float(scale)
+
+
+def _check_same_everywhere(values: list[int], names: list[str], group, device, rank: int) -> None:
+    """One all-reduce: every rank must pass the same shapes and options, or peers would exchange
+    buffers of different sizes (a hang or garbage on NCCL)."""
+    t = torch.tensor(values + [-x for x in values], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    hi, lo = t[: len(values)].tolist(), [-x for x in t[len(values):].tolist()]
+    bad = [f"{n}: this rank {x}, others between {a} and {b}" for n, x, a, b in zip(names, values, lo, hi) if a != b]
+    if bad:
+        raise ValueError(f"ring_attention: rank {rank} disagrees with other ranks of the group (every rank must pass "
+                         f"shards of the same shape, dtype and options; pad uneven sequences): " + "; ".join(bad))
+
+
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, mask=None, scale: float | None = None,
+                   group=None, sharding: str = "zigzag") -> Tensor:
+    """Exact attention over a sequence sharded across the ranks of ``group`` (context parallelism).
+
+    Every rank calls this with its shard; the result is this rank's shard of what
+    :func:`attnkit.attention` gives on the gathered sequence, and gradients flow to this rank's
+    q, k, v shards (backward is a ring too: every rank must run it).
+
+    Args:
+        q: (B, Hq, Sq/P, D) this rank's queries.
+        k: (B, Hkv, Sk/P, D) this rank's keys; Hq must be a multiple of Hkv. Only Hkv heads travel.
+        v: (B, Hkv, Sk/P, Dv) this rank's values.
+        causal: bottom-right causal over the *global* sequence (j <= i + Sk - Sq).
+        mask: None, an :mod:`attnkit.masks` object or a bool tensor, over the global
+            (B, Hq, Sq, Sk) problem (``KeyPadding(lengths)``, ``Document(lengths)``,
+            ``SlidingWindow``, ...; every rank passes the same one). Additive float masks are
+            refused.
+        scale: multiplies q @ k^T; default 1 / sqrt(D).
+        group: the process group of the context-parallel ranks (default: the world).
+        sharding: how the sequence was cut: ``"zigzag"`` (load-balanced, the default of
+            :func:`shard_sequence`) or ``"contiguous"``. It must match how q, k, v were sharded.
+
+    Returns:
+        (B, Hq, Sq/P, Dv) in q's dtype: this rank's shard of the output. Queries with nothing to
+        attend to get exactly 0, with zero gradients.
+
+    Equivalent code (what the tests check)::
+
+        full = attnkit.attention(gather(q), gather(k), gather(v), mask, causal=causal, scale=scale)
+        out = shard_sequence(full, dim=2, sharding=sharding)
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("ring_attention needs torch.distributed: call torch.distributed.init_process_group "
+                           "(for example under torchrun) first")
+    if sharding not in SHARDINGS:
+        raise ValueError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")
+    scale = _validate(q, k, v, scale)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if rank < 0:
+        raise ValueError("this process is not a member of `group`")
+    B, Hq, Sq_l, D = q.shape
+    Hkv, Sk_l, Dv = k.shape[1], k.shape[2], v.shape[3]
+    dtypes = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
+    _check_same_everywhere(
+        [B, Hq, Hkv, Sq_l, Sk_l, D, Dv, dtypes[q.dtype], int(bool(causal)), SHARDINGS.index(sharding)],
+        ["batch", "q heads", "kv heads", "local q length", "local kv length", "head dim", "v head dim",
+         "dtype", "causal", "sharding"], group, q.device, rank)
+    if sharding == "zigzag" and (Sq_l % 2 or Sk_l % 2):
+        raise ValueError(f"zigzag sharding holds two equal chunks per rank, so local lengths must be even; got "
+                         f"q {_shape(q)}, k {_shape(k)}; pad the sequence to a multiple of 2 * world_size = "
+                         f"{2 * world} (see attnkit.distributed.padded_length)")
+    m = as_mask(mask, causal)
+    if m is not None:
+        if has_bias(m):
+            raise TypeError("ring_attention does not take additive (float) masks: use a bool tensor or an "
+                            "attnkit.masks object (Causal, KeyPadding, Document, SlidingWindow, ...)")
+        m.check(B, Hq, Sq_l * world, Sk_l * world)
+        if m.allows_all(Sq_l * world, Sk_l * world):
+            m = None
+        if isinstance(mask, Tensor) and mask.device != q.device:
+            raise ValueError(f"mask is on {mask.device} but q is on {q.device}")
+    plan = _Plan(m, rank=rank, world=world, sharding=sharding, batch=B, heads=Hq,
+                 q_local=Sq_l, kv_local=Sk_l, head_dim=max(D, Dv), device=q.device)
+    ring = _Ring(group, rank, world)
+    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan, ring, scale)
