@@ -27,3 +27,115 @@ def test_no_command_prints_help_and_fails(capsys):
 def test_module_entry_point_runs():
     res = subprocess.run([sys.executable, "-m", "attnkit", "info"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and "backends" in res.stdout
+
+
+# ---------------------------------------------------------------------------- subcommands
+
+import importlib.util  # noqa: E402
+
+import pytest  # noqa: E402
+
+HAS_MPL = importlib.util.find_spec("matplotlib") is not None
+
+
+@pytest.mark.parametrize("cmd", [["demo"], ["bench"], ["viz"], ["viz", "masks"], ["viz", "attention"], ["kv"]])
+def test_every_subcommand_has_help(cmd, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([*cmd, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: attnkit " + " ".join(cmd))
+
+
+def test_viz_without_what_prints_help(capsys):
+    assert main(["viz"]) == 2
+    assert "masks" in capsys.readouterr().out
+
+
+def test_kv_prints_bytes_per_token(capsys):
+    assert main(["kv", "deepseek-v3", "gqa:heads=32,kv_heads=8,head_dim=128,layers=32", "--context", "1k"]) == 0
+    out = capsys.readouterr().out
+    assert "1,152" in out  # DeepSeek-V3: (512 + 64) values x 2 bytes per token per layer
+    assert "| 4,096 |" in out  # the GQA spec: 8 heads x (128 + 128) x 2 bytes
+    assert main(["kv"]) == 0 and "llama" in capsys.readouterr().out.lower()
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["kv", "mla:heads=4"], "missing"),
+    (["kv", "nosuchmodel"], "unknown preset"),
+    (["kv", "deepseek-v3", "--batch", "0"], "--batch must be >= 1"),
+])
+def test_kv_bad_specs(argv, msg, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("attnkit kv: error:") and msg in err
+
+
+def test_bench_lists_the_checkouts_suites(capsys):
+    assert main(["bench", "--list"]) == 0
+    out = capsys.readouterr().out
+    for suite in ("attention", "module", "generate"):
+        assert suite in out
+
+
+def test_bench_without_a_checkout_is_a_clear_error(tmp_path, capsys):
+    assert main(["bench", "--dir", str(tmp_path)]) == 2
+    assert "an installed wheel does not ship" in capsys.readouterr().err
+
+
+def _fake_suites(tmp_path, ok=True):
+    d = tmp_path / "benchmarks"
+    d.mkdir()
+    (d / "_common.py").write_text("")
+    (d / "bench_fake.py").write_text(
+        '"""A fake suite."""\nimport json, sys, pathlib\n'
+        'out = pathlib.Path(sys.argv[sys.argv.index("--out") + 1]); out.mkdir(parents=True, exist_ok=True)\n'
+        'stem = "fake_quick" if "--quick" in sys.argv else "fake"\n'
+        'rows = [{"case": "a", "x_ms": 1.0, "y_ms": 2.0}, {"case": "b", "x_ms": 3.0, "y_ms": 1.0}]\n'
+        '(out / (stem + ".json")).write_text(json.dumps({"rows": rows}))\n'
+        '(out / (stem + ".md")).write_text("| table |")\n'
+        + ("" if ok else "sys.exit(3)\n"))
+    return d
+
+
+def test_bench_runs_suites_and_plots_their_tables(tmp_path, capsys):
+    d = _fake_suites(tmp_path)
+    out = tmp_path / "out"
+    assert main(["bench", "--dir", str(d), "--quick", "--out", str(out)]) == 0
+    assert (out / "fake_quick.md").is_file() and (out / "fake_quick.json").is_file()
+    assert (out / "fake_quick.png").is_file() == HAS_MPL
+    assert main(["bench", "nosuch", "--dir", str(d)]) == 2
+    assert "unknown suite" in capsys.readouterr().err
+
+
+def test_bench_reports_a_failing_suite(tmp_path, capsys):
+    d = _fake_suites(tmp_path, ok=False)
+    assert main(["bench", "--dir", str(d), "--out", str(tmp_path / "o"), "--no-plots"]) == 1
+    assert "failed suites: fake" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not HAS_MPL, reason="matplotlib is not installed")
+def test_viz_masks_writes_the_gallery_and_each_kind(tmp_path, capsys):
+    assert main(["viz", "masks", "--out", str(tmp_path), "--size", "10"]) == 0
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert "mask_gallery.png" in names and "mask_sliding_window.png" in names and len(names) == 9
+    assert main(["viz", "masks", "--out", str(tmp_path / "one"), "--kind", "prefix_lm"]) == 0
+    assert [p.name for p in (tmp_path / "one").iterdir()] == ["mask_prefix_lm.png"]
+    assert main(["viz", "masks", "--kind", "diagonal", "--out", str(tmp_path)]) == 2
+    assert "unknown mask kind" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not HAS_MPL, reason="matplotlib is not installed")
+def test_viz_attention_of_a_checkpoint(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=64, vocab_size=50)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "ckpt")
+    png = tmp_path / "a.png"
+    assert main(["viz", "attention", str(tmp_path / "ckpt"), "--ids", "1 5 9 3", "--layer", "1", "--out", str(png)]) == 0
+    assert png.read_bytes().startswith(b"\x89PNG")
+    assert main(["viz", "attention", str(tmp_path / "ckpt"), "--ids", "1,99"]) == 2
+    assert "outside the vocabulary" in capsys.readouterr().err
+    assert main(["viz", "attention", str(tmp_path / "ckpt"), "--ids", "1 2", "--layer", "5"]) == 2
+    assert main(["viz", "attention", str(tmp_path / "nope"), "--ids", "1"]) == 2
+    assert "not a directory" in capsys.readouterr().err

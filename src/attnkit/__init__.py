@@ -1,9 +1,10 @@
 """attnkit: every mainstream attention mechanism for PyTorch, behind one functional core."""
 
-from . import caches, masks, sizing
+from . import caches, masks, models, sizing
 from .backends import BackendNotSupported, backend_names, explain, register_backend
 from .caches import BlockAllocator, DynamicCache, OutOfBlocks, PagedKVCache, SlidingWindowCache, StaticCache
 from .functional import attention, describe_call
+from .models import Decoder, DecoderConfig
 from .modules import GroupedQueryAttention, MLAConfig, MultiHeadAttention, MultiHeadLatentAttention, MultiQueryAttention
 from .reference import attention_reference
 from .sizing import kv_cache_bytes, kv_cache_table
@@ -13,4 +14,4 @@ __version__ = "0.1.0"
 
 __all__ = ["attention", "attention_reference", "describe_call", "masks", "caches", "BackendNotSupported",
            "backend_names", "explain", "register_backend", "MultiHeadAttention", "GroupedQueryAttention",
-           "MultiQueryAttention", "MLAConfig", "MultiHeadLatentAttention", "sizing", "kv_cache_bytes", "kv_cache_table", "DynamicCache", "StaticCache", "SlidingWindowCache", "PagedKVCache", "BlockAllocator", "OutOfBlocks", "RotaryEmbedding", "RopeConfig", "apply_rotary", "__version__"]
+           "MultiQueryAttention", "MLAConfig", "MultiHeadLatentAttention", "models", "Decoder", "DecoderConfig", "sizing", "kv_cache_bytes", "kv_cache_table", "DynamicCache", "StaticCache", "SlidingWindowCache", "PagedKVCache", "BlockAllocator", "OutOfBlocks", "RotaryEmbedding", "RopeConfig", "apply_rotary", "__version__"]

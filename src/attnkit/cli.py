@@ -1,12 +1,28 @@
-"""The ``attnkit`` command. ``attnkit info``: versions, device, and every backend's availability."""
+"""The ``attnkit`` command.
+
+* ``attnkit info``: versions, device, and every backend's availability.
+* ``attnkit demo``: train MHA / GQA / MQA / MLA decoders on associative recall, measure them,
+  write a report with figures (:mod:`attnkit.demo`).
+* ``attnkit bench``: run the benchmark suites of a source checkout's ``benchmarks/`` folder and
+  write their tables and plots.
+* ``attnkit viz``: mask patterns and attention maps to PNG.
+* ``attnkit kv``: KV-cache bytes per token, per layer and per model, for attention variants.
+"""
 
 from __future__ import annotations
 
 import argparse
 import platform
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import torch
+
+
+class CLIError(Exception):
+    """A bad option or a missing prerequisite: printed as ``attnkit <command>: error: ...``, exit 2."""
 
 
 def _device_line() -> str:
@@ -14,6 +30,9 @@ def _device_line() -> str:
         names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
         return f"cuda ({names})"
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+# ---------------------------------------------------------------------------- info
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -32,11 +51,236 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------- demo
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from attnkit.demo import DemoError, run_demo
+
+    try:
+        run_demo(args)
+    except DemoError as e:
+        raise CLIError(str(e)) from None
+    except KeyboardInterrupt:
+        print("\nattnkit demo: interrupted; no report was written", file=sys.stderr)
+        return 130
+    return 0
+
+
+# ---------------------------------------------------------------------------- bench
+
+
+def benchmarks_dir(given: Path | None = None) -> Path:
+    """The ``benchmarks/`` folder of the source checkout attnkit runs from (or ``given``)."""
+    import attnkit
+    d = given if given is not None else Path(attnkit.__file__).resolve().parents[2] / "benchmarks"
+    if not (d / "_common.py").is_file():
+        where = f"--dir {given}" if given is not None else f"{d} (next to the attnkit sources)"
+        raise CLIError(f"no benchmark suites at {where}: `attnkit bench` runs the scripts of a source "
+                       f"checkout's benchmarks/ folder, which an installed wheel does not ship. Clone the "
+                       f"repository, `pip install -e '.[bench,viz]'` there, and run it again (or pass --dir).")
+    return d
+
+
+def bench_suites(d: Path) -> dict[str, Path]:
+    return {p.stem.removeprefix("bench_"): p for p in sorted(d.glob("bench_*.py"))}
+
+
+def _first_doc_line(path: Path) -> str:
+    import ast
+    try:
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    except SyntaxError:
+        return "(unreadable)"
+    return doc.strip().splitlines()[0] if doc.strip() else ""
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    d = benchmarks_dir(args.dir)
+    suites = bench_suites(d)
+    if not suites:
+        raise CLIError(f"{d} has no bench_*.py scripts")
+    if args.list:
+        for name, path in suites.items():
+            print(f"{name:<12} {_first_doc_line(path)}")
+        return 0
+    chosen = args.suites or list(suites)
+    unknown = [s for s in chosen if s not in suites]
+    if unknown:
+        raise CLIError(f"unknown suite(s) {unknown}; available: {', '.join(suites)}")
+    out = (args.out or d / "results").resolve()
+    failed = []
+    for name in chosen:
+        cmd = [sys.executable, str(suites[name]), "--out", str(out)] + (["--quick"] if args.quick else [])
+        print(f"== {name}: {' '.join(cmd)}", flush=True)
+        t0 = time.perf_counter()
+        rc = subprocess.run(cmd, cwd=d).returncode
+        print(f"== {name}: {'ok' if rc == 0 else f'FAILED (exit {rc})'} in {time.perf_counter() - t0:.0f} s", flush=True)
+        if rc:
+            failed.append(name)
+            continue
+        stem = f"{name}_quick" if args.quick else name
+        table, png = out / f"{stem}.json", out / f"{stem}.png"
+        if not args.no_plots and table.is_file() and not png.is_file():
+            try:
+                from attnkit.viz import plot_benchmark
+                print(f"   plot: {plot_benchmark(table, png)}")
+            except ImportError as e:
+                print(f"   plot skipped: {e}")
+            except ValueError as e:
+                print(f"   no plot: {e}")
+    if failed:
+        print(f"failed suites: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+# ---------------------------------------------------------------------------- viz
+
+
+def cmd_viz_masks(args: argparse.Namespace) -> int:
+    from attnkit.viz import mask_examples, mask_gallery, plot_mask, require_matplotlib
+    try:
+        require_matplotlib()
+        examples = mask_examples(args.size)
+    except (ImportError, ValueError) as e:
+        raise CLIError(str(e)) from None
+    kinds = args.kind or list(examples)
+    unknown = [k for k in kinds if k not in examples]
+    if unknown:
+        raise CLIError(f"unknown mask kind(s) {unknown}; kinds: {', '.join(examples)}")
+    out = args.out
+    if out.exists() and not out.is_dir():
+        raise CLIError(f"--out {out} is a file; give a folder")
+    out.mkdir(parents=True, exist_ok=True)
+    if not args.kind:
+        print(mask_gallery(out / "mask_gallery.png", size=args.size))
+    for k in kinds:
+        mask, q, kv, meaning = examples[k]
+        print(plot_mask(mask, q, kv, title=meaning, path=out / f"mask_{k}.png"))
+    return 0
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"token ids must be integers separated by spaces or commas, got {text!r}")
+    if not ids:
+        raise argparse.ArgumentTypeError("give at least one token id")
+    return ids
+
+
+def cmd_viz_attention(args: argparse.Namespace) -> int:
+    from attnkit.models import load_pretrained
+    from attnkit.viz import plot_attention, require_matplotlib
+    try:
+        require_matplotlib()
+        model = load_pretrained(args.checkpoint, dtype=torch.float32)
+    except (ImportError, FileNotFoundError, ValueError) as e:
+        raise CLIError(str(e)) from None
+    V, L = model.config.vocab_size, model.config.num_layers
+    bad = [i for i in args.ids if not 0 <= i < V]
+    if bad:
+        raise CLIError(f"token ids {bad} are outside the vocabulary [0, {V})")
+    if not -L <= args.layer < L:
+        raise CLIError(f"--layer {args.layer} out of range for {L} layers (use 0..{L - 1} or -1 for the last)")
+    layer = args.layer % L
+    with torch.inference_mode():
+        _, weights = model(torch.tensor([args.ids]), need_weights=True)
+    w = weights[layer][0]  # (H, S, S)
+    if args.head is not None:
+        if not 0 <= args.head < w.shape[0]:
+            raise CLIError(f"--head {args.head} out of range for {w.shape[0]} heads")
+        w, titles = w[args.head:args.head + 1], [f"head {args.head}"]
+    else:
+        titles = [f"head {h}" for h in range(w.shape[0])]
+    path = plot_attention(w, args.out, tokens=[str(i) for i in args.ids], head_titles=titles,
+                          title=f"{Path(args.checkpoint).name}: layer {layer} attention")
+    print(path)
+    return 0
+
+
+# ---------------------------------------------------------------------------- kv
+
+
+def cmd_kv(args: argparse.Namespace) -> int:
+    from attnkit.sizing import run_kv
+    for name in ("batch", "layers"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise CLIError(f"--{name} must be >= 1, got {v}")
+    try:
+        return run_kv(args)
+    except (ValueError, TypeError) as e:
+        raise CLIError(str(e)) from None
+
+
+# ---------------------------------------------------------------------------- parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="attnkit", description="attnkit: attention mechanisms for PyTorch")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     info = sub.add_parser("info", help="print versions, device and which backends are available")
     info.set_defaults(func=cmd_info)
+
+    from attnkit.demo import add_demo_arguments
+    demo = sub.add_parser("demo", help="train MHA/GQA/MQA/MLA decoders on associative recall and compare them",
+                          description="Train one small decoder per attention variant (MHA, GQA, MQA, MLA at matched "
+                                      "parameter budgets) on a generated multi-query associative recall task; "
+                                      "measure recall accuracy, prefill latency, decode tokens/s and KV-cache bytes "
+                                      "per token; write a report (markdown, JSON, PNG figures) into a new folder and "
+                                      "print the summary table. Needs nothing but attnkit (figures: the viz extra).")
+    add_demo_arguments(demo)
+    demo.set_defaults(func=cmd_demo)
+
+    bench = sub.add_parser("bench", help="run the benchmark suites of benchmarks/ and write their tables and plots",
+                           description="Run benchmarks/bench_<suite>.py scripts of a source checkout (all by "
+                                       "default), each writing <suite>.md/.json; then plot each table to <suite>.png "
+                                       "(matplotlib) unless the script drew its own.")
+    bench.add_argument("suites", nargs="*", metavar="SUITE", help="suites to run (default: all; see --list)")
+    bench.add_argument("--quick", action="store_true", help="small sizes (seconds), as CI runs them")
+    bench.add_argument("--out", type=Path, default=None, help="folder for tables and plots (default: benchmarks/results)")
+    bench.add_argument("--list", action="store_true", help="list the suites and exit")
+    bench.add_argument("--no-plots", action="store_true", help="tables only")
+    bench.add_argument("--dir", type=Path, default=None, help="the benchmarks folder (default: the checkout's)")
+    bench.set_defaults(func=cmd_bench)
+
+    viz = sub.add_parser("viz", help="draw mask patterns and attention maps to PNG (needs matplotlib)",
+                         description="Mask patterns and attention maps to PNG (pip install 'attnkit[viz]').")
+    vsub = viz.add_subparsers(dest="viz_command", metavar="WHAT")
+    vm = vsub.add_parser("masks", help="the mask gallery and one PNG per mask kind")
+    vm.add_argument("--out", type=Path, default=Path("attnkit-masks"), help="output folder (default: attnkit-masks)")
+    vm.add_argument("--size", type=int, default=16, help="sequence length of the examples (>= 8; default 16)")
+    vm.add_argument("--kind", action="append", help="only this kind (repeatable); default: all and the gallery")
+    vm.set_defaults(func=cmd_viz_masks)
+    va = vsub.add_parser("attention", help="attention maps of a Hugging Face checkpoint on given token ids")
+    va.add_argument("checkpoint", help="a save_pretrained folder (Llama family or dense DeepSeek-V3)")
+    va.add_argument("--ids", type=_parse_ids, required=True, help="token ids, e.g. '1 15 27 3'")
+    va.add_argument("--layer", type=int, default=-1, help="layer index (negative: from the end; default -1)")
+    va.add_argument("--head", type=int, default=None, help="one head (default: every head of the layer)")
+    va.add_argument("--out", type=Path, default=Path("attention.png"), help="PNG file (default: attention.png)")
+    va.set_defaults(func=cmd_viz_attention)
+    viz.set_defaults(func=lambda a: (viz.print_help(), 2)[1])
+
+    from attnkit.sizing import add_kv_arguments
+    kv = sub.add_parser("kv", help="KV-cache bytes per token (per layer and per model) for MHA/GQA/MQA/MLA",
+                        description="KV-cache sizes of attention variants: presets of real models or your own "
+                                    "specs, e.g. `attnkit kv deepseek-v3 llama-3-8b gqa:heads=32,kv_heads=8,"
+                                    "head_dim=128,layers=32 --context 128k`.")
+    add_kv_arguments(kv)
+    kv.set_defaults(func=cmd_kv)
     return p
 
 
@@ -46,7 +290,11 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return args.func(args)
+    try:
+        return args.func(args)
+    except CLIError as e:
+        print(f"attnkit {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -49,7 +49,9 @@ class DecodeBackend(BackendBase):
         if torch.compiler.is_compiling():
             return "under torch.compile (its threaded kernel runs eagerly; SDPA traces)"
         kv_elems = call.batch * call.kv_heads * call.kv_len * (call.head_dim + call.v_head_dim)
-        if kv_elems < min_auto_kv_elems(call.dtype):
+        # SDPA's fused CPU kernels need equal K and V widths; otherwise (MLA's latent: 576 / 512)
+        # it runs its math kernel, which this path beats at any size.
+        if call.head_dim == call.v_head_dim and kv_elems < min_auto_kv_elems(call.dtype):
             return f"tiny cache ({kv_elems} K/V elements): per-op overhead dominates, SDPA's one call is faster"
         return None
 

@@ -1,0 +1,175 @@
+"""``DecoderConfig``: the frozen, self-validating description of a :class:`attnkit.models.Decoder`.
+
+``attention`` picks the variant; everything else (embedding, RMSNorm, SwiGLU MLP, head) is shared:
+
+=========  =====================================================================================
+``"mha"``  ``num_kv_heads == num_heads`` (default): every query head has its own K/V head.
+``"gqa"``  ``1 < num_kv_heads < num_heads`` (required), groups of query heads share a K/V head.
+``"mqa"``  ``num_kv_heads == 1`` (default): one K/V head for all query heads.
+``"mla"``  DeepSeek's multi-head latent attention: the cache holds one ``kv_lora_rank`` latent
+           plus one shared ``qk_rope_head_dim`` rotary key per token.
+=========  =====================================================================================
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from types import MappingProxyType
+from typing import Any, Mapping
+
+__all__ = ["DecoderConfig", "ATTENTION_VARIANTS"]
+
+ATTENTION_VARIANTS = ("mha", "gqa", "mqa", "mla")
+_MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def _pos_int(name: str, val, *, allow_none: bool = False) -> None:
+    if val is None and allow_none:
+        return
+    if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+        raise ValueError(f"{name} must be a positive int{' or None' if allow_none else ''}, got {val!r}")
+
+
+def default_intermediate_size(hidden_size: int) -> int:
+    """SwiGLU width with the parameters of a 4x GELU MLP: 8/3 * hidden, rounded up to 8."""
+    return 8 * math.ceil(8 * hidden_size / 3 / 8)
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """A Llama-style decoder: token embedding, ``num_layers`` x (RMSNorm, attention, RMSNorm,
+    SwiGLU MLP) with residuals, final RMSNorm, LM head (tied to the embedding or not).
+
+    Args:
+        vocab_size, hidden_size, num_layers, num_heads: the usual sizes (E = hidden_size).
+        attention: "mha" | "gqa" | "mqa" | "mla" (see the module docstring).
+        num_kv_heads: K/V heads (mha: num_heads, mqa: 1 by default; gqa: required).
+        head_dim: per-head width (default hidden_size // num_heads, which must then divide).
+            For "mla" it is the default of ``qk_nope_head_dim`` and ``v_head_dim``.
+        intermediate_size: SwiGLU width (default :func:`default_intermediate_size`).
+        tie_word_embeddings: the LM head reuses the embedding matrix.
+        rms_norm_eps: RMSNorm epsilon.
+        rope_theta, rope_scaling, max_position_embeddings: RoPE base, Hugging Face's scaling
+            dict (``{"rope_type": "llama3", ...}``; None = default RoPE) and context length.
+        attention_bias: bias on the q/k/v projections (Qwen2: True); ``attention_out_bias``
+            on o_proj (default: ``attention_bias``, Llama's single flag).
+        mlp_bias: bias on the MLP projections.
+        kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim,
+            rope_interleave: MLA only. Defaults: ``kv_lora_rank = 4 * head_dim``, no q
+            compression, ``qk_nope_head_dim = v_head_dim = head_dim``, ``qk_rope_head_dim =
+            head_dim // 2`` (DeepSeek-V3's proportions), interleaved RoPE pairs.
+
+    Derived values never overwrite given ones; the resolved values are the fields themselves
+    (``DecoderConfig(attention="mqa", ...).num_kv_heads == 1``).
+    """
+
+    vocab_size: int = 256
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    attention: str = "mha"
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int | None = None
+    tie_word_embeddings: bool = False
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: Mapping[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    attention_bias: bool = False
+    attention_out_bias: bool | None = None
+    mlp_bias: bool = False
+    kv_lora_rank: int | None = None
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    rope_interleave: bool | None = None
+
+    def __post_init__(self):
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
+        if self.attention not in ATTENTION_VARIANTS:
+            raise ValueError(f"attention must be one of {ATTENTION_VARIANTS}, got {self.attention!r}")
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_position_embeddings"):
+            _pos_int(name, getattr(self, name))
+        for name in ("num_kv_heads", "head_dim", "intermediate_size", *_MLA_FIELDS):
+            _pos_int(name, getattr(self, name), allow_none=True)
+        for name in ("tie_word_embeddings", "attention_bias", "mlp_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.attention_out_bias is None:
+            set_("attention_out_bias", self.attention_bias)
+        elif not isinstance(self.attention_out_bias, bool):
+            raise TypeError(f"attention_out_bias must be a bool or None, got {self.attention_out_bias!r}")
+        if not (isinstance(self.rms_norm_eps, (int, float)) and not isinstance(self.rms_norm_eps, bool)
+                and 0 < self.rms_norm_eps < 1):
+            raise ValueError(f"rms_norm_eps must be a float in (0, 1), got {self.rms_norm_eps!r}")
+        if not (isinstance(self.rope_theta, (int, float)) and not isinstance(self.rope_theta, bool)
+                and math.isfinite(self.rope_theta) and self.rope_theta > 1):
+            raise ValueError(f"rope_theta must be a finite number > 1, got {self.rope_theta!r}")
+        set_("rope_theta", float(self.rope_theta))
+        if self.rope_scaling is not None:
+            if not isinstance(self.rope_scaling, Mapping):
+                raise TypeError(f"rope_scaling must be a dict (Hugging Face rope_scaling) or None, "
+                                f"got {type(self.rope_scaling).__name__}")
+            set_("rope_scaling", MappingProxyType(dict(self.rope_scaling)))
+
+        if self.head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads "
+                                 f"({self.num_heads}) unless head_dim is given")
+            set_("head_dim", self.hidden_size // self.num_heads)
+        if self.intermediate_size is None:
+            set_("intermediate_size", default_intermediate_size(self.hidden_size))
+
+        H, kv = self.num_heads, self.num_kv_heads
+        if self.attention == "mla":
+            if kv is not None and kv != H:
+                raise ValueError(f"attention='mla' has one latent shared by all heads; num_kv_heads "
+                                 f"({kv}) must be None or num_heads ({H})")
+            set_("num_kv_heads", H)
+            defaults = {"kv_lora_rank": 4 * self.head_dim, "qk_nope_head_dim": self.head_dim,
+                        "qk_rope_head_dim": max(2, self.head_dim // 2), "v_head_dim": self.head_dim}
+            for name, val in defaults.items():
+                if getattr(self, name) is None:
+                    set_(name, val)
+            if self.qk_rope_head_dim % 2:
+                raise ValueError(f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even (RoPE rotates pairs)")
+            if self.rope_interleave is None:
+                set_("rope_interleave", True)
+        else:
+            given = [n for n in _MLA_FIELDS if getattr(self, n) is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} only apply to attention='mla', got attention={self.attention!r}")
+            if self.head_dim % 2:
+                raise ValueError(f"head_dim ({self.head_dim}) must be even (RoPE rotates pairs)")
+            if self.rope_interleave is None:
+                set_("rope_interleave", False)
+            want = {"mha": H, "mqa": 1}.get(self.attention)
+            if kv is None:
+                if want is None:
+                    raise ValueError(f"attention='gqa' needs num_kv_heads (1 < num_kv_heads < num_heads={H})")
+                set_("num_kv_heads", want)
+            elif want is not None and kv != want:
+                raise ValueError(f"attention={self.attention!r} means num_kv_heads={want}, got {kv}; "
+                                 f"use attention='gqa' for {kv} K/V heads")
+            elif want is None and not 1 < kv < H:
+                raise ValueError(f"attention='gqa' needs 1 < num_kv_heads < num_heads ({H}), got {kv} "
+                                 f"({'mqa' if kv == 1 else 'mha'} otherwise)")
+            if H % self.num_kv_heads:
+                raise ValueError(f"num_heads ({H}) must be divisible by num_kv_heads ({self.num_kv_heads})")
+        if not isinstance(self.rope_interleave, bool):
+            raise TypeError(f"rope_interleave must be a bool or None, got {self.rope_interleave!r}")
+
+    # ------------------------------------------------------------------ helpers
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["rope_scaling"] = None if self.rope_scaling is None else dict(self.rope_scaling)
+        return d
+
+    @property
+    def rope_dim(self) -> int:
+        """Width of the rotated part of each query/key head."""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim

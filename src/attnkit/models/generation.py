@@ -1,0 +1,380 @@
+"""Batched generation for :class:`attnkit.models.Decoder`: greedy or sampled, ragged prompts,
+per-sequence EOS, streaming, and a decode step that ``torch.compile`` runs without recompiles.
+
+Ragged batches are left-padded: sequence b's prompt occupies the last ``n_b`` of ``P`` columns,
+its padding keys are masked out (``key_padding_mask``) and its positions count real tokens only
+(0 .. n_b - 1), so every sequence computes exactly what it computes alone. All sequences then
+append one token per step at the same column, which keeps the caches' lengths uniform (one
+slice write per step, no per-sequence scatter).
+
+Notation: B prompts, P longest prompt, T = max_new_tokens, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+from .decoder import CACHE_KINDS, Decoder
+
+__all__ = ["generate", "stream", "Generation", "sample_next"]
+
+
+@dataclass
+class Generation:
+    """What :func:`generate` returns.
+
+    Attributes:
+        tokens: the new tokens of each prompt (through the EOS token when it stopped on one).
+        prompts: the prompts, as lists of ints.
+        finish_reasons: per prompt, "eos" or "length".
+        prefill_seconds: wall time from the call to the first new token of every sequence.
+        decode_seconds: wall time of the remaining decode steps.
+        decode_steps: forward passes after the prefill.
+    """
+
+    tokens: list[list[int]]
+    prompts: list[list[int]]
+    finish_reasons: list[str]
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    decode_steps: int = 0
+
+    @property
+    def sequences(self) -> list[list[int]]:
+        """Prompt followed by its new tokens, per prompt."""
+        return [p + t for p, t in zip(self.prompts, self.tokens)]
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens produced by the decode steps per second, over the whole batch (each step
+        produces one token per sequence still running)."""
+        made = sum(max(len(t) - 1, 0) for t in self.tokens)
+        return made / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+
+# ---------------------------------------------------------------------------- sampling
+
+
+def sample_next(logits: Tensor, *, temperature: float = 0.0, top_k: int | None = None,
+                top_p: float | None = None, generator: torch.Generator | None = None) -> Tensor:
+    """Next token (B,) from logits (B, V): argmax for ``temperature == 0``, else a sample of
+    ``softmax(logits / temperature)`` restricted to the ``top_k`` largest logits and to the
+    smallest set of tokens whose probability reaches ``top_p`` (nucleus). The most likely token
+    always stays allowed."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = logits.sort(-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        before = probs.cumsum(-1) - probs  # mass of the strictly more likely tokens
+        sorted_logits = sorted_logits.masked_fill(before > top_p, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+# ---------------------------------------------------------------------------- arguments
+
+
+def _as_prompts(prompts, vocab_size: int) -> list[list[int]]:
+    if isinstance(prompts, Tensor):
+        if prompts.dtype.is_floating_point or prompts.dim() not in (1, 2):
+            raise ValueError(f"prompts must be a (P,) or (B, P) integer tensor, got {prompts.dtype} of "
+                             f"shape {tuple(prompts.shape)}")
+        rows = prompts.tolist()
+        rows = [rows] if prompts.dim() == 1 else rows
+    elif isinstance(prompts, Sequence) and not isinstance(prompts, (str, bytes)):
+        if len(prompts) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            rows = [list(prompts)]  # one prompt given as a list of ints
+        else:
+            rows = []
+            for i, p in enumerate(prompts):
+                if isinstance(p, Tensor):
+                    if p.dim() != 1 or p.dtype.is_floating_point:
+                        raise ValueError(f"prompt {i} must be a 1-D integer tensor, got {p.dtype} of "
+                                         f"shape {tuple(p.shape)}")
+                    p = p.tolist()
+                if not isinstance(p, Sequence) or not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                    raise TypeError(f"prompt {i} must be a sequence of ints or a 1-D tensor, got {p!r:.80}")
+                rows.append(list(p))
+    else:
+        raise TypeError(f"prompts must be a tensor or a list of token-id lists, got {type(prompts).__name__}")
+    if not rows:
+        raise ValueError("prompts is empty: give at least one prompt")
+    for i, r in enumerate(rows):
+        if not r:
+            raise ValueError(f"prompt {i} is empty; generation starts from at least one token")
+        bad = [t for t in r if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+    return rows
+
+
+def _check_options(max_new_tokens, temperature, top_k, top_p, eos, cache, compile, vocab_size):
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
+        raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}")
+    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
+        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
+        raise ValueError(f"top_p must be None or a number in (0, 1], got {top_p!r}")
+    if eos is None:
+        eos_ids: list[int] = []
+    elif isinstance(eos, int) and not isinstance(eos, bool):
+        eos_ids = [eos]
+    elif isinstance(eos, (list, tuple, set, frozenset)) and all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
+        eos_ids = sorted(eos)
+    else:
+        raise TypeError(f"eos must be None, a token id or a collection of token ids, got {eos!r}")
+    bad = [e for e in eos_ids if not 0 <= e < vocab_size]
+    if bad:
+        raise ValueError(f"eos ids {bad} are outside the vocabulary [0, {vocab_size})")
+    if cache is not None and cache not in CACHE_KINDS:
+        raise ValueError(f"cache must be one of {CACHE_KINDS} or None (recompute every step), got {cache!r}")
+    if not isinstance(compile, (bool, str)):
+        raise TypeError(f"compile must be a bool or a torch.compile backend name, got {compile!r}")
+    if compile and cache != "static":
+        raise ValueError(f"compile needs cache='static' (fixed shapes); cache={cache!r} changes shape every step")
+    return eos_ids
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+# ---------------------------------------------------------------------------- the session
+
+
+class _Session:
+    """State of one batched generation: left-padded prompts, caches, masks, the step function.
+
+    Every tensor computation runs inside ``torch.inference_mode`` here, never across a
+    ``yield`` of :func:`stream` (the caller's code between tokens keeps its own grad mode).
+    """
+
+    def __init__(self, model: Decoder, rows: list[list[int]], max_new_tokens: int, temperature: float,
+                 top_k, top_p, eos_ids: list[int], cache, seed, compile):
+        self.model, self.rows, self.T = model, rows, max_new_tokens
+        self.sampling = dict(temperature=float(temperature), top_k=top_k, top_p=top_p)
+        self.cache_kind, self.compile = cache, compile
+        dev = model.device
+        self.device = dev
+        self.generator = None
+        if temperature > 0 and seed is not None:
+            self.generator = torch.Generator(device=dev).manual_seed(int(seed))
+        lens = [len(r) for r in rows]
+        B, P = len(rows), max(lens)
+        self.B, self.P = B, P
+        total = P + max_new_tokens
+        # Compiled steps reuse static caches (and their graph) across calls of similar length.
+        self.capacity = _round_up(total, 64) if compile else total
+        with torch.inference_mode():
+            ids = torch.zeros(B, P, dtype=torch.long)
+            for b, r in enumerate(rows):
+                ids[b, P - len(r):] = torch.tensor(r, dtype=torch.long)
+            self.ids = ids.to(dev)
+            self.lengths = torch.tensor(lens, device=dev)  # (B,) real prompt lengths
+            pad = P - self.lengths
+            self.ragged = min(lens) != max(lens)
+            cols = torch.arange(self.capacity, device=dev)
+            # (B, capacity) True = padding key; None when no sequence is padded.
+            self.kpm_full = (cols[None] < pad[:, None]) if self.ragged else None
+            self.valid_full = None if self.kpm_full is None else ~self.kpm_full
+            self.prefill_pos = (cols[None, :P] - pad[:, None]).clamp(min=0)
+            self.eos = torch.tensor(eos_ids, dtype=torch.long, device=dev) if eos_ids else None
+            self.finished = torch.zeros(B, dtype=torch.bool, device=dev)
+            if model.model.rope is not None:
+                model.model.rope.reserve(self.capacity)
+            self.caches = self._caches() if cache is not None else None
+            if cache is None:  # recompute: keep the whole sequence
+                self.seq = torch.zeros(B, total, dtype=torch.long, device=dev)
+                self.seq[:, :P] = self.ids
+                self.full_pos = torch.cat([self.prefill_pos, self.lengths[:, None] + torch.arange(
+                    max_new_tokens, device=dev)], 1)
+        self.step_fn = self._compiled_step() if compile else None
+        self.fast = not compile and model.supports_fast_decode(self.caches)
+
+    # ............................................................ caches and steps
+
+    def _caches(self):
+        m = self.model
+        if not self.compile:
+            return m.new_caches(self.cache_kind, max_batch=self.B, max_len=self.capacity)
+        # One pool of static caches per shape: the compiled step sees the same cache objects
+        # every call, so its guards hold and nothing recompiles.
+        key = (self.B, self.capacity, m.dtype, m.device)
+        pool = m._compiled_steps.setdefault("caches", {})
+        if key not in pool:
+            pool[key] = m.new_caches("static", max_batch=self.B, max_len=self.capacity)
+        caches = pool[key]
+        for c in caches:
+            c.reset()
+        return caches
+
+    def _compiled_step(self):
+        m = self.model
+        backend = "inductor" if self.compile is True else self.compile
+        key = ("step", backend, id(self.caches[0]))
+        fn = m._compiled_steps.get(key)
+        if fn is None:
+            caches = self.caches
+
+            def step(ids: Tensor, positions: Tensor, kpm: Tensor | None) -> Tensor:
+                return m(ids, positions=positions, key_padding_mask=kpm, caches=caches, logits_to_keep=1)[:, -1]
+
+            fn = torch.compile(step, backend=backend, fullgraph=True)
+            m._compiled_steps[key] = fn
+        return fn
+
+    def _kpm(self, length: int) -> Tensor | None:
+        """Key padding mask over what the attention sees: the static cache's whole capacity,
+        else the ``length`` keys so far."""
+        if self.kpm_full is None:
+            return None
+        return self.kpm_full if self.cache_kind == "static" else self.kpm_full[:, :length]
+
+    def _sample(self, logits: Tensor) -> Tensor:
+        nxt = sample_next(logits, generator=self.generator, **self.sampling)
+        if self.eos is not None:
+            nxt = torch.where(self.finished, -1, nxt)  # finished sequences emit nothing
+            self.finished |= torch.isin(nxt, self.eos)
+        return nxt
+
+    def first(self) -> Tensor:
+        """Prefill every prompt and sample each sequence's first new token (B,)."""
+        with torch.inference_mode():
+            m = self.model
+            logits = m(self.ids, positions=self.prefill_pos, key_padding_mask=self._kpm(self.P),
+                       caches=self.caches, logits_to_keep=1)[:, -1]
+            return self._sample(logits)
+
+    def next(self, t: int, tok: Tensor) -> Tensor:
+        """Feed token ``t`` (B,) (the t-th new one, t >= 0) and sample token ``t + 1``."""
+        with torch.inference_mode():
+            feed = (tok if self.eos is None else tok.clamp(min=0))[:, None]  # finished: a harmless id
+            n = self.P + t + 1  # keys after this step
+            if self.caches is None:
+                self.seq[:, n - 1:n] = feed
+                logits = self.model(self.seq[:, :n], positions=self.full_pos[:, :n],
+                                    key_padding_mask=self._kpm(n), logits_to_keep=1)[:, -1]
+            else:
+                pos = (self.lengths + t)[:, None]
+                if self.fast:
+                    valid = None if self.valid_full is None else self.valid_full[:, :n]
+                    logits = self.model.decode_step(feed, pos, self.caches, n - 1, valid)
+                elif self.step_fn is not None:
+                    logits = self.step_fn(feed, pos, self._kpm(n))
+                else:
+                    logits = self.model(feed, positions=pos, key_padding_mask=self._kpm(n), caches=self.caches,
+                                        logits_to_keep=1)[:, -1]
+            return self._sample(logits)
+
+    def all_finished(self) -> bool:
+        return self.eos is not None and bool(self.finished.all())
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _session(model, prompts, max_new_tokens, temperature, top_k, top_p, eos, cache, seed, compile) -> _Session:
+    if not isinstance(model, Decoder):
+        raise TypeError(f"model must be an attnkit.models.Decoder, got {type(model).__name__}")
+    V = model.config.vocab_size
+    eos_ids = _check_options(max_new_tokens, temperature, top_k, top_p, eos, cache, compile, V)
+    rows = _as_prompts(prompts, V)
+    return _Session(model, rows, max_new_tokens, temperature, top_k, top_p, eos_ids, cache, seed, compile)
+
+
+def generate(model: Decoder, prompts, max_new_tokens: int = 32, *, temperature: float = 0.0,
+             top_k: int | None = None, top_p: float | None = None, eos=None, cache: str | None = "dynamic",
+             seed: int | None = None, compile: bool | str = False) -> Generation:
+    """Generate up to ``max_new_tokens`` tokens for each prompt.
+
+    Args:
+        model: a :class:`attnkit.models.Decoder`.
+        prompts: a list of token-id lists (any lengths), a list of 1-D tensors, a (B, P)
+            tensor, or one prompt as a list of ints / 1-D tensor.
+        max_new_tokens: T, new tokens per sequence at most.
+        temperature: 0 = greedy (argmax); > 0 samples ``softmax(logits / temperature)``.
+        top_k, top_p: sampling filters (ignored by greedy decoding).
+        eos: token id(s) that end a sequence (it is included in the output); the batch stops
+            when every sequence has ended.
+        cache: "dynamic" (grows), "static" (preallocated; required by ``compile``), "paged"
+            (blocks of a shared pool), or None to recompute the whole sequence every step (the
+            reference the cached paths are tested against). MHA/GQA/MQA models decode with
+            dynamic and static caches through :meth:`Decoder.decode_step`, a lean eager step.
+        seed: seeds a private ``torch.Generator`` for sampling (same seed, same samples);
+            None uses torch's global RNG.
+        compile: True (inductor) or a ``torch.compile`` backend name: the decode step runs
+            compiled with ``fullgraph=True`` over a static cache; it compiles on the first call
+            for a batch size and capacity (``P + T`` rounded up to 64) and is reused after.
+
+    Returns:
+        a :class:`Generation` (``.tokens`` per prompt, ``.finish_reasons``, timings).
+    """
+    s = _session(model, prompts, max_new_tokens, temperature, top_k, top_p, eos, cache, seed, compile)
+    t0 = time.perf_counter()
+    out = torch.full((s.B, max_new_tokens), -1, dtype=torch.long, device=s.device)
+    steps = 0
+    if max_new_tokens:
+        tok = s.first()
+        out[:, 0] = tok
+        _sync(s.device)
+        t1 = time.perf_counter()
+        for t in range(max_new_tokens - 1):
+            if s.all_finished():
+                break
+            tok = s.next(t, tok)
+            out[:, t + 1] = tok
+            steps += 1
+        _sync(s.device)
+    else:
+        t1 = t0
+    t2 = time.perf_counter()
+    tokens, reasons = [], []
+    eos_set = set() if s.eos is None else set(s.eos.tolist())
+    for row in out.tolist():
+        row = [t for t in row if t >= 0]
+        tokens.append(row)
+        reasons.append("eos" if row and row[-1] in eos_set else "length")
+    return Generation(tokens, [list(r) for r in s.rows], reasons, prefill_seconds=t1 - t0,
+                      decode_seconds=t2 - t1, decode_steps=steps)
+
+
+def stream(model: Decoder, prompts, max_new_tokens: int = 32, *, temperature: float = 0.0,
+           top_k: int | None = None, top_p: float | None = None, eos=None, cache: str | None = "dynamic",
+           seed: int | None = None, compile: bool | str = False) -> Iterator[list[int | None]]:
+    """Like :func:`generate`, but yields each step's tokens as soon as they exist: a list with
+    one entry per prompt, the new token id, or None for a sequence that has already ended.
+
+    Example::
+
+        for step in model.stream([[1, 2, 3]], max_new_tokens=8, eos=0):
+            print(step[0], end=" ", flush=True)
+    """
+    s = _session(model, prompts, max_new_tokens, temperature, top_k, top_p, eos, cache, seed, compile)
+    return _stream(s, max_new_tokens)  # arguments are checked now, not at the first next()
+
+
+def _stream(s: _Session, max_new_tokens: int) -> Iterator[list[int | None]]:
+    if not max_new_tokens:
+        return
+    tok = s.first()
+    yield [t if t >= 0 else None for t in tok.tolist()]
+    for t in range(max_new_tokens - 1):
+        if s.all_finished():
+            return
+        tok = s.next(t, tok)
+        yield [t if t >= 0 else None for t in tok.tolist()]

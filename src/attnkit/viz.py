@@ -1,0 +1,283 @@
+"""Pictures of attention: mask patterns, attention maps, and the charts of the demo and the
+benchmarks, written to PNG with matplotlib (the ``viz`` extra: ``pip install 'attnkit[viz]'``).
+
+matplotlib is imported when a function draws, never at ``import attnkit.viz``; without it every
+drawing function raises ImportError saying how to install it. Figures use the non-interactive
+Agg canvas (no display needed) and are closed after saving.
+
+    >>> from attnkit import masks
+    >>> from attnkit.viz import plot_mask, mask_gallery           # doctest: +SKIP
+    >>> plot_mask(masks.SlidingWindow(3), 12, 12, path="window.png")  # doctest: +SKIP
+    >>> mask_gallery("masks.png")                                  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from . import masks as M
+
+__all__ = ["require_matplotlib", "mask_examples", "plot_mask", "mask_gallery", "plot_attention", "plot_bars",
+           "plot_scatter", "plot_lines", "plot_benchmark"]
+
+_INSTALL = "pip install 'attnkit[viz]'  (or: pip install matplotlib)"
+
+
+def require_matplotlib():
+    """``matplotlib.pyplot`` on the Agg canvas, or ImportError naming the install command."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError(f"attnkit.viz draws with matplotlib, which is not installed: {_INSTALL}") from None
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _save(fig, path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    require_matplotlib().close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------- masks
+
+
+def mask_examples(size: int = 16) -> dict[str, tuple[M.Mask, int, int, str]]:
+    """The mask kinds of the gallery: name -> (mask, Sq, Sk, one-line meaning), at ``size``."""
+    if not isinstance(size, int) or size < 8:
+        raise ValueError(f"size must be an int >= 8, got {size!r}")
+    n, q = size, max(2, size // 3)
+    docs = [n // 3, n // 3, n - 2 * (n // 3)]
+    return {
+        "causal": (M.Causal(), n, n, "Causal(): each token sees itself and the past"),
+        "causal_chunk": (M.Causal(), q, n, f"Causal(), Sq={q} < Sk={n}: bottom-right (chunked prefill, decode)"),
+        "causal_top_left": (M.Causal("top_left"), q, n, "Causal('top_left'): torch's is_causal"),
+        "sliding_window": (M.SlidingWindow(3), n, n, "SlidingWindow(3): the last 4 tokens (Mistral-style)"),
+        "local_bidirectional": (M.SlidingWindow(2, 2), n, n, "SlidingWindow(2, 2): a band, both directions"),
+        "prefix_lm": (M.PrefixLM(n // 3), n, n, f"PrefixLM({n // 3}): bidirectional prefix, causal after"),
+        "document_causal": (M.Document(docs) & M.Causal(), n, n, f"Document({docs}) & Causal(): packed sequences"),
+        "left_padded_causal": (M.KeyPadding(torch.tensor([n - 4]), side="left") & M.Causal(), n, n,
+                               "KeyPadding(side='left') & Causal(): 4 padding keys ignored"),
+    }
+
+
+def _draw_mask(ax, mask: M.Mask, q_len: int, kv_len: int, batch_index: int, title: str | None):
+    allowed = mask.materialize(max(batch_index + 1, 1), q_len, kv_len)
+    grid = allowed[min(batch_index, allowed.shape[0] - 1), 0].float().numpy()
+    ax.imshow(grid, cmap="Blues", vmin=0, vmax=1.25, interpolation="nearest", aspect="auto")
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.set_xlabel(f"key (Sk={kv_len})", fontsize=7)
+    ax.set_ylabel(f"query (Sq={q_len})", fontsize=7)
+    if title:
+        ax.set_title(title, fontsize=8)
+
+
+def plot_mask(mask: M.Mask, q_len: int, kv_len: int, *, batch_index: int = 0, title: str | None = None,
+              path=None, ax=None):
+    """Draw which keys each query may attend to (dark = attend) for a (Sq, Sk) call; saves to
+    ``path`` when given (returns it), else draws on ``ax`` (or a new figure) and returns the axes."""
+    if not isinstance(mask, M.Mask):
+        raise TypeError(f"mask must be an attnkit.masks.Mask, got {type(mask).__name__}")
+    for name, v in (("q_len", q_len), ("kv_len", kv_len)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    mask.check(batch_index + 1, 1, q_len, kv_len)
+    plt = require_matplotlib()
+    fig = None
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(3.2, 3.2 * min(max(q_len / kv_len, 0.3), 1.5)))
+    _draw_mask(ax, mask, q_len, kv_len, batch_index, title if title is not None else repr(mask))
+    if path is not None:
+        return _save(ax.figure, path)
+    return ax
+
+
+def mask_gallery(path, *, size: int = 16) -> Path:
+    """One PNG with every kind of :func:`mask_examples`, titled with its meaning."""
+    ex = mask_examples(size)
+    plt = require_matplotlib()
+    cols = 4
+    rows = math.ceil(len(ex) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.3 * cols, 3.3 * rows))
+    for ax, (name, (mask, q, k, meaning)) in zip(axes.flat, ex.items()):
+        _draw_mask(ax, mask, q, k, 0, meaning.replace(": ", ":\n", 1))
+    for ax in list(axes.flat)[len(ex):]:
+        ax.axis("off")
+    fig.suptitle("attnkit.masks (dark = may attend)", fontsize=11)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+# ---------------------------------------------------------------------------- attention maps
+
+
+def plot_attention(weights: Tensor, path, *, tokens: Sequence[str] | None = None, title: str | None = None,
+                   head_titles: Sequence[str] | None = None, highlight: Sequence[tuple[int, int]] = ()) -> Path:
+    """Attention maps as heatmaps: ``weights`` (Sq, Sk) for one map or (H, Sq, Sk) for a grid of
+    heads (rows are queries, columns keys; each row sums to 1). ``tokens`` labels the axes when
+    Sq == Sk (self-attention); ``highlight`` marks (query, key) cells with a red outline."""
+    if not isinstance(weights, Tensor) or weights.dim() not in (2, 3):
+        raise ValueError(f"weights must be a (Sq, Sk) or (H, Sq, Sk) tensor, got shape "
+                         f"{tuple(getattr(weights, 'shape', ()))}")
+    w = weights.detach().float().cpu()
+    w = w[None] if w.dim() == 2 else w
+    H, Sq, Sk = w.shape
+    if tokens is not None and len(tokens) != Sk:
+        raise ValueError(f"tokens has {len(tokens)} labels for {Sk} keys")
+    if head_titles is not None and len(head_titles) != H:
+        raise ValueError(f"head_titles has {len(head_titles)} entries for {H} heads")
+    plt = require_matplotlib()
+    cols = min(H, 4)
+    rows = math.ceil(H / cols)
+    side = 2.2 + 0.12 * min(max(Sq, Sk), 48)
+    fig, axes = plt.subplots(rows, cols, figsize=(side * cols, side * rows), squeeze=False)
+    for h, ax in enumerate(axes.flat):
+        if h >= H:
+            ax.axis("off")
+            continue
+        im = ax.imshow(w[h].numpy(), cmap="viridis", vmin=0, vmax=max(float(w[h].max()), 1e-6),
+                       interpolation="nearest", aspect="auto")
+        for qi, kj in highlight:
+            ax.add_patch(plt.Rectangle((kj - 0.5, qi - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=1.2))
+        if tokens is not None and Sk <= 64:
+            ax.set_xticks(range(Sk))
+            ax.set_xticklabels(tokens, rotation=90, fontsize=6)
+            if Sq == Sk:
+                ax.set_yticks(range(Sq))
+                ax.set_yticklabels(tokens, fontsize=6)
+        ax.set_xlabel("key", fontsize=8)
+        ax.set_ylabel("query", fontsize=8)
+        if head_titles is not None:
+            ax.set_title(head_titles[h], fontsize=9)
+        fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+# ---------------------------------------------------------------------------- charts
+
+
+def plot_bars(groups: Sequence[str], series: Mapping[str, Sequence[float]], path, *, ylabel: str = "",
+              title: str = "", log: bool = False, fmt: str = "{:.0f}") -> Path:
+    """Grouped bar chart: one group per entry of ``groups``, one bar per series, values printed
+    on the bars."""
+    if not groups or not series:
+        raise ValueError("plot_bars needs at least one group and one series")
+    for name, vals in series.items():
+        if len(vals) != len(groups):
+            raise ValueError(f"series {name!r} has {len(vals)} values for {len(groups)} groups")
+    plt = require_matplotlib()
+    n = len(series)
+    width = 0.8 / n
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(groups) * n + 2), 3.8))
+    for i, (name, vals) in enumerate(series.items()):
+        xs = [g + (i - (n - 1) / 2) * width for g in range(len(groups))]
+        bars = ax.bar(xs, vals, width, label=name)
+        for b, v in zip(bars, vals):
+            if v and math.isfinite(v):
+                ax.annotate(fmt.format(v), (b.get_x() + b.get_width() / 2, b.get_height()), ha="center",
+                            va="bottom", fontsize=7)
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels(groups)
+    ax.set_ylabel(ylabel)
+    if log:
+        ax.set_yscale("log")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    return _save(fig, path)
+
+
+def plot_scatter(points: Sequence[tuple], path, *, xlabel: str = "", ylabel: str = "", title: str = "",
+                 logx: bool = False, ylim: tuple[float, float] | None = None) -> Path:
+    """Labelled points ``(x, y, label)``, e.g. accuracy against KV-cache bytes per token; with a
+    fourth entry ``(x, y, label, series)`` points are coloured by series (with a legend) and the
+    points of one label are joined across series."""
+    if not points:
+        raise ValueError("plot_scatter needs at least one point")
+    if any(len(p) not in (3, 4) for p in points):
+        raise ValueError("each point must be (x, y, label) or (x, y, label, series)")
+    plt = require_matplotlib()
+    fig, ax = plt.subplots(figsize=(5.6, 4.0))
+    series: dict = {}
+    for p in points:
+        series.setdefault(p[3] if len(p) == 4 else None, []).append(p[:3])
+    markers = "os^Dv<>"
+    for i, (name, pts) in enumerate(series.items()):
+        ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=60, marker=markers[i % len(markers)], label=name)
+        for x, y, label in pts:
+            ax.annotate(label, (x, y), textcoords="offset points", xytext=(6, 4), fontsize=8)
+    if len(series) > 1:
+        labels = dict.fromkeys(p[2] for p in points)
+        for label in labels:
+            pts = [p for p in points if p[2] == label]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], color="gray", alpha=0.3, linewidth=0.8)
+        ax.legend(fontsize=8)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if logx:
+        ax.set_xscale("log")
+    if ylim is not None:
+        ax.set_ylim(*ylim)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def plot_lines(series: Mapping[str, Sequence[float]], path, *, xlabel: str = "", ylabel: str = "", title: str = "",
+               smooth: int = 1) -> Path:
+    """One line per series (e.g. training loss per step), optionally a running mean over
+    ``smooth`` points."""
+    if not series:
+        raise ValueError("plot_lines needs at least one series")
+    if not isinstance(smooth, int) or smooth < 1:
+        raise ValueError(f"smooth must be an int >= 1, got {smooth!r}")
+    plt = require_matplotlib()
+    fig, ax = plt.subplots(figsize=(5.6, 3.6))
+    for name, ys in series.items():
+        y = torch.tensor([float(v) for v in ys])
+        if smooth > 1 and y.numel() >= smooth:
+            y = y.unfold(0, smooth, 1).mean(-1)
+            x = range(smooth - 1, smooth - 1 + y.numel())
+        else:
+            x = range(y.numel())
+        ax.plot(list(x), y.tolist(), label=name, linewidth=1.2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def plot_benchmark(json_path, path=None) -> Path:
+    """Bar chart of a benchmark result file (``benchmarks/results/<name>.json``): one group per
+    row (labelled by its text fields), one bar per numeric column ending in ``_ms`` or
+    ``_tok_s``. Written next to the JSON unless ``path`` is given."""
+    json_path = Path(json_path)
+    res = json.loads(json_path.read_text())
+    rows = res.get("rows") if isinstance(res, dict) else None
+    if not rows:
+        raise ValueError(f"{json_path} has no 'rows' to plot")
+    cols = [k for k in rows[0] if k.endswith(("_ms", "_tok_s")) and all(isinstance(r.get(k), (int, float)) for r in rows)]
+    if not cols:
+        raise ValueError(f"{json_path}: no numeric *_ms or *_tok_s columns to plot")
+    labels = [" ".join(str(v) for k, v in r.items() if isinstance(v, str) or k in ("batch", "B", "S")) or f"row {i}"
+              for i, r in enumerate(rows)]
+    unit = "tokens / s" if cols[0].endswith("_tok_s") else "ms (lower is better)"
+    series = {c.removesuffix("_ms").removesuffix("_tok_s"): [float(r[c]) for r in rows] for c in cols}
+    spread = max(max(v) for v in series.values()) / max(min(x for v in series.values() for x in v if x > 0), 1e-12)
+    return plot_bars(labels, series, path or json_path.with_suffix(".png"), ylabel=unit, title=json_path.stem,
+                     log=spread > 50, fmt="{:.3g}")

@@ -1,0 +1,259 @@
+"""attnkit.models.generate: every cache kind equals recomputation, ragged batches equal each prompt
+alone, seeds reproduce samples, EOS per sequence, streaming, options, and a compiled decode step
+that never recompiles."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnkit.models import Decoder, DecoderConfig, generate, sample_next, stream
+
+TINY = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64)
+VARIANTS = {"mha": {}, "gqa": {"num_kv_heads": 2}, "mqa": {}, "mla": {"kv_lora_rank": 16, "qk_rope_head_dim": 4}}
+PROMPTS = [[5, 9, 3, 7, 1, 2, 8], [4, 4, 11], [30], [2, 60, 17, 9, 40]]  # ragged, one single token
+CACHES = ["dynamic", "static", "paged"]
+
+
+def tiny(attention="gqa", seed=0, **kw) -> Decoder:
+    torch.manual_seed(seed)
+    return Decoder(DecoderConfig(**{**TINY, **VARIANTS[attention], **kw, "attention": attention}), init_std=0.2).eval()
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def model(request):
+    return tiny(request.param)
+
+
+def test_every_cache_equals_recomputation_token_for_token(model):
+    """Greedy decoding with each cache kind gives exactly the tokens of recomputing the whole
+    (left-padded) sequence every step without any cache."""
+    want = model.generate(PROMPTS, 24, cache=None).tokens
+    assert all(len(t) == 24 for t in want)
+    for cache in CACHES:
+        assert model.generate(PROMPTS, 24, cache=cache).tokens == want, cache
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_ragged_batch_equals_each_prompt_alone(model, cache):
+    batched = model.generate(PROMPTS, 16, cache=cache).tokens
+    assert batched == [model.generate([p], 16, cache=cache).tokens[0] for p in PROMPTS]
+
+
+def test_batched_row_does_not_depend_on_its_neighbours(model):
+    """No pad-token leakage: the same prompt next to different (longer, shorter) neighbours gives
+    the same tokens."""
+    p = [7, 3, 9, 1]
+    rows = [model.generate(batch, 12).tokens[batch.index(p)] for batch in
+            ([p], [p, [1] * 9], [[2], p], [[8] * 14, p, [5, 6]])]
+    assert all(r == rows[0] for r in rows)
+
+
+def test_fast_decode_step_equals_the_general_forward():
+    m = tiny("gqa", seed=3)
+    ids = torch.randint(0, 64, (3, 6))
+    kpm = torch.zeros(3, 7, dtype=torch.bool)
+    kpm[1, :2] = True  # row 1 left-padded by 2
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5], [0, 0, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5]])
+    tok, step_pos = torch.tensor([[4], [9], [1]]), torch.tensor([[6], [4], [6]])
+    with torch.no_grad():
+        for kind in ("dynamic", "static"):
+            a, b = m.new_caches(kind, max_batch=3, max_len=7), m.new_caches(kind, max_batch=3, max_len=7)
+            assert m.supports_fast_decode(a)
+            m(ids, positions=pos, key_padding_mask=kpm[:, :6] if kind == "dynamic" else kpm, caches=a)
+            m(ids, positions=pos, key_padding_mask=kpm[:, :6] if kind == "dynamic" else kpm, caches=b)
+            fast = m.decode_step(tok, step_pos, a, 6, ~kpm)
+            slow = m(tok, positions=step_pos, key_padding_mask=kpm, caches=b)[:, -1]
+            torch.testing.assert_close(fast, slow)
+            assert [int(x) for x in a[0].lengths] == [7, 7, 7]
+    assert not m.supports_fast_decode(m.new_caches("paged", max_batch=1, max_len=4))
+    assert not tiny("mla").supports_fast_decode(tiny("mla").new_caches())
+
+
+def test_packed_weights_stay_the_parameters():
+    """The fast step's q|k|v and gate|up matrices are the parameters' own storage: the model's
+    parameters, names, values and training behave exactly as before, and later in-place changes
+    (optimizer steps, load_state_dict) and replacements (.to) reach generation."""
+    import copy
+    import io
+    m = tiny("gqa", seed=6)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    ids = {id(p) for p in m.parameters()}
+    m.generate(PROMPTS, 4)
+    layer = m.model.layers[0]
+    (w_qkv, _), (w_gu, _) = layer.packed_weights()
+    attn = layer.self_attn
+    assert attn.k_proj.weight.data_ptr() == w_qkv.data_ptr() + attn.q_proj.weight.numel() * 4
+    assert {id(p) for p in m.parameters()} == ids
+    assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
+
+    m.train()  # a training step on the packed parameters, then generation sees its result
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    x = torch.randint(0, 64, (2, 8))
+    loss = torch.nn.functional.cross_entropy(m(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+    loss.backward()
+    assert layer.mlp.up_proj.weight.grad is not None
+    opt.step()
+    m.eval()
+    assert not torch.equal(m.state_dict()["model.layers.0.self_attn.k_proj.weight"], before["model.layers.0.self_attn.k_proj.weight"])
+    assert m.generate(PROMPTS, 10).tokens == m.generate(PROMPTS, 10, cache=None).tokens
+
+    m.load_state_dict(before)
+    assert m.generate(PROMPTS, 10).tokens == tiny("gqa", seed=6).generate(PROMPTS, 10).tokens
+    m64 = copy.deepcopy(m).to(torch.float64)  # replaced parameters are packed again
+    assert m64.generate(PROMPTS, 10).tokens == m64.generate(PROMPTS, 10, cache=None).tokens
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    assert torch.load(buf, weights_only=False).generate(PROMPTS, 6).tokens == m.generate(PROMPTS, 6).tokens
+
+
+# ---------------------------------------------------------------------------- sampling
+
+
+def test_seed_reproduces_samples_and_other_seeds_differ(model):
+    kw = dict(temperature=1.5, top_k=40, top_p=0.95)
+    a = model.generate(PROMPTS, 20, seed=7, **kw).tokens
+    assert model.generate(PROMPTS, 20, seed=7, **kw).tokens == a
+    assert model.generate(PROMPTS, 20, seed=7, cache="static", **kw).tokens == a
+    assert model.generate(PROMPTS, 20, seed=8, **kw).tokens != a
+
+
+def test_sampling_filters_that_leave_one_token_are_greedy(model):
+    greedy = model.generate(PROMPTS, 12).tokens
+    assert model.generate(PROMPTS, 12, temperature=0.8, top_k=1, seed=0).tokens == greedy
+    assert model.generate(PROMPTS, 12, temperature=0.8, top_p=1e-6, seed=0).tokens == greedy
+
+
+def test_sample_next_follows_the_filtered_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]]).repeat(20000, 1)
+    g = torch.Generator().manual_seed(0)
+    draws = sample_next(logits, temperature=1.0, generator=g)
+    freq = torch.bincount(draws, minlength=6).float() / draws.numel()
+    torch.testing.assert_close(freq, logits[0].softmax(-1), atol=0.015, rtol=0)
+    top3 = sample_next(logits, temperature=1.0, top_k=3, generator=g)
+    assert set(top3.tolist()) == {0, 1, 2}
+    p = logits[0].softmax(-1)  # nucleus: smallest prefix of sorted probs reaching top_p
+    nucleus = sample_next(logits, temperature=1.0, top_p=float(p[0] + p[1]) - 1e-3, generator=g)
+    assert set(nucleus.tolist()) == {0, 1}
+    hot = sample_next(logits[:1], temperature=0.0)
+    assert hot.tolist() == [0]
+
+
+# ---------------------------------------------------------------------------- stopping and streaming
+
+
+def test_eos_stops_each_sequence_on_its_own(model):
+    free = model.generate(PROMPTS, 20).tokens
+    eos = free[0][3]  # the 4th token of row 0
+    got = model.generate(PROMPTS, 20, eos=eos)
+    for row, full, reason in zip(got.tokens, free, got.finish_reasons):
+        if eos in full:
+            cut = full.index(eos) + 1
+            assert row == full[:cut] and reason == "eos"
+        else:
+            assert row == full and reason == "length"
+    assert got.finish_reasons[0] == "eos" and len(got.tokens[0]) <= 4
+
+
+def test_batch_stops_when_every_sequence_has_ended():
+    m = tiny("gqa")
+    free = m.generate([[3, 4]], 10).tokens[0]
+    got = m.generate([[3, 4]], 500, eos=free[1])
+    assert got.tokens[0] == free[:free.index(free[1]) + 1]
+    assert got.decode_steps < 3  # no steps after the only sequence ended
+
+
+def test_stream_yields_tokens_as_they_come(model):
+    eos = model.generate(PROMPTS, 10).tokens[1][2]
+    steps = list(model.stream(PROMPTS, 10, eos=eos))
+    want = model.generate(PROMPTS, 10, eos=eos).tokens
+    assert len(steps) == max(len(t) for t in want)
+    for b, row in enumerate(want):
+        col = [s[b] for s in steps]
+        assert col[:len(row)] == row and all(t is None for t in col[len(row):])
+
+
+def test_stream_checks_arguments_at_once_and_keeps_the_callers_grad_mode():
+    m = tiny()
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        stream(m, PROMPTS, -1)  # not at the first next()
+    it = m.stream([[1, 2]], 3)
+    for _ in it:
+        assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+
+
+def test_prompt_forms_and_empty_generation():
+    m = tiny()
+    a = m.generate([[3, 4, 5]], 4).tokens
+    assert m.generate([3, 4, 5], 4).tokens == a
+    assert m.generate(torch.tensor([3, 4, 5]), 4).tokens == a
+    assert m.generate(torch.tensor([[3, 4, 5]]), 4).tokens == a
+    assert m.generate([torch.tensor([3, 4, 5])], 4).tokens == a
+    out = m.generate([[3, 4, 5]], 0)
+    assert out.tokens == [[]] and out.finish_reasons == ["length"]
+    assert out.sequences == [[3, 4, 5]] and m.generate([[3]], 3).sequences[0][:1] == [3]
+
+
+def test_timings_are_reported():
+    g = tiny().generate(PROMPTS, 8)
+    assert g.prefill_seconds > 0 and g.decode_seconds > 0 and g.decode_steps == 7
+    assert g.decode_tokens_per_second > 0
+
+
+@pytest.mark.parametrize("kw,err,msg", [
+    (dict(max_new_tokens=-1), ValueError, "max_new_tokens must be an int >= 0"),
+    (dict(max_new_tokens=2.0), ValueError, "max_new_tokens"),
+    (dict(temperature=-0.5), ValueError, "temperature must be a number >= 0"),
+    (dict(top_k=0), ValueError, "top_k must be None or an int >= 1"),
+    (dict(top_p=0.0), ValueError, r"top_p must be None or a number in \(0, 1\]"),
+    (dict(top_p=1.5), ValueError, "top_p"),
+    (dict(eos=64), ValueError, r"eos ids \[64\] are outside the vocabulary"),
+    (dict(eos="</s>"), TypeError, "eos must be None, a token id or a collection"),
+    (dict(cache="ring"), ValueError, "cache must be one of"),
+    (dict(cache="dynamic", compile=True), ValueError, "compile needs cache='static'"),
+    (dict(compile=1), TypeError, "compile must be a bool"),
+    (dict(prompts=[[1, 2], []]), ValueError, "prompt 1 is empty"),
+    (dict(prompts=[[1, 64]]), ValueError, r"token ids \[64\] outside the vocabulary"),
+    (dict(prompts=torch.ones(2, 3)), ValueError, "integer tensor"),
+    (dict(prompts=[]), ValueError, "prompts is empty"),
+    (dict(prompts="hello"), TypeError, "prompts must be a tensor or a list"),
+    (dict(prompts=[[1, 2], [1.5]]), TypeError, "prompt 1 must be a sequence of ints"),
+])
+def test_bad_options_raise_clear_errors(kw, err, msg):
+    m = tiny()
+    args = {"prompts": [[1, 2, 3]], "max_new_tokens": 4, **kw}
+    with pytest.raises(err, match=msg):
+        generate(m, args.pop("prompts"), args.pop("max_new_tokens"), **args)
+    with pytest.raises(TypeError, match="Decoder"):
+        generate(torch.nn.Linear(2, 2), [[1]], 2)
+
+
+# ---------------------------------------------------------------------------- torch.compile
+
+
+def test_compiled_static_decode_step_never_recompiles():
+    """The decode step compiles once (dynamo with the eager backend: the graph capture and guards
+    are what recompiles depend on) and then serves every step of this call and of later calls with
+    the same batch and capacity, producing the uncompiled tokens."""
+    import torch._dynamo
+    m = tiny("gqa", seed=4)
+    want = m.generate(PROMPTS, 20, cache=None).tokens
+    torch._dynamo.reset()
+    assert m.generate(PROMPTS, 20, cache="static", compile="eager").tokens == want
+    with torch._dynamo.config.patch(error_on_recompile=True):  # any recompile raises
+        assert m.generate(PROMPTS, 20, cache="static", compile="eager").tokens == want
+        other = [[9, 8, 7], [1], [2, 2, 2, 2], [3, 3]]
+        assert m.generate(other, 18, cache="static", compile="eager").tokens == \
+            m.generate(other, 18, cache=None).tokens
+
+
+@pytest.mark.slow
+def test_inductor_compiled_decode_equals_eager():
+    import torch._dynamo
+    m = tiny("gqa", seed=5)
+    want = m.generate(PROMPTS, 16, cache=None).tokens
+    torch._dynamo.reset()
+    assert m.generate(PROMPTS, 16, cache="static", compile=True).tokens == want
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert m.generate(PROMPTS, 16, cache="static", compile=True).tokens == want
