@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 import attnkit
+from attnkit._sysinfo import cpu_name
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -43,15 +44,7 @@ def interleaved_medians(fns: dict[str, Callable[[], float]], reps: int, warmup: 
 
 
 def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    return {"cpu": cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "attnkit": attnkit.__version__, "python": platform.python_version(),
             "platform": platform.platform()}
 

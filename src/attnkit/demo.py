@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._sysinfo import cpu_name
+
 __all__ = ["DemoError", "Task", "Plan", "make_mqar", "variant_configs", "train", "recall_accuracy", "run_demo",
            "add_demo_arguments"]
 
@@ -612,12 +614,4 @@ def _argv_of(args) -> list[str]:
 
 
 def _machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores"
+    return f"{cpu_name()}, {os.cpu_count()} cores"

@@ -15,7 +15,7 @@ from .backends.registry import AttentionCall, get_backend, select
 from .masks import as_mask
 from .reference import attention_math
 
-__all__ = ["attention", "describe_call"]
+__all__ = ["attention", "describe_call", "check_qkv"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -24,12 +24,15 @@ def _shape(t: Tensor) -> tuple[int, ...]:
     return tuple(t.shape)
 
 
-def _validate(q, k, v, mask, causal, scale, dropout_p, return_weights, backend="auto") -> AttentionCall:
+def check_qkv(q, k, v, scale=None, *, layout: str = "(B, H, S, D)") -> float:
+    """Check q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv) and ``scale``; errors name
+    the argument and the shapes (``layout`` is how the 4 dims are described in them). Returns
+    the scale (default 1 / sqrt(D))."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
-            raise ValueError(f"{name} must have 4 dims (B, H, S, D), got shape {_shape(t)}")
+            raise ValueError(f"{name} must have 4 dims {layout}, got shape {_shape(t)}")
         if t.dtype not in _FLOAT_DTYPES:
             raise TypeError(f"{name} must be fp16, bf16, fp32 or fp64, got {t.dtype}")
     if not (q.dtype == k.dtype == v.dtype):
@@ -52,9 +55,16 @@ def _validate(q, k, v, mask, causal, scale, dropout_p, return_weights, backend="
     if D == 0:
         raise ValueError(f"head dim must be at least 1: q {_shape(q)}")
     if scale is None:
-        scale = 1.0 / math.sqrt(D)
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        return 1.0 / math.sqrt(D)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise TypeError(f"scale must be a finite float or None, got {scale!r}")
+    return float(scale)
+
+
+def _validate(q, k, v, mask, causal, scale, dropout_p, return_weights, backend="auto") -> AttentionCall:
+    scale = check_qkv(q, k, v, scale)
+    B, Hq, Sq, D = q.shape
+    _, Hkv, Sk, Dv = v.shape
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     if not isinstance(return_weights, bool):

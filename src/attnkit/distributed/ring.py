@@ -25,13 +25,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..functional import check_qkv
 from ..masks import And, Causal, Mask, as_mask, has_bias
 from .blocks import block_backward, block_forward, compute_dtype, mask_at, merge_partials, softmax_delta
 from .sharding import SHARDINGS, shard_ranges
 
 __all__ = ["ring_attention"]
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Score tiles (B * Hq * rows * keys elements; backward holds two at once) are a quarter of this
 # rank's q shard, within [2^18, 2^25] elements: the workspace then scales with the shard, like
 # the activations, instead of with (S/P)^2. Tiles merge exactly (log-sum-exp), so tiling changes
@@ -192,39 +192,8 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
-def _shape(t: Tensor) -> tuple[int, ...]:
-    return tuple(t.shape)
-
-
 def _validate(q, k, v, scale) -> float:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be this rank's shard (B, H, S/P, D), got shape {_shape(t)}")
-        if t.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"{name} must be fp16, bf16, fp32 or fp64, got {t.dtype}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share a dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
-    B, Hq, _, D = q.shape
-    if k.shape[0] != B or v.shape[0] != B:
-        raise ValueError(f"batch sizes differ: q {_shape(q)}, k {_shape(k)}, v {_shape(v)}")
-    if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
-        raise ValueError(f"k and v must share heads and length: k {_shape(k)}, v {_shape(v)}")
-    if k.shape[3] != D:
-        raise ValueError(f"q and k must have the same head dim: q {_shape(q)}, k {_shape(k)}")
-    if k.shape[1] == 0 or Hq % k.shape[1]:
-        raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({k.shape[1]}): "
-                         f"q {_shape(q)}, k {_shape(k)}")
-    if D == 0:
-        raise ValueError(f"head dim must be at least 1: q {_shape(q)}")
-    if scale is None:
-        return 1.0 / math.sqrt(D)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise TypeError(f"scale must be a finite float or None, got {scale!r}")
-    return float(scale)
+    return check_qkv(q, k, v, scale, layout="(this rank's shard: B, H, S/P, D)")
 
 
 def _check_same_everywhere(values: list[int], names: list[str], group, device, rank: int) -> None:
@@ -288,7 +257,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, mas
          "dtype", "causal", "sharding"], group, q.device, rank)
     if sharding == "zigzag" and (Sq_l % 2 or Sk_l % 2):
         raise ValueError(f"zigzag sharding holds two equal chunks per rank, so local lengths must be even; got "
-                         f"q {_shape(q)}, k {_shape(k)}; pad the sequence to a multiple of 2 * world_size = "
+                         f"q {tuple(q.shape)}, k {tuple(k.shape)}; pad the sequence to a multiple of 2 * world_size = "
                          f"{2 * world} (see attnkit.distributed.padded_length)")
     m = as_mask(mask, causal)
     if m is not None:
