@@ -267,3 +267,25 @@ def test_sliding_cache_reorder():
     swap = lambda t: t.flip(0)
     last = run_chunks(cache, swap(q)[:, :, 9:], swap(k)[:, :, 9:], swap(v)[:, :, 9:], [1])
     torch.testing.assert_close(last, attnkit.attention(swap(q), swap(k), swap(v), M.SlidingWindow(2))[:, :, 9:])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shared", [False, True], ids=["kv", "value_from_key"])
+def test_append_uniform_equals_update(kind, shared):
+    q, k, v = make_qkv(2, 4, 2, 9, 9, 8, seed=5)
+    v = None if shared else v
+    caches = [DynamicCache(2, 8, value_from_key=shared) if kind == "dynamic" else
+              StaticCache(2, 8, max_batch=2, max_len=12, value_from_key=shared) for _ in range(2)]
+    start = 0
+    for n in (5, 1, 3):
+        sl = slice(start, start + n)
+        vs = None if v is None else v[:, :, sl]
+        k_all, v_all, mask = caches[0].update(k[:, :, sl], vs)
+        want = attnkit.attention(q[:, :, sl], k_all, v_all, mask)
+        k_u, v_u = caches[1].append_uniform(k[:, :, sl], vs, start)
+        got = attnkit.attention(q[:, :, sl], k_u, v_u, causal=True)
+        assert k_u.shape[2] == start + n  # only the filled part, even for a static cache
+        torch.testing.assert_close(got, want)
+        start += n
+        assert caches[1].lengths.tolist() == caches[0].lengths.tolist() == [start, start]
+    assert caches[1].positions(1).tolist() == [[9], [9]]

@@ -223,6 +223,19 @@ class _ContiguousCache(KVCache):
         for name, _ in self._stored():
             setattr(self, name, getattr(self, name)[: self.lengths.shape[0]][idx])
 
+    def append_uniform(self, k: Tensor, v: Tensor | None, start: int) -> tuple[Tensor, Tensor]:
+        """``update`` for a batch whose sequences all hold ``start`` tokens (a decode loop over
+        left-padded prompts keeps them so), without its checks and mask: one slice copy per
+        buffer and an in-place length bump. k (B, Hkv, S, D) -> (k_all, v_all) over
+        ``start + S`` positions, every key before each query (no mask needed)."""
+        B, _, S, _ = k.shape
+        if self.lengths.numel() == 0:
+            self.lengths = torch.zeros(B, dtype=torch.long, device=k.device)
+        self._reserve(B, S)
+        self._write(k, v, start)
+        self.lengths.add_(S)
+        return self._views(B, start + S)
+
 
 class DynamicCache(_ContiguousCache):
     """Grows with the sequences: capacity doubles when full (amortised O(1) per token; one copy
@@ -267,6 +280,13 @@ class DynamicCache(_ContiguousCache):
         cap = self.k_buf.shape[2]
         if self.k_buf.shape[0] != batch or want > cap:
             self._alloc(batch, max(want, 2 * cap, 16))
+
+    def append_uniform(self, k, v, start):
+        if not self._host:
+            self._host = [0] * k.shape[0]
+        views = super().append_uniform(k, v, start)
+        self._host = [start + k.shape[2]] * k.shape[0]
+        return views
 
     def reset(self) -> None:
         super().reset()

@@ -156,31 +156,6 @@ def _rotate_signed(x: Tensor, cos: Tensor, sin_signed: Tensor, interleaved: bool
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
-def _append_uniform(cache: KVCache, k: Tensor, v: Tensor, start: int) -> tuple[Tensor, Tensor] | None:
-    """Append k, v (B, Hkv, S, ·) at column ``start`` of every sequence of a Dynamic/Static cache
-    whose sequences all hold ``start`` tokens, and return the K/V views (B, Hkv, start + S, ·) to
-    attend to; None for any other cache (the caller takes the protocol path).
-
-    This is ``cache.update(k, v)`` minus the checks and the mask, for the decode loop of
-    :func:`attnkit.models.generate`, which keeps every cache uniform (left-padded batches) and
-    knows ``start``: one slice copy per buffer and an in-place length bump.
-    """
-    kind = type(cache)
-    if kind is not DynamicCache and kind is not StaticCache:
-        return None
-    B, _, S, _ = k.shape
-    end = start + S
-    if kind is DynamicCache:
-        cache._reserve(B, S)
-        cache._host = [end] * B
-    elif end > cache.max_len:
-        raise ValueError(f"writing {S} tokens after {start} overflows the static cache's max_len {cache.max_len}")
-    cache.k_buf[:B, :, start:end].copy_(k)
-    cache.v_buf[:B, :, start:end].copy_(v)
-    cache.lengths.add_(S)
-    return cache.k_buf[:B, :, :end], cache.v_buf[:B, :, :end]
-
-
 def _packed(owner: nn.Module, key: str, linears: tuple[nn.Linear, ...]) -> tuple[Tensor, Tensor | None]:
     """See :meth:`DecoderLayer.packed_weights`."""
     cache = owner.__dict__.setdefault("_packs", {})
@@ -233,16 +208,6 @@ def _build_attention(cfg: DecoderConfig, rope: RotaryEmbedding | None, device, d
                               causal=True, rope=rope, device=device, dtype=dtype)
 
 
-def _cache_dims(attn: nn.Module) -> tuple[int, int, int, bool]:
-    """(kv_heads, head_dim, v_head_dim, value_from_key) of what ``attn`` caches per token."""
-    if isinstance(attn, MultiHeadAttention):
-        return attn.num_kv_heads, attn.head_dim, attn.v_head_dim, False
-    c = getattr(attn, "config", None)
-    if c is not None and hasattr(c, "latent_dim"):  # MLA: one latent "head" [c_kv | k_pe], V = c_kv
-        return 1, c.latent_dim, c.kv_lora_rank, True
-    raise TypeError(f"no cache layout known for {type(attn).__name__}")
-
-
 def paged_allocator(max_batch: int, max_len: int, block_size: int = 16):
     """A :class:`attnkit.caches.paged.BlockAllocator` with room for ``max_batch`` sequences of
     ``max_len`` tokens, for the layers of one model to share."""
@@ -263,17 +228,10 @@ def make_cache(attn: nn.Module, kind: str, *, max_batch: int | None = None, max_
         raise ValueError(f"cache must be one of {CACHE_KINDS} (or None for no cache), got {kind!r}")
     if kind != "paged" and allocator is not None:
         raise TypeError(f"allocator= applies to paged caches, not to a {kind} cache")
-    if kind == "paged":
-        from ..caches.paged import PagedKVCache
-        if allocator is None:
-            allocator = paged_allocator(max_batch, max_len)
-        w = next(attn.parameters())
-        kv, d, dv, vfk = _cache_dims(attn)
-        return PagedKVCache(kv, d, dv, allocator=allocator, value_from_key=vfk, dtype=dtype or w.dtype,
-                            device=device or w.device)
-    if kind == "static":
-        return attn.new_cache("static", max_batch=max_batch, max_len=max_len, dtype=dtype, device=device)
-    return attn.new_cache("dynamic", dtype=dtype, device=device)
+    if kind == "paged" and allocator is None:
+        allocator = paged_allocator(max_batch, max_len)
+    return attn.new_cache(kind, max_batch=max_batch, max_len=max_len, allocator=allocator, dtype=dtype,
+                          device=device)
 
 
 class DecoderLayer(nn.Module):
@@ -316,7 +274,7 @@ class DecoderLayer(nn.Module):
         cos, sin_signed, interleaved = rope
         q = _rotate_signed(q.view(B, 1, H, D), cos, sin_signed, interleaved).transpose(1, 2)  # (B, H, 1, D)
         k = _rotate_signed(k.view(B, 1, Hkv, D), cos, sin_signed, interleaved).transpose(1, 2)
-        k_all, v_all = _append_uniform(cache, k, v.view(B, 1, Hkv, Dv).transpose(1, 2), start)
+        k_all, v_all = cache.append_uniform(k, v.view(B, 1, Hkv, Dv).transpose(1, 2), start)
         # One new query per sequence sees every cached key: no causal mask; padding keys masked.
         mask = None if key_valid is None else KeyPadding(valid=key_valid)
         o = attention(q, k_all, v_all, mask, backend=attn.backend)
