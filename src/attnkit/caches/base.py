@@ -231,10 +231,15 @@ class _ContiguousCache(KVCache):
         B, _, S, _ = k.shape
         if self.lengths.numel() == 0:
             self.lengths = torch.zeros(B, dtype=torch.long, device=k.device)
-        self._reserve(B, S)
+        self._room_for(B, start + S)
         self._write(k, v, start)
         self.lengths.add_(S)
         return self._views(B, start + S)
+
+    def _room_for(self, batch: int, end: int) -> None:
+        """Make room for ``end`` tokens in every sequence of a batch of ``batch`` (Python ints:
+        no device sync)."""
+        raise NotImplementedError
 
 
 class DynamicCache(_ContiguousCache):
@@ -276,14 +281,14 @@ class DynamicCache(_ContiguousCache):
         return (*self._views(B, max(new_host)), mask)
 
     def _reserve(self, batch, needed):
-        want = max(self._host) + needed
+        self._room_for(batch, max(self._host) + needed)
+
+    def _room_for(self, batch, end):
         cap = self.k_buf.shape[2]
-        if self.k_buf.shape[0] != batch or want > cap:
-            self._alloc(batch, max(want, 2 * cap, 16))
+        if self.k_buf.shape[0] != batch or end > cap:
+            self._alloc(batch, max(end, 2 * cap, 16))
 
     def append_uniform(self, k, v, start):
-        if not self._host:
-            self._host = [0] * k.shape[0]
         views = super().append_uniform(k, v, start)
         self._host = [start + k.shape[2]] * k.shape[0]
         return views
@@ -315,14 +320,19 @@ class StaticCache(_ContiguousCache):
         self._alloc(max_batch, max_len)
 
     def _reserve(self, batch, needed):
-        if batch != self.max_batch:
-            raise ValueError(f"k has batch {batch} but the static cache was built for max_batch="
-                             f"{self.max_batch}; build it for the batch you run")
+        self._room_for(batch, None)
         if not torch.compiler.is_compiling():
             end = int((self.lengths + needed).max())
             if end > self.max_len:
                 raise ValueError(f"writing {needed} tokens after lengths {self.lengths.tolist()} overflows "
                                  f"the static cache's max_len {self.max_len}")
+
+    def _room_for(self, batch, end):
+        if batch != self.max_batch:
+            raise ValueError(f"k has batch {batch} but the static cache was built for max_batch="
+                             f"{self.max_batch}; build it for the batch you run")
+        if end is not None and end > self.max_len:
+            raise ValueError(f"writing up to position {end} overflows the static cache's max_len {self.max_len}")
 
     def _view_len(self):
         return self.max_len
