@@ -289,3 +289,17 @@ def test_append_uniform_equals_update(kind, shared):
         start += n
         assert caches[1].lengths.tolist() == caches[0].lengths.tolist() == [start, start]
     assert caches[1].positions(1).tolist() == [[9], [9]]
+
+
+def test_attend_takes_what_attention_takes_and_append_uniform_checks_its_input():
+    q, k, v = make_qkv(2, 4, 2, 6, 6, 8, seed=7)
+    keep = torch.rand(2, 1, 6, 6, generator=torch.Generator().manual_seed(0)) > 0.3
+    got = DynamicCache(2, 8).attend(q, k, v, keep)  # a bool tensor, ANDed with the cache's causal mask
+    want = attnkit.attention(q, k, v, attnkit.masks.Dense(keep) & attnkit.masks.Causal())
+    torch.testing.assert_close(got, want)
+    cache = StaticCache(2, 8, max_batch=2, max_len=8)
+    with pytest.raises(ValueError, match=r"append_uniform: k \(2, 3, 1, 8\)"):
+        cache.append_uniform(torch.zeros(2, 3, 1, 8), torch.zeros(2, 3, 1, 8), 0)
+    with pytest.raises(ValueError, match="max_len 8"):
+        cache.append_uniform(k, v, 5)
+    assert attnkit.caches.new_cache("dynamic", (2, 8, 8)).bytes_per_token == 2 * 16 * 4  # fp32 by default

@@ -201,3 +201,11 @@ def test_new_cache_fits_the_module(kind, kw):
         m.new_cache("paged-ish")
     with pytest.raises(ValueError, match="allocator"):
         m.new_cache("paged")
+
+
+def test_key_padding_mask_of_the_wrong_length_with_a_cache_is_a_clear_error():
+    m = MultiHeadAttention(32, 4, causal=True).eval()
+    cache = DynamicCache(4, 8)
+    m(torch.randn(2, 5, 32), cache=cache)
+    with pytest.raises(ValueError, match=r"valid has shape \(2, 3\), expected \(2, 6\)"):
+        m(torch.randn(2, 1, 32), cache=cache, key_padding_mask=torch.zeros(2, 3, dtype=torch.bool))

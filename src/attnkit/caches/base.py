@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from ..functional import attention
-from ..masks import Causal, KeyPadding, Mask
+from ..masks import Causal, KeyPadding, Mask, as_mask
 
 __all__ = ["KVCache", "DynamicCache", "StaticCache"]
 
@@ -87,13 +87,15 @@ class KVCache(nn.Module):
         ``value_from_key``); returns (k_all (B, Hkv, L, D), v_all (B, Hkv, L, Dv), mask)."""
         raise NotImplementedError
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor | None, mask: Mask | None = None, *,
+    def attend(self, q: Tensor, k: Tensor, v: Tensor | None, mask=None, *,
                num_new: Tensor | None = None, scale: float | None = None, dropout_p: float = 0.0,
                backend: str = "auto", return_weights: bool = False):
-        """Append k, v and attend q (B, Hq, S, D) over everything cached, ``mask`` ANDed with the
-        cache's own. Returns what :func:`attnkit.attention` returns."""
+        """Append k (B, Hkv, S, D), v (B, Hkv, S, Dv) and attend q (B, Hq, S, D) over everything
+        cached. ``mask`` (anything :func:`attnkit.attention` takes, over (B, Hq, S, L)) is ANDed
+        with the cache's own. Returns what :func:`attnkit.attention` returns: (B, Hq, S, Dv)."""
+        user_mask = as_mask(mask)
         k_all, v_all, cache_mask = self.update(k, v, num_new=num_new)
-        full = cache_mask if mask is None else cache_mask & mask
+        full = cache_mask if user_mask is None else cache_mask & user_mask
         return attention(q, k_all, v_all, full, scale=scale, dropout_p=dropout_p, backend=backend,
                          return_weights=return_weights)
 
@@ -228,6 +230,12 @@ class _ContiguousCache(KVCache):
         left-padded prompts keeps them so), without its checks and mask: one slice copy per
         buffer and an in-place length bump. k (B, Hkv, S, D) -> (k_all, v_all) over
         ``start + S`` positions, every key before each query (no mask needed)."""
+        if (k.dim() != 4 or k.shape[1] != self.kv_heads or k.shape[3] != self.head_dim or k.dtype != self.dtype
+                or (v is None) != self.value_from_key or start < 0):
+            raise ValueError(f"append_uniform: k {tuple(k.shape)} {k.dtype}, v "
+                             f"{None if v is None else tuple(v.shape)}, start={start} do not fit this cache "
+                             f"(Hkv={self.kv_heads}, D={self.head_dim}, {self.dtype}, value_from_key="
+                             f"{self.value_from_key})")
         B, _, S, _ = k.shape
         if self.lengths.numel() == 0:
             self.lengths = torch.zeros(B, dtype=torch.long, device=k.device)

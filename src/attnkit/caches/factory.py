@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from .base import DynamicCache, KVCache, StaticCache
 from .paged import BlockAllocator, PagedKVCache
 from .sliding import SlidingWindowCache
@@ -11,8 +13,9 @@ __all__ = ["new_cache"]
 
 def new_cache(kind: str, dims: tuple[int, int, int], *, value_from_key: bool = False, max_batch: int | None = None,
               max_len: int | None = None, window: int | None = None, allocator: BlockAllocator | None = None,
-              dtype=None, device=None) -> KVCache:
-    """An empty cache of ``kind`` for (Hkv, D, Dv) = ``dims``: "dynamic", "static" (needs
+              dtype=torch.float32, device=None) -> KVCache:
+    """An empty cache of ``kind`` storing (B, Hkv, L, D) keys and (B, Hkv, L, Dv) values,
+    (Hkv, D, Dv) = ``dims``: "dynamic", "static" (needs
     max_batch, max_len), "sliding" (needs window, max_batch; not with value_from_key) or "paged"
     (needs the allocator the model's layers share). Modules' ``new_cache`` methods call this."""
     need = {"dynamic": (), "static": ("max_batch", "max_len"), "sliding": ("window", "max_batch"),

@@ -202,8 +202,9 @@ def _and(a: Mask | None, b: Mask | None) -> Mask | None:
 
 def _torch_key_padding(kpm: Tensor, batch: int, kv_len: int | None) -> Mask:
     """``nn.MultiheadAttention``'s key_padding_mask (True / -inf = ignore) as an attnkit mask."""
-    if not isinstance(kpm, Tensor) or kpm.dim() != 2 or kpm.shape[0] != batch or kpm.shape[1] != (kv_len or kpm.shape[1]):
-        raise ValueError(f"key_padding_mask must be (B, Sk) = ({batch}, {kv_len or 'cached length'}), got shape "
+    if (not isinstance(kpm, Tensor) or kpm.dim() != 2 or kpm.shape[0] != batch
+            or (kv_len is not None and kpm.shape[1] != kv_len)):
+        raise ValueError(f"key_padding_mask must be (B, Sk) = ({batch}, {'cached length' if kv_len is None else kv_len}), got shape "
                          f"{tuple(getattr(kpm, 'shape', ()))}")
     if kpm.dtype == torch.bool:
         return KeyPadding(valid=~kpm)
