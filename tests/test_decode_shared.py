@@ -198,3 +198,13 @@ def test_empty_context_gives_zeros(one_pass_calls):
         out = kern.grouped_decode(q, k, k[..., :DV], D ** -0.5)
     assert out.shape == (2, 4, 1, DV) and (out == 0).all()
     assert one_pass_calls
+
+
+def test_a_low_rank_bias_broadcasts_like_a_5d_one():
+    from attnkit.backends._decode_kernel import grouped_decode
+    q, k, v = torch.randn(2, 2, 2, 8), torch.randn(2, 1, 40, 8), torch.randn(2, 1, 40, 8)
+    bias = torch.zeros(2, 40)
+    bias[1, 1:] = float("-inf")  # query row 1 sees key 0 only
+    got = grouped_decode(q, k, v, 0.3, bias)
+    torch.testing.assert_close(got, grouped_decode(q, k, v, 0.3, bias[None, None, None]))
+    torch.testing.assert_close(got[:, :, 1], v[:, :, 0].expand(2, 2, 8))

@@ -505,3 +505,12 @@ def test_context_parallel_rejects_what_it_cannot_run():
     cp = ContextParallel(attnkit.MultiHeadAttention(16, 2, dropout=0.1))
     with pytest.raises(ValueError, match="dropout"):
         cp(torch.randn(1, 4, 16))
+
+
+def test_block_primitives_take_an_empty_batch():
+    from attnkit.distributed.blocks import block_backward, block_forward
+    q, k, v = torch.randn(0, 4, 16, 8), torch.randn(0, 2, 16, 8), torch.randn(0, 2, 16, 8)
+    out, lse = block_forward(q, k, v, None, 0.3)
+    assert out.shape == (0, 4, 16, 8) and lse.shape == (0, 4, 16)
+    dq, dk, dv = block_backward(q, k, v, out, lse, lse, None, 0.3)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)

@@ -138,6 +138,12 @@ def test_sample_next_follows_the_filtered_distribution():
     assert set(nucleus.tolist()) == {0, 1}
     hot = sample_next(logits[:1], temperature=0.0)
     assert hot.tolist() == [0]
+    # At the exact boundary the set stops where the mass is reached (as Hugging Face's top-p).
+    even = torch.log(torch.tensor([[0.5, 0.25, 0.25]])).repeat(4000, 1)
+    assert set(sample_next(even, temperature=1.0, top_p=0.75, generator=g).tolist()) == {0, 1}
+    assert set(sample_next(torch.zeros(4000, 2), temperature=1.0, top_p=0.5, generator=g).tolist()) == {0}
+    with pytest.raises(ValueError, match="temperature=1e-45 is too small"):
+        sample_next(logits[:1], temperature=1e-45)
 
 
 # ---------------------------------------------------------------------------- stopping and streaming

@@ -374,3 +374,19 @@ def test_missing_files_are_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(transformers.LlamaConfig(**LLAMA).to_dict()))
     with pytest.raises(FileNotFoundError, match="no model.safetensors"):
         load_pretrained(tmp_path)
+
+
+def test_forward_names_bad_input_ids_and_positions():
+    from attnkit.models import Decoder, DecoderConfig
+    lm = Decoder(DecoderConfig(vocab_size=50, hidden_size=32, num_layers=1, num_heads=4)).eval()
+    with pytest.raises(ValueError, match=r"input_ids must be in \[0, vocab_size=50\), got values from 0 to 50"):
+        lm(torch.tensor([[0, 50]]))
+    with pytest.raises(ValueError, match=r"positions must be \(B, S\) = \(1, 2\)"):
+        lm(torch.tensor([[0, 1]]), positions=torch.tensor([[0, 1, 2]]))
+
+
+def test_a_config_json_without_a_required_key_is_a_clear_error():
+    from attnkit.models.loading import config_from_hf
+    cfg = {"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1, "intermediate_size": 16}
+    with pytest.raises(ValueError, match="model_type 'llama'.*has no 'num_attention_heads'"):
+        config_from_hf(cfg)

@@ -800,3 +800,21 @@ def test_soak_10000_operations_end_with_every_block_free(prefix):
     assert h.alloc.num_free == h.alloc.num_blocks and h.alloc.num_used == 0
     wanted = {"copy-on-write", "out of blocks"} | ({"prefix hit", "eviction"} if prefix else set())
     assert all(h.events[e] > 20 for e in wanted), h.events
+
+
+def test_appended_ids_after_an_unrecorded_prefill_and_q_on_another_device_are_refused_unchanged():
+    alloc = BlockAllocator(8, 2, prefix_caching=True)
+    cache = PagedKVCache(1, 1, allocator=alloc)
+    a = alloc.add_sequence()
+    cache.set_batch([a])
+    k = torch.tensor([10.0, 11.0]).view(1, 1, 2, 1)
+    cache.update(k, k)  # written without ids: these blocks must never be shared by id
+    alloc.set_batch([])
+    with pytest.raises(ValueError, match="only 0 ids are known"):
+        alloc.append(a, token_ids=[7, 8])  # ids of positions 2, 3 while those of 0, 1 are unknown
+    assert alloc.length(a) == 2 and alloc.num_used == 1
+    fresh = PagedKVCache(1, 4, num_blocks=4, block_size=2)
+    x = torch.randn(1, 1, 2, 4)
+    with pytest.raises(ValueError, match="q is on meta"):
+        fresh.attend(torch.randn(1, 2, 2, 4, device="meta"), x, x)
+    assert fresh.lengths.numel() == 0

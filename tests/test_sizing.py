@@ -135,3 +135,15 @@ def test_run_kv_prints_the_table(capsys):
 def test_bad_input(call, exc, text):
     with pytest.raises(exc, match=text):
         call()
+
+
+@pytest.mark.parametrize("text,match", [("mha:head_dim=128", "num_heads"),
+                                        ("mqa:heads=8,kv_heads=2,head_dim=64", "MQA has one")])
+def test_spec_errors_name_what_is_wrong(text, match):
+    with pytest.raises(ValueError, match=match):
+        parse_spec(text)
+
+
+def test_an_explicit_zero_layer_count_is_an_error_not_the_preset():
+    with pytest.raises(ValueError, match="layers must be a positive int, got 0"):
+        kv_cache_table({"x": ("llama-3-8b", 0)})

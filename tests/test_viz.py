@@ -55,6 +55,12 @@ def test_attention_maps(tmp_path):
         viz.plot_attention(torch.rand(5), tmp_path / "x.png")
     with pytest.raises(ValueError, match="tokens has 2 labels for 5 keys"):
         viz.plot_attention(w, tmp_path / "x.png", tokens=["a", "b"])
+    written = viz.plot_attention(w, tmp_path / "noext")  # the path returned is the file written
+    assert written == tmp_path / "noext.png" and written.is_file()
+    with pytest.raises(ValueError, match="is a folder"):
+        viz.plot_attention(w, tmp_path)
+    with pytest.raises(ValueError, match="image formats are"):
+        viz.plot_attention(w, tmp_path / "x.bak")
 
 
 def test_charts(tmp_path):

@@ -195,8 +195,11 @@ def cmd_viz_attention(args: argparse.Namespace) -> int:
         w, titles = w[args.head:args.head + 1], [f"head {args.head}"]
     else:
         titles = [f"head {h}" for h in range(w.shape[0])]
-    path = plot_attention(w, args.out, tokens=[str(i) for i in args.ids], head_titles=titles,
-                          title=f"{Path(args.checkpoint).name}: layer {layer} attention")
+    try:
+        path = plot_attention(w, args.out, tokens=[str(i) for i in args.ids], head_titles=titles,
+                              title=f"{Path(args.checkpoint).name}: layer {layer} attention")
+    except ValueError as e:  # --out names a folder or an unknown image format
+        raise CLIError(f"--out: {e}") from None
     print(path)
     return 0
 

@@ -214,7 +214,10 @@ def _rows(specs) -> list[tuple[str, Spec, int | None]]:
         if isinstance(s, Preset):
             s, layers = s.spec, s.layers
         if isinstance(s, str) and s.lower() in PRESETS:
-            name, layers = name or s.lower(), layers or PRESETS[s.lower()].layers
+            name = name or s.lower()
+            layers = PRESETS[s.lower()].layers if layers is None else layers
+        if layers is not None:
+            _positive("layers", layers)
         rows.append((name or f"#{len(rows) + 1}", cache_spec(s), layers))
     return rows
 
@@ -244,7 +247,7 @@ def kv_cache_table(specs=None, *, context: int = 4096, dtype: torch.dtype = torc
              "| cache (model) | vs per-head | GQA groups |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, s, n_layers in _rows(specs):
-        n_layers = layers or n_layers or 1
+        n_layers = layers if layers is not None else n_layers if n_layers is not None else 1
         pairs = [(name, s)]
         if isinstance(s, MLAConfig):
             pairs.append((f"{name} (expanded per head)", expanded_dims(s)))
@@ -339,11 +342,13 @@ def parse_spec(text: str) -> tuple[str, Spec, int | None]:
             vals.setdefault("hidden_size", vals["num_heads"] * vals["v_head_dim"])
             spec: Spec = MLAConfig(**vals)
         else:
-            if kind == "mha":
-                vals.setdefault("num_kv_heads", vals.get("num_heads", 0))
+            if kind == "mha" and "num_heads" in vals:
+                vals.setdefault("num_kv_heads", vals["num_heads"])
             elif kind == "mqa":
-                vals.setdefault("num_kv_heads", 1)
-            missing = [n for n in ("num_kv_heads", "head_dim") if n not in vals]
+                if vals.setdefault("num_kv_heads", 1) != 1:
+                    raise ValueError(f"mqa spec {text!r} has kv_heads={vals['num_kv_heads']}; MQA has one (use gqa:)")
+            need = ("num_heads", "head_dim") if kind == "mha" else ("num_kv_heads", "head_dim")
+            missing = [n for n in need if n not in vals]
             if missing:
                 raise ValueError(f"{kind} spec {text!r} is missing {missing}")
             spec = AttentionDims(**vals)

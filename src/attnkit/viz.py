@@ -41,10 +41,21 @@ def require_matplotlib():
 
 
 def _save(fig, path) -> Path:
+    """Write ``fig`` to ``path`` (".png" added when it has no suffix); returns the file written."""
+    plt = require_matplotlib()
     path = Path(path)
+    if path.is_dir():
+        plt.close(fig)
+        raise ValueError(f"{path} is a folder; give a file name (e.g. {path / 'attention.png'})")
+    if not path.suffix:
+        path = path.with_suffix(".png")
+    kinds = fig.canvas.get_supported_filetypes()
+    if path.suffix[1:].lower() not in kinds:
+        plt.close(fig)
+        raise ValueError(f"cannot write {path}: image formats are {', '.join(sorted(kinds))}")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
-    require_matplotlib().close(fig)
+    plt.close(fig)
     return path
 
 

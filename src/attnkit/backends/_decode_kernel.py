@@ -347,6 +347,8 @@ def grouped_decode(q, k, v, scale: float, bias=None) -> torch.Tensor:
     if Hq % Hkv != 0:
         raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv})")
     G = Hq // Hkv
+    if bias is not None and bias.dim() < 5:  # leading 1s: the batch slicing below reads dim 0 as B
+        bias = bias.reshape((1,) * (5 - bias.dim()) + tuple(bias.shape))
     needs_grad = torch.is_grad_enabled() and (
         q.requires_grad or k.requires_grad or v.requires_grad or (bias is not None and bias.requires_grad)
     )

@@ -284,8 +284,8 @@ class BlockAllocator:
         for prefix caching); new blocks on demand, copy-on-write of a shared partial last block.
         Returns the new tokens' slots (num_tokens,) (long, CPU): where each layer writes them.
 
-        Layer caches do this themselves in ``update``; call it to reserve slots ahead (e.g. to
-        check a request fits before running it). Raises :class:`OutOfBlocks`, changing nothing.
+        Layer caches do this themselves in ``update`` (slots appended here are attended as
+        tokens: undo a trial append with ``crop``). Raises :class:`OutOfBlocks`, changing nothing.
         """
         seq = self._get(seq_id)
         ids = None if token_ids is None else _as_tokens(token_ids)
@@ -298,6 +298,8 @@ class BlockAllocator:
         if ids is not None and len(ids) != num_tokens:
             raise ValueError(f"token_ids has {len(ids)} ids but num_tokens is {num_tokens}")
         start = seq.length
+        if ids is not None:
+            self._check_ids_known(seq_id, seq)
         self._grow([(seq, num_tokens)], f"appending {num_tokens} tokens to sequence {seq_id}")
         if ids is not None:
             seq.tokens = seq.tokens[:start] + ids
@@ -312,6 +314,15 @@ class BlockAllocator:
         seq = self._get(seq_id)
         seq.tokens.extend(_as_tokens(token_ids))
         self._register(seq)
+
+    @staticmethod
+    def _check_ids_known(seq_id: int, seq) -> None:
+        """``append(token_ids=)`` gives the ids of positions ``length ..``: every earlier id must
+        be known, or blocks would be registered for prefix caching under ids they do not hold
+        (``extend_tokens`` records ids from the first unknown position instead)."""
+        if len(seq.tokens) < seq.length:
+            raise ValueError(f"sequence {seq_id} holds {seq.length} tokens but only {len(seq.tokens)} ids are "
+                             f"known; record ids from position 0 (add_sequence(token_ids=...)) to use them")
 
     def fork(self, seq_id: int, new_id: int | None = None) -> int:
         """A new sequence sharing every block of ``seq_id`` (refcounts + 1; nothing is copied).
@@ -691,6 +702,9 @@ class PagedKVCache(KVCache):
             raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of the cache's KV heads ({self.kv_heads})")
         if q.dtype != self.dtype:
             raise TypeError(f"q dtype {q.dtype} differs from the cache's {self.dtype}")
+        if q.device != self.k_pool.device:
+            raise ValueError(f"q is on {q.device} (shape {tuple(q.shape)}) but the cache's pools are on "
+                             f"{self.k_pool.device}")
 
     def _step(self, k: Tensor, v: Tensor | None, num_new) -> _Step:
         """Write this layer's new K/V, opening the step (allocation) or joining it."""

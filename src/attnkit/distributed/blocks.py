@@ -63,7 +63,13 @@ def _finite(lse: Tensor) -> Tensor:
 
 
 def block_forward(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
-    """Attention of ``q`` to this block of keys alone.
+    """Attention of ``q`` to this block of keys alone (no autograd: gradients come from
+    :func:`block_backward`).
+
+    Args:
+        q: (B, Hq, Sq, D); k: (B, Hkv, Sk, D); v: (B, Hkv, Sk, Dv); Hq a multiple of Hkv.
+        allowed: None or a bool (B|1, Hq|1, Sq, Sk) mask of this block (True = attend).
+        scale: multiplies q @ k^T.
 
     Returns:
         out (B, Hq, Sq, Dv) normalised within the block, and lse (B, Hq, Sq), both in the compute
@@ -72,7 +78,7 @@ def block_forward(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None, scale
     B, Hq, Sq, _ = q.shape
     Hkv, Sk, Dv = v.shape[1], v.shape[2], v.shape[3]
     ct = compute_dtype(q.dtype)
-    if Sk == 0 or Sq == 0:
+    if B == 0 or Sk == 0 or Sq == 0:
         return q.new_zeros(B, Hq, Sq, Dv, dtype=ct), q.new_full((B, Hq, Sq), float("-inf"), dtype=ct)
     s = _scores(q, k, allowed, scale)  # (B, Hkv, G, Sq, Sk)
     lse = torch.logsumexp(s, dim=-1)  # -inf for rows with nothing allowed
@@ -126,7 +132,7 @@ def block_backward(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, d
             raise ValueError(f"{name} must be {want} in {ct}, got {tuple(t.shape)} in {t.dtype}")
     dk = k.new_zeros(B, Hkv, Sk, D, dtype=ct) if dk_out is None else dk_out
     dv = v.new_zeros(B, Hkv, Sk, Dv, dtype=ct) if dv_out is None else dv_out
-    if Sk == 0 or Sq == 0:
+    if B == 0 or Sk == 0 or Sq == 0:
         return q.new_zeros(B, Hq, Sq, D, dtype=ct), dk, dv
     kc, vc = k.to(ct), v.to(ct)
     s = _scores(q, kc, allowed, scale)  # (B, Hkv, G, Sq, Sk)

@@ -427,6 +427,17 @@ class Decoder(nn.Module):
                              f"{getattr(input_ids, 'dtype', type(input_ids).__name__)} of shape "
                              f"{tuple(getattr(input_ids, 'shape', ()))}")
         B, S = input_ids.shape
+        V = self.config.vocab_size
+        if input_ids.numel() and not torch.compiler.is_compiling() and \
+                bool(((input_ids < 0) | (input_ids >= V)).any()):
+            raise ValueError(f"input_ids must be in [0, vocab_size={V}), got values from "
+                             f"{int(input_ids.min())} to {int(input_ids.max())}")
+        if positions is not None and (not isinstance(positions, Tensor) or positions.dim() != 2
+                                      or positions.shape[0] not in (1, B) or positions.shape[1] != S):
+            raise ValueError(f"positions must be (B, S) = ({B}, {S}) or (1, {S}) like input_ids, got "
+                             f"shape {tuple(getattr(positions, 'shape', ()))}")
+        if isinstance(logits_to_keep, bool):
+            raise ValueError(f"logits_to_keep must be an int >= 0, got {logits_to_keep!r}")
         layers = self.model.layers
         if caches is not None and len(caches) != len(layers):
             raise ValueError(f"caches has {len(caches)} entries, the model has {len(layers)} layers")

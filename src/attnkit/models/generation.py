@@ -69,6 +69,9 @@ def sample_next(logits: Tensor, *, temperature: float = 0.0, top_k: int | None =
     if temperature == 0:
         return logits.argmax(-1)
     logits = logits.float() / temperature
+    if torch.isposinf(logits).any() or torch.isnan(logits).any():
+        raise ValueError(f"temperature={temperature!r} is too small for these logits: logits / temperature "
+                         f"overflows fp32 (use temperature=0 for greedy decoding)")
     if top_k is not None and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -76,7 +79,8 @@ def sample_next(logits: Tensor, *, temperature: float = 0.0, top_k: int | None =
         sorted_logits, order = logits.sort(-1, descending=True)
         probs = sorted_logits.softmax(-1)
         before = probs.cumsum(-1) - probs  # mass of the strictly more likely tokens
-        sorted_logits = sorted_logits.masked_fill(before > top_p, float("-inf"))
+        # Drop a token once the strictly more likely ones already reach top_p (the first never).
+        sorted_logits = sorted_logits.masked_fill(before >= top_p, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = logits.softmax(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -155,6 +155,14 @@ def _rope_fields(c: dict, head_dim: int | None) -> dict:
     return {"rope_theta": rc.base, "rope_scaling": scaling}
 
 
+class _ConfigDict(dict):
+    """config.json as a dict whose missing required keys are a ValueError naming them."""
+
+    def __missing__(self, key):
+        raise ValueError(f"config.json (model_type {self.get('model_type')!r}) has no {key!r}, which the "
+                         f"decoder needs")
+
+
 def config_from_hf(cfg) -> DecoderConfig:
     """The :class:`DecoderConfig` of a Hugging Face config (``config.json`` as a dict, or a
     ``PretrainedConfig``). Raises ValueError for architectures or options the decoder does not
@@ -169,6 +177,7 @@ def config_from_hf(cfg) -> DecoderConfig:
     if c.get("quantization_config"):
         raise ValueError(f"quantized checkpoints ({c['quantization_config'].get('quant_method', '?')}) are "
                          "not supported; dequantize to bf16/fp32 first")
+    c = _ConfigDict(c)
     H = c["num_attention_heads"]
     common = dict(vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_layers=c["num_hidden_layers"],
                   num_heads=H, intermediate_size=c["intermediate_size"],
