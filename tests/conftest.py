@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import math
+import os
 import zlib
 
 import pytest
 import torch
+
+# Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors. It is read when a
+# kernel is defined, so it must be set before anything imports attnkit.kernels.triton_decode.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import attnkit
 from attnkit.masks import as_mask

@@ -556,8 +556,10 @@ class PagedKVCache(KVCache):
 
     ``attend`` is the fast path: attention over the pages in place (no (B, max_len) copy), for
     MHA/GQA/MQA and V-from-K (MLA absorbed) alike; see :mod:`attnkit.caches._paged_attention`.
-    With an extra ``mask``, ``dropout_p > 0``, ``return_weights``, a forced ``backend`` or
-    gradients required it falls back to ``update`` + :func:`attnkit.attention`. ``update``
+    On CUDA, steps of at most 16 tokens per sequence run in the fused Triton kernel
+    (:mod:`attnkit.kernels.triton_decode`; ``backend="triton"`` forces it, on CPU under
+    ``TRITON_INTERPRET=1``). With an extra ``mask``, ``dropout_p > 0``, ``return_weights``, another
+    forced ``backend`` or gradients required it falls back to ``update`` + :func:`attnkit.attention`. ``update``
     returns contiguous (B, Hkv, max_len, ·) copies gathered from the pages (the slow path, for
     callers that need plain tensors, e.g. MLA's naive prefill).
 
@@ -771,7 +773,8 @@ class PagedKVCache(KVCache):
                dropout_p: float = 0.0, backend: str = "auto", return_weights: bool = False):
         """Append k, v and attend q (B, Hq, S, D) over each sequence's pages; (B, Hq, S, Dv)."""
         needs_grad = torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in (q, k, v))
-        if mask is not None or dropout_p or return_weights or backend != "auto" or needs_grad:
+        fused = self._fused_kernel(q, backend)
+        if mask is not None or dropout_p or return_weights or backend not in ("auto", fused) or needs_grad:
             return super().attend(q, k, v, mask, num_new=num_new, scale=scale, dropout_p=dropout_p,
                                   backend=backend, return_weights=return_weights)
         self._check_q(q, k)
@@ -780,6 +783,14 @@ class PagedKVCache(KVCache):
         elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
             raise TypeError(f"scale must be a finite float or None, got {scale!r}")
         step = self._step(k, v, num_new)
+        if fused == "triton":
+            from ..kernels.triton_decode import paged_decode_attention
+
+            dev = q.device
+            return paged_decode_attention(
+                q, self.k_pool, None if self.value_from_key else self.v_pool, step.table(dev),
+                torch.tensor(step.new, device=dev), q_start=torch.tensor(step.old, device=dev), scale=float(scale),
+                v_head_dim=self.v_head_dim, max_len=max(step.new, default=0))
         kf, vf = self._flat()
         G = q.shape[1] // self.kv_heads
         token_bytes = self.bytes_per_token
@@ -788,6 +799,18 @@ class PagedKVCache(KVCache):
         plan = step.plan(q.device, sizes)
         with torch.no_grad():
             return _pa.paged_attention(q, kf, vf, plan, float(scale), v_head_dim=self.v_head_dim)
+
+    def _fused_kernel(self, q, backend: str) -> str | None:
+        """"triton" when this step's attention runs in the fused Triton paged-decode kernel: on
+        CUDA by default (the plain-torch path is tuned for CPUs), or forced with
+        ``backend="triton"`` (on CPU under ``TRITON_INTERPRET=1``: how the tests reach it)."""
+        if backend not in ("auto", "triton") or not isinstance(q, Tensor) or q.dim() != 4 or q.shape[2] > 16:
+            return None
+        if backend == "auto" and q.device.type != "cuda":
+            return None
+        from ..backends import get_backend
+
+        return "triton" if get_backend("triton").available() is None and q.dtype != torch.float64 else None
 
     # ---------------------------------------------------------------- editing
 

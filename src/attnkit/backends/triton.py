@@ -1,0 +1,103 @@
+"""``triton``: the fused split-K decode kernel (:mod:`attnkit.kernels.triton_decode`) for
+``attnkit.attention`` calls with a few queries per sequence (Sq <= 16).
+
+It takes the masks a KV cache produces, causal (any offsets) and right-side key padding, which it
+turns into per-sequence limits: query j of sequence b sees keys ``< min(q_start[b] + j + 1,
+seq_lens[b])``. When V is a prefix view of K (MLA's latent cache) each K tile serves as V too.
+
+``auto`` uses it on CUDA only where SDPA has no fused kernel for the call: K and V of different
+widths, as in MLA's absorbed decode (576 / 512). Calls with equal widths stay with SDPA until the
+kernel's speed against SDPA's is measured on a GPU; force ``backend="triton"`` to use it. On CPU it
+runs under Triton's interpreter (``TRITON_INTERPRET=1``), for tests only: ``auto`` never picks it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+from torch import Tensor
+
+from ..kernels import interpreting
+from ..masks import And, Causal, KeyPadding, Mask
+from ._decode_kernel import _v_is_prefix_of_k
+from .registry import AttentionCall, BackendBase
+
+MAX_Q_LEN = 16
+_NO_CAUSAL = 1 << 30  # = triton_decode.NO_CAUSAL, kept here so refusing a call never imports Triton
+
+
+def _limit_parts(mask: Mask | None) -> tuple[Causal | None, KeyPadding | None] | None:
+    """(the Causal, the KeyPadding) ``mask`` is an AND of (each optional), or None when it is
+    anything else (structure only: no tensor is read)."""
+    parts = [] if mask is None else list(mask.masks) if isinstance(mask, And) else [mask]
+    causal = [p for p in parts if type(p) is Causal]
+    pads = [p for p in parts if type(p) is KeyPadding and p.lengths is not None and p.side == "right"]
+    if len(causal) + len(pads) != len(parts) or len(causal) > 1 or len(pads) > 1:
+        return None
+    return (causal[0] if causal else None), (pads[0] if pads else None)
+
+
+def decode_limits(mask: Mask | None, batch: int, q_len: int, kv_len: int, device) -> tuple[Tensor, Tensor] | None:
+    """(q_start (B,), seq_lens (B,)) int64 expressing ``mask`` as per-sequence limits, or None
+    when the mask is anything but an AND of at most one Causal and one right-side KeyPadding."""
+    parts = _limit_parts(mask)
+    if parts is None:
+        return None
+    causal, pad = parts
+    if causal is not None:
+        q_start = causal._offset(q_len, kv_len, device).reshape(-1).expand(batch)
+    else:
+        q_start = torch.full((batch,), _NO_CAUSAL, device=device)
+    if pad is not None:
+        seq = pad.lengths.to(device).reshape(-1).expand(batch).clamp(0, kv_len)
+    else:
+        seq = torch.full((batch,), kv_len, device=device)
+    return q_start.long(), seq.long()
+
+
+class TritonBackend(BackendBase):
+    name = "triton"
+
+    def available(self) -> str | None:
+        if importlib.util.find_spec("triton") is None:
+            return "triton is not installed (pip install triton)"
+        if not torch.cuda.is_available() and not interpreting():
+            return "needs CUDA (or TRITON_INTERPRET=1 to run on CPU tensors in Triton's interpreter)"
+        return None
+
+    def not_supported_reasons(self, call: AttentionCall) -> list[str]:
+        why = []
+        if call.q_len > MAX_Q_LEN:
+            why.append(f"Sq={call.q_len} > {MAX_Q_LEN} (a decode kernel)")
+        if call.return_weights:
+            why.append("return_weights=True")
+        if call.dropout_p > 0:
+            why.append("dropout_p > 0")
+        if call.needs_grad:
+            why.append("gradients required (forward-only kernel)")
+        if call.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            why.append(f"dtype {call.dtype}")
+        if call.device.type == "cpu" and not interpreting():
+            why.append("CPU tensors without TRITON_INTERPRET=1")
+        elif call.device.type not in ("cpu", "cuda"):
+            why.append(f"device {call.device.type}")
+        if _limit_parts(call.mask) is None:
+            why.append(f"mask {call.mask!r} (takes causal and right-side key padding only)")
+        return why
+
+    def auto_skip_reason(self, call: AttentionCall) -> str | None:
+        if call.device.type != "cuda":
+            return "not CUDA (on CPU it runs in Triton's interpreter: for tests)"
+        if call.head_dim == call.v_head_dim:
+            return "equal K and V widths: SDPA's fused kernels serve these (GPU timing against them still to do)"
+        return None
+
+    def run(self, q, k, v, call: AttentionCall):
+        from ..kernels import triton_decode
+
+        q_start, seq = decode_limits(call.mask, call.batch, call.q_len, call.kv_len, q.device)
+        v_from_k = _v_is_prefix_of_k(k, v)
+        out = triton_decode.decode_attention(q, k, None if v_from_k else v, seq_lens=seq, q_start=q_start,
+                                             scale=call.scale, v_head_dim=call.v_head_dim)
+        return out, None

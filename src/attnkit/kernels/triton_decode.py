@@ -1,0 +1,358 @@
+"""Triton decode attention over a paged or contiguous KV cache (GQA, MLA latent), split-K.
+
+One kernel serves every cache layout attnkit has:
+
+* **paged** pools ``(N, page, Hkv, D)`` read through a block table ``(B, max_blocks)``;
+* **contiguous** caches ``(B, Hkv, L, D)``: the same pool seen as ``(B, L, Hkv, D)`` through its
+  strides, with block table ``[[0], [1], ...]`` and ``page = L`` (no copy);
+* **V from K** (MLA's latent cache, ``V = K[..., :Dv]``): each K tile is loaded once and used
+  for both the scores (``[c_kv | k_rope]`` against the absorbed query ``[q_nope W_UK | q_rope]``)
+  and the output (in latent space). Any ``kv_lora_rank`` / rope width works (padded to powers of
+  two inside the kernel), not only DeepSeek's 512 / 64.
+
+Work split: program ``(b * Hkv + kv_head, row tile, split)``. A row tile holds ``BLOCK_M`` of
+the ``G * S`` query rows that share one KV head (G query heads per KV head, S query tokens:
+decode S = 1, speculative verification S <= 16), so each KV head is read once for its whole query
+group. The context is cut into ``num_splits`` ranges (flash-decoding), each giving an fp32
+partial output and its log-sum-exp; a second kernel merges them exactly. Scores, softmax and
+accumulation are fp32 (base-2 exponentials with the scale folded in); P is rounded to the cache
+dtype for the P @ V product, as every fused kernel does.
+
+Visibility, per query row: query ``j`` of sequence ``b`` sees the keys at positions
+``< min(q_start[b] + j + 1, seq_lens[b])``. That is the cache protocol's
+``Causal(offsets=old) & KeyPadding(new)``; ``q_start = seq_lens - S`` is plain bottom-right causal,
+and a huge ``q_start`` means no causality. A row that sees nothing gets exactly 0.
+
+Registered as the ``attnkit::decode_attention`` custom op (with a fake implementation), so
+``torch.compile`` keeps it in the graph. Runs on CUDA, or on CPU tensors under Triton's
+interpreter (``TRITON_INTERPRET=1`` set before this module is imported): that is how CI checks it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import interpreting
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # optional dependency: only this module needs it
+    triton = tl = None
+
+__all__ = ["available", "decode_attention", "interpreting", "paged_decode_attention", "MAX_Q_LEN"]
+
+#: Most query tokens per sequence in one call (decode and speculative verification).
+MAX_Q_LEN = 16
+#: q_start meaning "not causal": every key below seq_lens is visible.
+NO_CAUSAL = 1 << 30
+_LOG2E = 1.4426950408889634
+
+
+def available(device: torch.device | str | None = None) -> str | None:
+    """None when the kernels can run on ``device`` (default: CUDA if present), else why not."""
+    if triton is None:
+        return "triton is not installed (pip install triton)"
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cuda":
+        return None if torch.cuda.is_available() else "CUDA is not available"
+    if dev.type == "cpu":
+        return None if interpreting() else "CPU tensors need Triton's interpreter (TRITON_INTERPRET=1 before import)"
+    return f"no Triton kernels for device type {dev.type!r}"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _split_kernel(
+        Q, K, V, TABLE, QSTART, SEQLEN, OP, LSEP,
+        scale_log2,
+        stride_qb, stride_qh, stride_qs,
+        stride_kn, stride_kt, stride_kh,
+        stride_vn, stride_vt, stride_vh,
+        stride_tb,
+        HKV, G, S, DK, DR, DV, PAGE, SPLIT_LEN, NSPLIT,
+        V_FROM_K: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_DK: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
+    ):
+        pid_bh = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        pid_s = tl.program_id(2)
+        b = pid_bh // HKV
+        kvh = pid_bh % HKV
+
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # row = g * S + j
+        row_ok = rows < G * S
+        j = rows % S
+        h = kvh * G + rows // S
+        seq_len = tl.load(SEQLEN + b)
+        lim = tl.minimum(tl.load(QSTART + b) + j + 1, seq_len)  # keys < lim are visible
+
+        dk = tl.arange(0, BLOCK_DK)
+        q_base = Q + b * stride_qb + h[:, None] * stride_qh + j[:, None] * stride_qs
+        q = tl.load(q_base + dk[None, :], mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
+        if DOT_F32:
+            q = q.to(tl.float32)
+        if HAS_ROPE:
+            dr = tl.arange(0, BLOCK_DR)
+            q_r = tl.load(q_base + DK + dr[None, :], mask=row_ok[:, None] & (dr[None, :] < DR), other=0.0)
+            if DOT_F32:
+                q_r = q_r.to(tl.float32)
+        dv = tl.arange(0, BLOCK_DV)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+
+        start = pid_s * SPLIT_LEN
+        end = tl.minimum(start + SPLIT_LEN, seq_len)
+        for n0 in range(start, end, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            pos_ok = pos < end
+            page = tl.load(TABLE + b * stride_tb + pos // PAGE, mask=pos_ok, other=0).to(tl.int64)
+            slot = pos % PAGE
+            k_base = K + page * stride_kn + slot * stride_kt + kvh * stride_kh
+            k = tl.load(k_base[:, None] + dk[None, :], mask=pos_ok[:, None] & (dk[None, :] < DK), other=0.0)
+            if DOT_F32:
+                k = k.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            if HAS_ROPE:
+                k_r = tl.load(k_base[:, None] + DK + dr[None, :], mask=pos_ok[:, None] & (dr[None, :] < DR),
+                              other=0.0)
+                if DOT_F32:
+                    k_r = k_r.to(tl.float32)
+                s += tl.dot(q_r, tl.trans(k_r), input_precision=PRECISION)
+            s = tl.where((pos[None, :] < lim[:, None]) & pos_ok[None, :], s * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if V_FROM_K:
+                v = k  # V = K[..., :Dv]: the tile just read (DK == DV)
+            else:
+                v_base = V + page * stride_vn + slot * stride_vt + kvh * stride_vh
+                v = tl.load(v_base[:, None] + dv[None, :], mask=pos_ok[:, None] & (dv[None, :] < DV), other=0.0)
+                if DOT_F32:
+                    v = v.to(tl.float32)
+            # P rounded to the cache dtype, as every fused kernel does (a no-op for fp32).
+            p = p.to(K.dtype.element_ty)
+            if DOT_F32:
+                p = p.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+
+        seen = l_i > 0.0
+        lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+        out = acc / tl.where(seen, l_i, 1.0)[:, None]
+        # Partials are contiguous (B, Hq, S, NSPLIT[, DV]); row (b, h, j).
+        prow = ((b * HKV * G + h) * S + j) * NSPLIT + pid_s
+        tl.store(LSEP + prow, lse, mask=row_ok)
+        tl.store(OP + prow[:, None] * DV + dv[None, :], out, mask=row_ok[:, None] & (dv[None, :] < DV))
+
+    @triton.jit
+    def _merge_kernel(OP, LSEP, OUT, NSPLIT, DV, BLOCK_SPLIT: tl.constexpr, BLOCK_DV: tl.constexpr):
+        row = tl.program_id(0)  # (b, h, j) flattened; OUT is contiguous (B, Hq, S, DV)
+        sp = tl.arange(0, BLOCK_SPLIT)
+        dv = tl.arange(0, BLOCK_DV)
+        lse = tl.load(LSEP + row * NSPLIT + sp, mask=sp < NSPLIT, other=float("-inf"))
+        mx = tl.max(lse, 0)
+        w = tl.exp2(lse - tl.where(mx == float("-inf"), 0.0, mx))  # splits that saw nothing: 0
+        den = tl.sum(w, 0)
+        o = tl.load(OP + (row * NSPLIT + sp[:, None]) * DV + dv[None, :],
+                    mask=(sp[:, None] < NSPLIT) & (dv[None, :] < DV), other=0.0)
+        res = tl.sum(o * w[:, None], 0) / tl.where(den > 0.0, den, 1.0)
+        tl.store(OUT + row * DV + dv, res.to(OUT.dtype.element_ty), mask=dv < DV)
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, 1 << max(0, n - 1).bit_length())
+
+
+def _num_splits(device: torch.device, programs: int, max_len: int, block_n: int) -> int:
+    """Enough splits to give every SM about two programs, never a split shorter than a tile."""
+    if device.type != "cuda":
+        return max(1, min(4, -(-max_len // (4 * block_n))))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = -(-2 * sms // max(1, programs))
+    return max(1, min(want, -(-max_len // block_n), 64))
+
+
+def _launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tensor, seq_lens: Tensor,
+            scale: float, v_head_dim: int, max_len: int, num_splits: int) -> Tensor:
+    """q (B, Hq, S, D); k (N, page, Hkv, D) and v (N, page, Hkv, Dv) | None (V = K[..., :Dv]),
+    last dims contiguous; table (B, nb) int; q_start, seq_lens (B,) int32. Returns (B, Hq, S, Dv)."""
+    B, Hq, S, D = q.shape
+    page, Hkv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    Dv = v_head_dim
+    out = torch.empty((B, Hq, S, Dv), dtype=q.dtype, device=q.device)
+    if out.numel() == 0:
+        return out
+    v_from_k = v is None
+    dk_main = Dv if v_from_k else D  # K channels scored in the main tile (shared with V when V from K)
+    dr = D - dk_main
+    big = max(D, Dv) > 256
+    block_m = 16 if big else min(64, _pow2(G * S))
+    block_n = 32 if big else 64
+    m_tiles = -(-G * S // block_m)
+    if num_splits <= 0:
+        num_splits = _num_splits(q.device, B * Hkv * m_tiles, max(1, max_len), block_n)
+    split_len = -(-max(1, max_len) // num_splits)
+    split_len = -(-split_len // block_n) * block_n
+    op = torch.empty((B, Hq, S, num_splits, Dv), dtype=torch.float32, device=q.device)
+    lsep = torch.empty((B, Hq, S, num_splits), dtype=torch.float32, device=q.device)
+    vv = k if v_from_k else v
+    _split_kernel[(B * Hkv, m_tiles, num_splits)](
+        q, k, vv, table, q_start, seq_lens, op, lsep,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        vv.stride(0), vv.stride(1), vv.stride(2),
+        table.stride(0),
+        Hkv, G, S, dk_main, dr, Dv, page, split_len, num_splits,
+        V_FROM_K=v_from_k, HAS_ROPE=dr > 0, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        # Triton 3.9's interpreter computes bf16 dots wrongly: there, operands go up to fp32 (exact
+        # products, fp32 sums: what the GPU's bf16 dot with fp32 accumulation gives).
+        DOT_F32=q.dtype == torch.bfloat16 and interpreting(),
+        BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_DK=_pow2(dk_main), BLOCK_DR=_pow2(dr), BLOCK_DV=_pow2(Dv),
+        num_warps=8 if big else 4,
+    )
+    _merge_kernel[(B * Hq * S,)](op, lsep, out, num_splits, Dv,
+                                 BLOCK_SPLIT=_pow2(num_splits, 2), BLOCK_DV=_pow2(Dv))
+    return out
+
+
+# ------------------------------------------------------------------ custom op (torch.compile)
+
+@torch.library.custom_op("attnkit::decode_attention", mutates_args=())
+def _decode_op(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tensor, seq_lens: Tensor,
+               scale: float, v_head_dim: int, max_len: int, num_splits: int) -> Tensor:
+    return _launch(q, k, v, table, q_start, seq_lens, scale, v_head_dim, max_len, num_splits)
+
+
+@_decode_op.register_fake
+def _(q, k, v, table, q_start, seq_lens, scale, v_head_dim, max_len, num_splits):
+    B, Hq, S, _ = q.shape
+    return q.new_empty((B, Hq, S, v_head_dim))
+
+
+# ------------------------------------------------------------------ public entry points
+
+def _shape(t) -> tuple:
+    return tuple(getattr(t, "shape", ()))
+
+
+def _lengths(x, name: str, B: int, device, default: Tensor | None = None) -> Tensor:
+    if x is None:
+        return default
+    t = torch.as_tensor(x, device=device)
+    if t.dtype.is_floating_point or t.dtype == torch.bool or t.shape not in ((B,), ()):
+        raise ValueError(f"{name} must be an int or a ({B},) int tensor, got {t.dtype} of shape {tuple(t.shape)}")
+    return t.expand(B)
+
+
+def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor | None, block_table: Tensor, seq_lens,
+                           *, q_start=None, scale: float | None = None, v_head_dim: int | None = None,
+                           max_len: int | None = None, num_splits: int = 0) -> Tensor:
+    """Attention of a few new queries per sequence over a paged KV cache, in one fused kernel.
+
+    Args:
+        q: (B, Hq, S, D), S <= 16 query tokens per sequence (decode, speculative verification).
+        k_pool: (N, page, Hkv, D) key pages; Hq must be a multiple of Hkv.
+        v_pool: (N, page, Hkv, Dv) value pages, or None: V is ``k_pool[..., :v_head_dim]`` (MLA).
+        block_table: (B, max_blocks) int: sequence b's token t lives in page
+            ``block_table[b, t // page]`` at slot ``t % page``.
+        seq_lens: (B,) or int: keys per sequence (including this step's tokens).
+        q_start: (B,) or int position of each sequence's first query; default ``seq_lens - S``
+            (causal). Query j sees keys ``< min(q_start + j + 1, seq_lens)``.
+        scale: default 1 / sqrt(D).
+        v_head_dim: Dv when ``v_pool`` is None (required then).
+        max_len: max(seq_lens) if known on the host (saves a device sync).
+        num_splits: context splits per sequence (0: chosen from the GPU's SM count).
+
+    Returns:
+        (B, Hq, S, Dv) in q's dtype; a query that sees no key gets 0.
+    """
+    why = available(q.device if isinstance(q, Tensor) else None)
+    if why:
+        raise RuntimeError(f"paged_decode_attention: {why}")
+    if not isinstance(q, Tensor) or q.dim() != 4:
+        raise ValueError(f"q must be (B, Hq, S, D), got shape {_shape(q)}")
+    if not isinstance(k_pool, Tensor) or k_pool.dim() != 4:
+        raise ValueError(f"k_pool must be (N, page, Hkv, D), got shape {_shape(k_pool)}")
+    B, Hq, S, D = q.shape
+    N, page, Hkv, Dk = k_pool.shape
+    if Dk != D:
+        raise ValueError(f"q {_shape(q)} and k_pool {_shape(k_pool)} must share the head dim")
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"query heads ({Hq}, q {_shape(q)}) must be a multiple of KV heads ({Hkv}, k_pool "
+                         f"{_shape(k_pool)})")
+    if S > MAX_Q_LEN:
+        raise ValueError(f"q has {S} tokens per sequence (shape {_shape(q)}); this kernel takes at most {MAX_Q_LEN}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"q dtype must be float16, bfloat16 or float32, got {q.dtype}")
+    if v_pool is None:
+        if v_head_dim is None or not 0 < v_head_dim <= D:
+            raise ValueError(f"with v_pool=None (V = K[..., :Dv]) v_head_dim must be in [1, D={D}], got {v_head_dim}")
+        Dv = v_head_dim
+    else:
+        if not isinstance(v_pool, Tensor) or v_pool.dim() != 4 or v_pool.shape[:3] != k_pool.shape[:3]:
+            raise ValueError(f"v_pool must be (N, page, Hkv, Dv) matching k_pool {_shape(k_pool)}, got "
+                             f"{_shape(v_pool)}")
+        if v_head_dim is not None and v_head_dim != v_pool.shape[3]:
+            raise ValueError(f"v_head_dim={v_head_dim} but v_pool {_shape(v_pool)}")
+        Dv = v_pool.shape[3]
+    for name, t in (("k_pool", k_pool), ("v_pool", v_pool)):
+        if t is not None and (t.dtype != q.dtype or t.device != q.device):
+            raise TypeError(f"{name} is {t.dtype} on {t.device}, q is {q.dtype} on {q.device}")
+    if not isinstance(block_table, Tensor) or block_table.dim() != 2 or block_table.shape[0] != B \
+            or block_table.dtype.is_floating_point or block_table.dtype == torch.bool:
+        raise ValueError(f"block_table must be a (B={B}, max_blocks) int tensor, got "
+                         f"{getattr(block_table, 'dtype', type(block_table).__name__)} of shape {_shape(block_table)}")
+    seq = _lengths(seq_lens, "seq_lens", B, q.device)
+    qs = _lengths(q_start, "q_start", B, q.device, default=seq - S if isinstance(seq, Tensor) else None)
+    if max_len is None:
+        max_len = int(seq.max()) if B else 0
+    room = block_table.shape[1] * page
+    if not torch.compiler.is_compiling():
+        if B and (int(seq.min()) < 0 or int(seq.max()) > room):
+            raise ValueError(f"seq_lens must be in [0, max_blocks * page = {room}] (block_table "
+                             f"{_shape(block_table)}, page {page}), got {seq.tolist()}")
+        if B and block_table.numel() and (int(block_table.min()) < 0 or int(block_table.max()) >= N):
+            raise ValueError(f"block_table entries must be in [0, N={N}) (k_pool {_shape(k_pool)}); pad unused "
+                             f"entries with any valid page, e.g. 0")
+    if scale is None:
+        scale = D ** -0.5
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k_pool = k_pool if k_pool.stride(-1) == 1 else k_pool.contiguous()
+    if v_pool is not None and v_pool.stride(-1) != 1:
+        v_pool = v_pool.contiguous()
+    return _decode_op(q, k_pool, v_pool, block_table.to(torch.int32),
+                      qs.clamp(-NO_CAUSAL, NO_CAUSAL).to(torch.int32), seq.to(torch.int32),
+                      float(scale), int(Dv), int(max_len), int(num_splits))
+
+
+def decode_attention(q: Tensor, k: Tensor, v: Tensor | None, *, seq_lens=None, q_start=None,
+                     scale: float | None = None, v_head_dim: int | None = None, num_splits: int = 0) -> Tensor:
+    """:func:`paged_decode_attention` over a contiguous cache: k (B, Hkv, L, D), v (B, Hkv, L, Dv)
+    or None (V = ``k[..., :v_head_dim]``). ``seq_lens`` defaults to L and ``q_start`` to
+    ``seq_lens - S`` (bottom-right causal); pass ``q_start=NO_CAUSAL`` for no causality."""
+    if not isinstance(k, Tensor) or k.dim() != 4 or not isinstance(q, Tensor) or q.dim() != 4 or k.shape[0] != q.shape[0]:
+        raise ValueError(f"q must be (B, Hq, S, D) and k (B, Hkv, L, D) with the same B, got q {_shape(q)}, "
+                         f"k {_shape(k)}")
+    if v is not None and (not isinstance(v, Tensor) or v.dim() != 4 or v.shape[:3] != k.shape[:3]):
+        raise ValueError(f"v must be (B, Hkv, L, Dv) matching k {_shape(k)}, got {_shape(v)}")
+    B, L = k.shape[0], k.shape[2]
+    table = torch.arange(B, dtype=torch.int32, device=k.device)[:, None]
+    if L == 0:  # nothing cached: a page of one empty slot keeps the kernel's indexing valid
+        k = k.new_zeros(B, k.shape[1], 1, k.shape[3])
+        v = None if v is None else v.new_zeros(B, v.shape[1], 1, v.shape[3])
+        seq_lens = 0
+    seq = torch.full((B,), L, device=k.device) if seq_lens is None else seq_lens
+    return paged_decode_attention(q, k.transpose(1, 2), None if v is None else v.transpose(1, 2), table, seq,
+                                  q_start=q_start, scale=scale, v_head_dim=v_head_dim,
+                                  max_len=L if seq_lens is None else None, num_splits=num_splits)

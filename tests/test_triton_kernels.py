@@ -1,0 +1,215 @@
+"""The Triton decode kernel (paged and contiguous, GQA, MLA latent) against the fp64 oracle.
+
+Without CUDA these run in Triton's interpreter on CPU tensors (conftest sets TRITON_INTERPRET=1),
+on small shapes: the interpreter runs each program in numpy. With CUDA the same tests run the
+compiled kernels."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+import attnkit
+from attnkit.caches import DynamicCache, StaticCache
+from attnkit.caches.paged import BlockAllocator, PagedKVCache
+from attnkit.masks import Causal, KeyPadding, SlidingWindow
+
+from conftest import base_attention, rule_r, stable_seed
+
+triton_decode = pytest.importorskip("attnkit.kernels.triton_decode")
+if triton_decode.available() is not None:
+    pytest.skip(f"Triton kernels unavailable: {triton_decode.available()}", allow_module_level=True)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _pools(B, Hkv, D, Dv, page, lens, dtype, *, seed, value_from_key=False):
+    """Random pages in a scattered (shuffled) block table; returns k_pool, v_pool | None, table and
+    the contiguous (B, Hkv, max_len, D|Dv) K and V the table describes (zeros past each length)."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // page) for n in lens]
+    N = sum(need) + 3
+    order = list(range(N))
+    rng.shuffle(order)
+    width = max(1, max(need))
+    table = torch.zeros(len(lens), width, dtype=torch.int32)
+    it = iter(order)
+    for b, nb in enumerate(need):
+        for i in range(nb):
+            table[b, i] = next(it)
+    k_pool = torch.randn(N, page, Hkv, D, generator=g, dtype=torch.float64).to(dtype)
+    v_pool = None if value_from_key else torch.randn(N, page, Hkv, Dv, generator=g, dtype=torch.float64).to(dtype)
+    L = max(lens)
+    pos = torch.arange(L)
+    rows = table.long()[:, pos // page] * page + pos % page  # (B, L) pool rows
+    k = k_pool.flatten(0, 1)[rows].permute(0, 2, 1, 3)  # (B, Hkv, L, D)
+    v = k[..., :Dv] if value_from_key else v_pool.flatten(0, 1)[rows].permute(0, 2, 1, 3)
+    dev = lambda t: None if t is None else t.to(DEV)
+    return dev(k_pool), dev(v_pool), table.to(DEV), k, v
+
+
+def _check(out, q, k, v, mask, scale=None):
+    gold = attnkit.attention_reference(q.double(), k.double(), v.double(), mask, scale=scale)
+    base = base_attention(q, k, v, mask, scale=scale)
+    rule_r(out.cpu(), base, gold)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("groups", [1, 4, 8])
+@pytest.mark.parametrize("page", [16, 64])
+def test_paged_decode_matches_oracle(page, groups, dtype):
+    """Ragged lengths (one sequence empty, lengths not multiples of the page), scattered tables,
+    1-8 query tokens (speculative verification: causal among them), GQA ratios 1, 4, 8."""
+    seed = stable_seed("paged", page, groups, str(dtype))
+    rng = random.Random(seed)
+    B, Hkv, D = 3, 2, 32
+    S = rng.choice([1, 3, 8])
+    lens = [0, rng.randint(S, 40), rng.randint(70, 150)]
+    lens[0] = 0
+    k_pool, v_pool, table, k, v = _pools(B, Hkv, D, D, page, lens, dtype, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(B, Hkv * groups, S, D, generator=g, dtype=torch.float64).to(dtype)
+    seq = torch.tensor(lens)
+    q_start = seq - S
+    out = triton_decode.paged_decode_attention(q.to(DEV), k_pool, v_pool, table, seq.to(DEV),
+                                               q_start=q_start.to(DEV), num_splits=rng.choice([0, 1, 3]))
+    assert out.dtype == dtype and out.shape == (B, Hkv * groups, S, D)
+    mask = Causal(offsets=q_start) & KeyPadding(seq)
+    _check(out, q, k, v, mask)
+    assert (out[0] == 0).all(), "a sequence with no keys gives exact zeros"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rank,rope", [(64, 16), (80, 32), (512, 64)])
+def test_mla_latent_decode_matches_oracle(rank, rope, dtype):
+    """Absorbed-MLA decode: one latent head [c_kv | k_rope], V = its first `rank` channels, many
+    query heads; paged (page 16) and contiguous; any rank / rope width (80 and 32: not powers of 2)."""
+    seed = stable_seed("mla", rank, rope, str(dtype))
+    H, S = (16, 2) if rank < 512 else (4, 1)
+    lens = [37, 90]
+    D = rank + rope
+    k_pool, _, table, k, v = _pools(2, 1, D, rank, 16, lens, dtype, seed=seed, value_from_key=True)
+    g = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(2, H, S, D, generator=g, dtype=torch.float64).to(dtype)
+    scale = 0.7 / math.sqrt(D)
+    seq = torch.tensor(lens)
+    mask = Causal(offsets=seq - S) & KeyPadding(seq)
+    out = triton_decode.paged_decode_attention(q.to(DEV), k_pool, None, table, seq.to(DEV), scale=scale,
+                                               v_head_dim=rank)
+    _check(out, q, k, v, mask, scale)
+    # Contiguous latent cache (B, 1, L, D) and V as a view of it: the same kernel through strides.
+    kc = k.contiguous().to(DEV)
+    out_c = triton_decode.decode_attention(q.to(DEV), kc, None, seq_lens=seq.to(DEV), scale=scale, v_head_dim=rank)
+    _check(out_c, q, k, v, mask, scale)
+
+
+def test_split_count_changes_nothing_but_rounding():
+    q = torch.randn(2, 8, 1, 64, device=DEV)
+    k = torch.randn(2, 2, 300, 64, device=DEV)
+    v = torch.randn(2, 2, 300, 64, device=DEV)
+    ref = triton_decode.decode_attention(q, k, v, num_splits=1)
+    for n in (2, 5, 7):
+        torch.testing.assert_close(triton_decode.decode_attention(q, k, v, num_splits=n), ref)
+
+
+def test_non_causal_empty_and_fully_masked_rows():
+    q = torch.randn(2, 4, 3, 16, device=DEV)
+    k = torch.randn(2, 1, 20, 16, device=DEV)
+    v = torch.randn(2, 1, 20, 16, device=DEV)
+    out = triton_decode.decode_attention(q, k, v, q_start=triton_decode.NO_CAUSAL)
+    _check(out, q.cpu(), k.cpu(), v.cpu(), None)
+    # q_start so small that the first query of each sequence sees no key: exact zeros there.
+    out = triton_decode.decode_attention(q, k, v, q_start=torch.tensor([-1, 5], device=DEV))
+    assert (out[0, :, 0] == 0).all()
+    _check(out, q.cpu(), k.cpu(), v.cpu(), Causal(offsets=torch.tensor([-1, 5])))
+    # Nothing cached at all.
+    empty = triton_decode.decode_attention(q, k[:, :, :0], v[:, :, :0])
+    assert empty.shape == (2, 4, 3, 16) and (empty == 0).all()
+
+
+def test_registered_as_a_custom_op_that_compiles_without_graph_breaks():
+    q = torch.randn(1, 4, 1, 16, device=DEV)
+    k = torch.randn(1, 2, 24, 16, device=DEV)
+    v = torch.randn(1, 2, 24, 16, device=DEV)
+    args = (q, k.transpose(1, 2), v.transpose(1, 2), torch.zeros(1, 1, dtype=torch.int32, device=DEV),
+            torch.tensor([23], dtype=torch.int32, device=DEV), torch.tensor([24], dtype=torch.int32, device=DEV),
+            0.25, 16, 24, 2)
+    torch.library.opcheck(torch.ops.attnkit.decode_attention.default, args,
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+
+    def f(q, k, v):
+        return triton_decode.decode_attention(q, k, v, q_start=23, seq_lens=24) * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(q, k, v), f(q, k, v))
+
+
+# --------------------------------------------------------------------------- through attnkit
+
+
+def test_backend_takes_cache_masks_and_refuses_the_rest():
+    q, k, v = (torch.randn(2, 4, 2, 16, device=DEV), torch.randn(2, 2, 30, 16, device=DEV),
+               torch.randn(2, 2, 30, 16, device=DEV))
+    mask = Causal(offsets=torch.tensor([10, 28])) & KeyPadding(torch.tensor([12, 30]))
+    out = attnkit.attention(q, k, v, mask, backend="triton")
+    _check(out, q.cpu(), k.cpu(), v.cpu(), mask)
+    out = attnkit.attention(q, k, v, causal=True, backend="triton")
+    _check(out, q.cpu(), k.cpu(), v.cpu(), Causal())
+    assert attnkit.describe_call(q, k, v, causal=True) != "triton"  # auto never picks it on CPU
+    with pytest.raises(attnkit.BackendNotSupported, match="triton.*SlidingWindow"):
+        attnkit.attention(q, k, v, SlidingWindow(4), backend="triton")
+    with pytest.raises(attnkit.BackendNotSupported, match="Sq=17"):
+        attnkit.attention(torch.randn(2, 4, 17, 16, device=DEV), k, v, backend="triton")
+    with pytest.raises(attnkit.BackendNotSupported, match="gradients"):
+        attnkit.attention(q.requires_grad_(), k, v, backend="triton")
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static", "paged"])
+def test_caches_through_the_kernel_equal_the_default_path(kind):
+    """Ragged batched decode and a 3-token verification step, MHA/GQA and the MLA latent layout."""
+    for Hq, Hkv, D, Dv, vfk in ((4, 2, 16, 16, False), (6, 1, 24, 16, True)):
+        caches = []
+        for _ in range(2):
+            if kind == "paged":
+                caches.append(PagedKVCache(Hkv, D, Dv, num_blocks=24, block_size=16, value_from_key=vfk, device=DEV))
+            elif kind == "static":
+                caches.append(StaticCache(Hkv, D, Dv, max_batch=3, max_len=64, value_from_key=vfk, device=DEV))
+            else:
+                caches.append(DynamicCache(Hkv, D, Dv, value_from_key=vfk, device=DEV))
+        g = torch.Generator().manual_seed(3)
+        for S, n in ((9, [9, 4, 7]), (1, [1, 1, 0]), (3, [3, 2, 3]), (1, [1, 1, 1])):
+            q = torch.randn(3, Hq, S, D, generator=g).to(DEV)
+            k = torch.randn(3, Hkv, S, D, generator=g).to(DEV)
+            v = None if vfk else torch.randn(3, Hkv, S, Dv, generator=g).to(DEV)
+            nn_ = torch.tensor(n, device=DEV)
+            want = caches[0].attend(q, k, v, num_new=nn_, backend="math")
+            got = caches[1].attend(q, k, v, num_new=nn_, backend="triton" if S <= 16 else "auto")
+            torch.testing.assert_close(got, want)
+
+
+def test_bad_input_names_the_argument():
+    q = torch.randn(1, 4, 1, 16, device=DEV)
+    pool = torch.randn(4, 16, 2, 16, device=DEV)
+    table = torch.zeros(1, 2, dtype=torch.int32, device=DEV)
+    cases = [
+        (dict(q=torch.randn(1, 3, 1, 16, device=DEV)), "multiple of KV heads"),
+        (dict(q=torch.randn(1, 4, 17, 16, device=DEV)), "at most 16"),
+        (dict(q=torch.randn(1, 4, 1, 8, device=DEV)), "head dim"),
+        (dict(block_table=table.float()), "block_table"),
+        (dict(block_table=torch.full((1, 2), 9, dtype=torch.int32, device=DEV)), "block_table entries"),
+        (dict(seq_lens=torch.tensor([33], device=DEV)), "seq_lens must be in"),
+        (dict(v_pool=None), "v_head_dim"),
+        (dict(v_pool=torch.randn(4, 16, 1, 16, device=DEV)), "v_pool"),
+        (dict(q=torch.randn(1, 4, 1, 16, device=DEV, dtype=torch.float64)), "dtype"),
+    ]
+    for change, text in cases:
+        kw = dict(q=q, k_pool=pool, v_pool=pool, block_table=table, seq_lens=torch.tensor([5], device=DEV))
+        kw.update(change)
+        with pytest.raises((ValueError, TypeError), match=text):
+            triton_decode.paged_decode_attention(**kw)
