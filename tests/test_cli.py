@@ -16,7 +16,7 @@ def test_info_lists_versions_and_backends(capsys):
     assert f"attnkit {attnkit.__version__}" in out and torch.__version__ in out
     for name in ("math", "sdpa", "decode", "flex"):
         assert f"  {name}" in out
-    assert "auto order: decode > sdpa > math" in out
+    assert "auto order: decode > triton > sdpa > math" in out
 
 
 def test_no_command_prints_help_and_fails(capsys):

@@ -65,3 +65,30 @@ def test_auto_skip_reason_passes_over_but_forcing_works():
     assert registry.get_backend("decode").auto_skip_reason(
         registry.AttentionCall(1, 8, 2, 1, 17, 16, 16, torch.float32, torch.device("cpu"), None,
                                0.25, 0.0, False, False)) is not None
+
+
+def test_auto_sends_only_unequal_width_cuda_decode_to_triton():
+    """`auto` picks the Triton decode kernel on CUDA for MLA-style calls (K wider than V: SDPA has
+    no fused kernel for them) and leaves equal widths and every CPU call to the other backends."""
+    from attnkit.backends.triton import TritonBackend, decode_limits
+    from attnkit.masks import Causal, KeyPadding, SlidingWindow
+
+    def call(device, D, Dv, mask=None, Sq=1):
+        return registry.AttentionCall(2, 16, 1, Sq, 300, D, Dv, torch.bfloat16, torch.device(device), mask,
+                                      0.1, 0.0, False, False)
+
+    tb = TritonBackend()
+    assert tb.auto_skip_reason(call("cuda", 576, 512)) is None
+    assert "equal K and V widths" in tb.auto_skip_reason(call("cuda", 128, 128))
+    assert "not CUDA" in tb.auto_skip_reason(call("cpu", 576, 512))
+    cache_mask = Causal(offsets=torch.tensor([298, 10])) & KeyPadding(torch.tensor([299, 12]))
+    assert not any("mask" in r for r in tb.not_supported_reasons(call("cuda", 576, 512, cache_mask)))
+    assert any("mask" in r for r in tb.not_supported_reasons(call("cuda", 576, 512, SlidingWindow(8))))
+    assert any("Sq=17" in r for r in tb.not_supported_reasons(call("cuda", 576, 512, Sq=17)))
+    # The limits the kernel gets: query j of row b sees keys < min(q_start + j + 1, seq_lens).
+    q_start, seq = decode_limits(cache_mask, 2, 1, 300, "cpu")
+    assert q_start.tolist() == [298, 10] and seq.tolist() == [299, 12]
+    q_start, seq = decode_limits(Causal(), 2, 3, 300, "cpu")
+    assert q_start.tolist() == [297, 297] and seq.tolist() == [300, 300]
+    assert decode_limits(None, 2, 1, 300, "cpu")[0].min() > 300
+    assert decode_limits(KeyPadding(torch.tensor([500, 3])), 2, 1, 300, "cpu")[1].tolist() == [300, 3]

@@ -14,7 +14,7 @@ import torch
 
 import attnkit
 from attnkit.caches import DynamicCache, StaticCache
-from attnkit.caches.paged import BlockAllocator, PagedKVCache
+from attnkit.caches.paged import PagedKVCache
 from attnkit.masks import Causal, KeyPadding, SlidingWindow
 
 from conftest import base_attention, rule_r, stable_seed

@@ -3,7 +3,7 @@
 from . import caches, masks, models, sizing
 from .backends import BackendNotSupported, backend_names, explain, register_backend
 from .caches import BlockAllocator, DynamicCache, OutOfBlocks, PagedKVCache, SlidingWindowCache, StaticCache
-from .functional import attention, describe_call
+from .functional import attention, describe_call, set_debug
 from .models import Decoder, DecoderConfig
 from .modules import GroupedQueryAttention, MLAConfig, MultiHeadAttention, MultiHeadLatentAttention, MultiQueryAttention
 from .reference import attention_reference
@@ -12,6 +12,6 @@ from .rope import RopeConfig, RotaryEmbedding, apply_rotary
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "attention_reference", "describe_call", "masks", "caches", "BackendNotSupported",
+__all__ = ["attention", "attention_reference", "describe_call", "set_debug", "masks", "caches", "BackendNotSupported",
            "backend_names", "explain", "register_backend", "MultiHeadAttention", "GroupedQueryAttention",
            "MultiQueryAttention", "MLAConfig", "MultiHeadLatentAttention", "models", "Decoder", "DecoderConfig", "sizing", "kv_cache_bytes", "kv_cache_table", "DynamicCache", "StaticCache", "SlidingWindowCache", "PagedKVCache", "BlockAllocator", "OutOfBlocks", "RotaryEmbedding", "RopeConfig", "apply_rotary", "__version__"]

@@ -35,6 +35,38 @@ def _device_line() -> str:
 # ---------------------------------------------------------------------------- info
 
 
+def _sdpa_kernel_lines() -> list[str]:
+    """Which SDPA kernel torch picks for attnkit's representative calls on each device: causal
+    self-attention, causal chunked prefill (Sq < Sk) and key padding, B=2 H=8 S=256 D=64, fp32
+    on CPU and bf16 (fp16 without bf16 support) on CUDA; plus CUDA's SDPA kernel switches."""
+    from attnkit import describe_call
+    from attnkit.masks import KeyPadding
+
+    B, H, S, D = 2, 8, 256, 64
+    devices = [("cpu", torch.float32)]
+    if torch.cuda.is_available():
+        devices.append(("cuda", torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16))
+    lines = [f"sdpa kernels (torch's choice for attnkit's calls, B={B} H={H} S={S} D={D}):"]
+    for dev, dtype in devices:
+        x = torch.zeros(B, H, S, D, device=dev, dtype=dtype)
+        chunk = x[:, :, : S // 4]
+        cases = [("causal", x, dict(causal=True)),
+                 (f"causal Sq={S // 4}<Sk", chunk, dict(causal=True)),
+                 ("padded", x, dict(mask=KeyPadding(torch.tensor([S, S // 2]))))]
+        for label, q, kwargs in cases:
+            try:
+                name = describe_call(q, x, x, backend="sdpa", detail=True, **kwargs)
+            except Exception as e:  # report, never fail `attnkit info`
+                name = f"error: {type(e).__name__}: {e}"
+            dt = str(dtype).removeprefix("torch.")
+            lines.append(f"  {dev:<4} {dt:<8} {label:<16} {name}")
+        if dev == "cuda":
+            switches = [f"{n}={getattr(torch.backends.cuda, n + '_sdp_enabled')()}"
+                        for n in ("flash", "mem_efficient", "cudnn") if hasattr(torch.backends.cuda, n + "_sdp_enabled")]
+            lines.append("  cuda sdp enabled: " + " ".join(switches))
+    return lines
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     import attnkit
     from attnkit.backends import auto_order, backend_names, get_backend
@@ -48,6 +80,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         why = get_backend(name).available()
         auto = "auto" if name in auto_order() else "forced only"
         print(f"  {name:<7} {'available' if why is None else 'unavailable: ' + why} ({auto})")
+    for line in _sdpa_kernel_lines():
+        print(line)
     return 0
 
 

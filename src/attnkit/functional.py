@@ -1,11 +1,18 @@
 """``attnkit.attention``: the one entry point every attention variant calls.
 
 This file validates inputs, normalises masks and dispatches; nothing here is backend-specific.
+
+Debugging: ``attnkit.set_debug(True)`` (or ``ATTNKIT_DEBUG=1`` in the environment) makes every
+``attention`` call log one line to ``logging.getLogger("attnkit")`` at DEBUG level: the backend,
+for SDPA the kernel torch picks, the shapes, dtype, device and mask. Off, it costs one check of a
+module-level bool per call.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 
 import torch
 from torch import Tensor
@@ -15,7 +22,47 @@ from .backends.registry import AttentionCall, get_backend, select
 from .masks import as_mask
 from .reference import attention_math
 
-__all__ = ["attention", "describe_call", "check_qkv"]
+__all__ = ["attention", "describe_call", "check_qkv", "set_debug"]
+
+_log = logging.getLogger("attnkit")
+_DEBUG = False
+_DEBUG_HANDLER: logging.Handler | None = None
+
+
+def set_debug(enabled: bool = True) -> None:
+    """Log one DEBUG line per :func:`attention` call to ``logging.getLogger("attnkit")``:
+    ``attnkit.attention: backend=sdpa[flash] q=(B, Hq, Sq, D) k=... v=... dtype=... device=...
+    mask=...``. Enabling sets that logger's level to DEBUG; when logging is not configured at
+    all (the root logger has no handler) it also attaches a stderr handler, so the lines show.
+    ``ATTNKIT_DEBUG=1`` in the environment turns it on at import."""
+    global _DEBUG, _DEBUG_HANDLER
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+    _DEBUG = enabled
+    if enabled:
+        _log.setLevel(logging.DEBUG)
+        if _DEBUG_HANDLER is None and not logging.getLogger().handlers and not _log.handlers:
+            _DEBUG_HANDLER = logging.StreamHandler()
+            _DEBUG_HANDLER.setFormatter(logging.Formatter("%(name)s %(levelname)s: %(message)s"))
+            _log.addHandler(_DEBUG_HANDLER)
+
+
+def _detailed_name(backend, q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> str:
+    """``name[kernel]`` for backends that can say which kernel they run (an optional
+    ``kernel_name(q, k, v, call)`` method, as SDPA's), else the plain name."""
+    kernel_name = getattr(backend, "kernel_name", None)
+    return backend.name if kernel_name is None else f"{backend.name}[{kernel_name(q, k, v, call)}]"
+
+
+def _log_call(backend, q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> None:
+    name = "math[empty]" if backend is None else _detailed_name(backend, q, k, v, call)
+    _log.debug("attnkit.attention: backend=%s q=%s k=%s v=%s dtype=%s device=%s mask=%r dropout_p=%s",
+               name, _shape(q), _shape(k), _shape(v), str(q.dtype).removeprefix("torch."), q.device,
+               call.mask, call.dropout_p)
+
+
+if os.environ.get("ATTNKIT_DEBUG", "").strip().lower() not in ("", "0", "false", "no", "off"):
+    set_debug(True)
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -125,17 +172,28 @@ def attention(
         out = dropout(p) @ v.repeat_interleave(G, 1)
     """
     call = _validate(q, k, v, mask, causal, scale, dropout_p, return_weights, backend)
-    if call.is_empty:
+    chosen = None if call.is_empty else select(call, backend)
+    if _DEBUG:
+        _log_call(chosen, q, k, v, call)
+    if chosen is None:
         # Nothing to attend to (Sk = 0) or nothing to compute: the contract's zeros, with grads.
         out, weights = attention_math(q, k, v, call.mask, scale=call.scale, return_weights=return_weights)
     else:
-        out, weights = select(call, backend).run(q, k, v, call)
+        out, weights = chosen.run(q, k, v, call)
     return (out, weights) if return_weights else out
 
 
 def describe_call(q: Tensor, k: Tensor, v: Tensor, mask=None, *, causal: bool = False,
                   scale: float | None = None, dropout_p: float = 0.0, return_weights: bool = False,
-                  backend: str = "auto") -> str:
-    """Name of the backend ``attention`` would run for these arguments (for tests and debugging)."""
+                  backend: str = "auto", detail: bool = False) -> str:
+    """Name of the backend ``attention`` would run for these arguments (for tests and debugging).
+
+    With ``detail=True`` a backend that can tell adds its kernel: ``"sdpa[flash]"``,
+    ``"sdpa[efficient]"``, ``"sdpa[cudnn]"``, ``"sdpa[math]"`` (torch's choice, see
+    :func:`attnkit.backends.sdpa.sdpa_kernel_name`), ``"flash[varlen]"``; others stay plain.
+    """
     call = _validate(q, k, v, mask, causal, scale, dropout_p, return_weights, backend)
-    return "math" if call.is_empty else select(call, backend).name
+    if call.is_empty:
+        return "math"
+    chosen = select(call, backend)
+    return _detailed_name(chosen, q, k, v, call) if detail else chosen.name

@@ -21,7 +21,7 @@ Notation: B batch, H heads, Sq query length, Sk key length.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 from torch import Tensor

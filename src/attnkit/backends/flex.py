@@ -1,9 +1,29 @@
 """``flex``: torch FlexAttention compiled from the mask's ``mask_mod``, block masks cached.
 
-Optional: the first compiled call per shape takes seconds (about 6-30 s on a 2-core CPU), then
-runs at fused-kernel speed, so ``auto`` never picks it for one-off calls; force it with
-``backend="flex"`` for long runs of one shape with masks SDPA cannot express cheaply (sliding
-window, document, prefix-LM and their compositions).
+The block mask of a call is built once per (mask key, batch, Sq, Sk, device) and kept in an LRU
+cache (:func:`block_mask_for`); the kernel is ``torch.compile``d once per shape
+(``dynamic=False``). Forward runs on CPU and CUDA; backward on CUDA only (FlexAttention's CPU
+kernel is forward-only). Grouped heads go in unrepeated (``enable_gqa``).
+
+``auto`` never picks it: its first call per shape compiles (seconds: about 6-30 s on a 2-core
+CPU, several on a GPU), and without a GPU to measure on, the point where that pays off is not
+known. Force it with ``backend="flex"`` when all of these hold:
+
+* the mask is one SDPA has to materialize densely: :class:`~attnkit.masks.SlidingWindow`,
+  :class:`~attnkit.masks.Document` (packed sequences), :class:`~attnkit.masks.PrefixLM`,
+  per-sequence ``offsets``, or an AND/OR of those. SDPA then computes every (query, key) pair
+  through its memory-efficient or cuDNN kernel (or math); FlexAttention skips fully masked
+  blocks, so its work shrinks with the fraction of blocks the mask removes (a 4k window over
+  32k tokens touches ~1/8 of the (Sq, Sk) grid SDPA computes). Plain and causal masks are not
+  in this list: SDPA's flash / cuDNN kernels run them without a mask tensor or a compile. Key
+  padding alone runs on SDPA's fused kernels with a bool mask; flex only pays off there when
+  a large share of the batch is padding;
+* the same shapes repeat many times (a training loop, fixed-size prefill buckets), so the
+  compile is paid once. Varying lengths (every decode step has a new Sk) recompile;
+* the call needs neither dropout nor ``return_weights``, and on CUDA D and Dv are >= 16.
+
+With the optional ``flash_attn`` package installed, a sliding window (with or without padding)
+on fp16/bf16 CUDA also runs on the ``flash`` backend, which needs no compile.
 """
 
 from __future__ import annotations
@@ -36,7 +56,7 @@ def _compiled():
 
 
 def block_mask_for(call: AttentionCall, device):
-    """The BlockMask for ``call.mask``, cached (LRU) per mask key and shape. A mask holding
+    """The BlockMask for ``call.mask``, cached (LRU) per mask key, shape and device. A mask holding
     tensors is keyed by identity and tensor versions (see ``Mask.cache_key``); the cache keeps
     such a mask alive so its id cannot be reused while its entry exists."""
     m = call.mask
@@ -78,10 +98,14 @@ class FlexBackend(BackendBase):
             why.append("return_weights=True")
         if call.dropout_p > 0:
             why.append("dropout_p > 0 (FlexAttention has no dropout)")
-        if call.needs_grad and call.device.type == "cpu":
-            why.append("backward on CPU (FlexAttention's CPU kernel is forward-only)")
+        if call.needs_grad and call.device.type in ("cpu", "mps"):
+            why.append(f"backward on {call.device.type.upper()} (FlexAttention's {call.device.type.upper()} "
+                       "kernel is forward-only)")
         if call.dtype == torch.float64 and call.device.type == "cpu":
             why.append("fp64 on CPU")
+        if call.device.type not in ("cpu", "mps") and min(call.head_dim, call.v_head_dim) < 16:
+            why.append(f"D={call.head_dim}, Dv={call.v_head_dim} on {call.device.type} (FlexAttention's Triton "
+                       "kernel needs D and Dv >= 16)")
         return why
 
     def run(self, q, k, v, call: AttentionCall):

@@ -4,6 +4,16 @@ Uses ``is_causal`` only where it equals the requested mask (top-left, or bottom-
 Sq == Sk), ``enable_gqa`` for grouped heads, and one bool or float ``attn_mask`` otherwise.
 Rows with nothing to attend to are unmasked before the call (so no kernel sees an all -inf row
 and no NaN reaches the gradients) and zeroed after it, which is the attnkit contract.
+
+On CUDA a bottom-right causal mask with Sq < Sk (chunked prefill, speculative verification)
+is handed over as ``torch.nn.attention.bias.causal_lower_right(Sq, Sk)``, which SDPA runs on its
+flash or memory-efficient kernel instead of a materialized (Sq, Sk) mask. With Sq < Sk every
+query sees at least Sk - Sq + 1 keys, so no row is empty; Sq > Sk (rows with no key) keeps the
+materialized mask and the zero fix-up. CPU calls are unchanged (there SDPA's CPU flash kernel
+takes the materialized mask directly).
+
+:func:`sdpa_kernel_name` says which SDPA kernel a call reaches ("flash", "efficient", "cudnn",
+"math", "overrideable"; "unknown" where torch cannot say).
 """
 
 from __future__ import annotations
@@ -14,9 +24,52 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import CausalBias, CausalVariant, causal_lower_right
 
-from ..masks import shifted_bias
+from ..masks import And, Causal, Mask, shifted_bias
 from .registry import AttentionCall, BackendBase
+
+#: torch's own kernel chooser (private; absent in some builds, then kernels read "unknown").
+_FUSED_SDP_CHOICE = getattr(torch, "_fused_sdp_choice", None)
+_KERNEL_NAMES = {getattr(SDPBackend, member).value: name for member, name in (
+    ("FLASH_ATTENTION", "flash"), ("EFFICIENT_ATTENTION", "efficient"), ("CUDNN_ATTENTION", "cudnn"),
+    ("MATH", "math"), ("OVERRIDEABLE", "overrideable")) if hasattr(SDPBackend, member)}
+
+
+def sdpa_kernel_name(q: Tensor, k: Tensor, v: Tensor, attn_mask=None, dropout_p: float = 0.0,
+                     is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> str:
+    """The SDPA kernel ``F.scaled_dot_product_attention`` picks for these arguments, under the
+    current ``sdpa_kernel`` context: "flash", "efficient", "cudnn", "math" or "overrideable";
+    "unknown" where this torch cannot tell (no ``torch._fused_sdp_choice``, or it raised).
+
+    q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv); ``attn_mask`` a tensor or a
+    ``CausalBias``, which is resolved the way SDPA dispatches it (flash, else efficient, else
+    the materialized mask). On CPU the answer is "flash" (torch's CPU flash kernel) or "math".
+    """
+    if _FUSED_SDP_CHOICE is None:
+        return "unknown"
+    try:
+        if isinstance(attn_mask, CausalBias):
+            return _causal_bias_kernel(q, k, v, attn_mask, dropout_p, scale, enable_gqa)
+        choice = _FUSED_SDP_CHOICE(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    except (TypeError, ValueError, RuntimeError):
+        return "unknown"
+    return _KERNEL_NAMES.get(int(choice), "unknown")
+
+
+def _causal_bias_kernel(q, k, v, bias: CausalBias, dropout_p, scale, enable_gqa) -> str:
+    """Mirror of ``CausalBias._dispatch``: square or upper-left -> ``is_causal``; lower-right ->
+    flash if usable, else efficient if usable, else SDPA with the materialized mask."""
+    Sq, Sk = bias.seq_len_q, bias.seq_len_kv
+    if Sq == Sk or bias.variant == CausalVariant.UPPER_LEFT:
+        return sdpa_kernel_name(q, k, v, None, dropout_p, True, scale, enable_gqa)
+    params = torch.backends.cuda.SDPAParams(q, k, v, None, dropout_p, False, enable_gqa)
+    if torch.backends.cuda.can_use_flash_attention(params, False):
+        return "flash"
+    if torch.backends.cuda.can_use_efficient_attention(params, False):
+        return "efficient"
+    dense = torch.ones(Sq, Sk, dtype=torch.bool, device=q.device).tril(Sk - Sq)
+    return sdpa_kernel_name(q, k, v, dense, dropout_p, False, scale, enable_gqa)
 
 
 def sdpa_mask(call: AttentionCall, dtype: torch.dtype, device) -> tuple[Tensor | None, Tensor | None]:
@@ -48,6 +101,35 @@ def sdpa_mask(call: AttentionCall, dtype: torch.dtype, device) -> tuple[Tensor |
     return attn_mask, (None if all_ok else row_ok)
 
 
+def _is_bottom_right_causal(m: Mask) -> bool:
+    """True iff ``m`` is ``Causal()`` (bottom-right, no per-sequence offsets), or an AND of such."""
+    if isinstance(m, And):
+        return all(_is_bottom_right_causal(p) for p in m.masks)
+    return isinstance(m, Causal) and m.offsets is None and m.align == "bottom_right"
+
+
+def _flash_usable(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> bool:
+    """Whether SDPA's flash kernel accepts these inputs with no mask (torch's own check)."""
+    try:
+        params = torch.backends.cuda.SDPAParams(q, k, v, None, call.dropout_p, False,
+                                                call.q_heads != call.kv_heads)
+        return bool(torch.backends.cuda.can_use_flash_attention(params, False))
+    except (TypeError, RuntimeError):  # a torch whose SDPAParams takes other arguments
+        return False
+
+
+def _lower_right_bias(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> bool:
+    """Use ``causal_lower_right`` for this call: CUDA, the whole mask is bottom-right causal,
+    Sq < Sk (no empty rows), not being traced by torch.compile, and, with grouped heads, SDPA's
+    flash kernel usable (CausalBias's memory-efficient branch calls the kernel without
+    ``enable_gqa``, so grouped calls that cannot go to flash keep the materialized mask)."""
+    if call.device.type != "cuda" or not call.q_len < call.kv_len or torch.compiler.is_compiling():
+        return False
+    if not _is_bottom_right_causal(call.mask):
+        return False
+    return call.q_heads == call.kv_heads or _flash_usable(q, k, v, call)
+
+
 def _kernel_choice(call: AttentionCall):
     """Torch's CPU flash kernel's backward in fp16/bf16 is up to ~10x less accurate than the
     eager path for dq (tests/test_attention.py's grid measured it against the fp64 oracle), so
@@ -67,15 +149,28 @@ class SdpaBackend(BackendBase):
             why.append("return_weights=True (SDPA does not return probabilities)")
         return why
 
-    def run(self, q, k, v, call: AttentionCall):
+    def sdpa_args(self, q: Tensor, k: Tensor, v: Tensor, call: AttentionCall):
+        """(attn_mask, row_ok, is_causal) this backend hands to SDPA for ``call``; ``attn_mask``
+        is None, a bool/float tensor or a ``CausalBias``; ``row_ok`` as in :func:`sdpa_mask`."""
         m = call.mask
-        attn_mask = row_ok = None
-        is_causal = False
-        if m is not None:
-            if m.is_top_left_causal(call.q_len, call.kv_len):
-                is_causal = True
-            else:
-                attn_mask, row_ok = sdpa_mask(call, q.dtype, q.device)
+        if m is None:
+            return None, None, False
+        if m.is_top_left_causal(call.q_len, call.kv_len):
+            return None, None, True
+        if _lower_right_bias(q, k, v, call):
+            return causal_lower_right(call.q_len, call.kv_len), None, False
+        attn_mask, row_ok = sdpa_mask(call, q.dtype, q.device)
+        return attn_mask, row_ok, False
+
+    def kernel_name(self, q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> str:
+        """The SDPA kernel :meth:`run` reaches for ``call`` (see :func:`sdpa_kernel_name`)."""
+        attn_mask, _, is_causal = self.sdpa_args(q, k, v, call)
+        with _kernel_choice(call):
+            return sdpa_kernel_name(q, k, v, attn_mask, call.dropout_p, is_causal, call.scale,
+                                    call.q_heads != call.kv_heads)
+
+    def run(self, q, k, v, call: AttentionCall):
+        attn_mask, row_ok, is_causal = self.sdpa_args(q, k, v, call)
         with _kernel_choice(call):
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=attn_mask, dropout_p=call.dropout_p, is_causal=is_causal,

@@ -756,7 +756,7 @@ class PagedKVCache(KVCache):
         batch's sequences; returns contiguous copies (B, Hkv, L, D), (B, Hkv, L, Dv) gathered
         from the pages (L: the longest sequence) and the cache mask. Prefer ``attend``."""
         step = self._step(k, v, num_new)
-        B, L = len(step.batch), max(step.new, default=0)
+        L = max(step.new, default=0)
         table = step.table(self.k_pool.device)  # (B, nblk)
 
         def gather(pool: Tensor) -> Tensor:  # (B, nblk, bs, Hkv, ·) -> (B, Hkv, L, ·)

@@ -1,0 +1,219 @@
+"""GPU fast paths side by side with their peers, one run, CUDA events, medians.
+
+(a) prefill: ``attnkit.attention`` (auto) against torch SDPA forced to its flash and cuDNN
+    kernels, causal, bf16, MHA and GQA (target: within 5% of the faster of the two);
+(b) paged decode: the Triton split-K kernel over a paged cache (page 16, scattered block
+    tables), batch 32 at 32k context, GQA 32/8, D 128, bf16: KV bytes read per second against the
+    device-to-device copy bandwidth measured in the same run (target: at least 70% of it), and
+    against torch SDPA decoding over a contiguous cache of the same tokens;
+(c) absorbed-MLA decode at DeepSeek-V3 dimensions (128 heads, kv_lora_rank 512, rope 64, one
+    latent head read once for all heads; paged and contiguous): latent bytes read per second
+    against the copy bandwidth (target: at least 60% of it), and against SDPA over the same latent
+    (K = latent, V = its first 512 channels) for reference.
+
+Bandwidth counts the cache bytes a kernel must read once (K and V, or the latent once); copy
+bandwidth is (read + write bytes) / time of ``dst.copy_(src)`` on a buffer larger than L2.
+
+    python benchmarks/bench_gpu.py           # needs CUDA: writes results/gpu.md
+    python benchmarks/bench_gpu.py --quick   # tiny shapes; on CPU in Triton's interpreter (a smoke test of the script)
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+if not torch.cuda.is_available():  # the smoke test runs the Triton kernels in the interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+from _common import bench_main, machine  # noqa: E402
+import attnkit  # noqa: E402
+from attnkit.kernels import triton_decode  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+
+
+def median_ms(fn, reps: int, warmup: int = 3) -> float:
+    """Median milliseconds of ``fn`` (CUDA events on GPU, wall clock on CPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if CUDA:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int, reps: int) -> float:
+    """GB/s of a device-to-device copy (bytes read + bytes written per second)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=DEV).normal_()
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), reps)
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def scattered_pool(B: int, ctx: int, page: int, heads: int, dim: int, dtype, seed: int):
+    """A pool holding B sequences of ctx tokens in randomly permuted pages, and its block table."""
+    g = torch.Generator().manual_seed(seed)
+    nb = -(-ctx // page)
+    perm = torch.randperm(B * nb, generator=g)
+    table = perm.view(B, nb).to(torch.int32).to(DEV)
+    pool = torch.empty(B * nb, page, heads, dim, dtype=dtype, device=DEV).normal_()
+    return pool, table
+
+
+def contiguous_from_pool(pool, table, ctx: int):
+    """(B, heads, ctx, dim) copy of what the block table points at (for the SDPA contender)."""
+    page = pool.shape[1]
+    pos = torch.arange(ctx, device=DEV)
+    rows = table.long()[:, pos // page] * page + pos % page
+    return pool.flatten(0, 1)[rows].permute(0, 2, 1, 3).contiguous()
+
+
+def prefill(quick: bool, reps: int) -> list[dict]:
+    rows = []
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    shapes = [(1, 4, 4, 64, 64)] if quick else [(4, 32, 32, 4096, 128), (4, 32, 8, 4096, 128), (1, 32, 8, 16384, 128)]
+    for B, Hq, Hkv, S, D in shapes:
+        q = torch.randn(B, Hq, S, D, dtype=dtype, device=DEV)
+        k = torch.randn(B, Hkv, S, D, dtype=dtype, device=DEV)
+        v = torch.randn(B, Hkv, S, D, dtype=dtype, device=DEV)
+        gqa = Hq != Hkv
+        row = {"shape": f"B={B} Hq={Hq} Hkv={Hkv} S={S} D={D}", "dtype": str(dtype).replace("torch.", ""),
+               "auto_kernel": attnkit.describe_call(q, k, v, causal=True, detail=True)}
+        row["attnkit_ms"] = median_ms(lambda: attnkit.attention(q, k, v, causal=True), reps)
+        peers = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION} if CUDA else \
+            {"sdpa": None}
+        for name, kern in peers.items():
+            def run(kern=kern):
+                if kern is None:
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+                with sdpa_kernel([kern]):
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            try:
+                row[f"{name}_ms"] = median_ms(run, reps)
+            except RuntimeError as e:  # that kernel cannot take this shape / dtype on this GPU
+                row[f"{name}_ms"] = None
+                row[f"{name}_error"] = str(e).splitlines()[0][:120]
+        best = min(t for n, t in row.items() if n.endswith("_ms") and n != "attnkit_ms" and t is not None)
+        row["attnkit_vs_best_peer"] = row["attnkit_ms"] / best
+        rows.append(row)
+    return rows
+
+
+def paged_decode(quick: bool, reps: int, copy_gbs: float) -> list[dict]:
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    B, Hq, Hkv, D, page = (2, 8, 2, 32, 16) if quick else (32, 32, 8, 128, 16)
+    rows = []
+    for ctx in ([64] if quick else [4096, 32768]):
+        kp, table = scattered_pool(B, ctx, page, Hkv, D, dtype, seed=1)
+        vp, _ = scattered_pool(B, ctx, page, Hkv, D, dtype, seed=1)
+        q = torch.randn(B, Hq, 1, D, dtype=dtype, device=DEV)
+        seq = torch.full((B,), ctx, dtype=torch.int32, device=DEV)
+        kv_bytes = 2 * B * ctx * Hkv * D * kp.element_size()
+        ours = median_ms(lambda: triton_decode.paged_decode_attention(q, kp, vp, table, seq, max_len=ctx), reps)
+        k = contiguous_from_pool(kp, table, ctx)
+        v = contiguous_from_pool(vp, table, ctx)
+        sdpa = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), reps)
+        contig = median_ms(lambda: triton_decode.decode_attention(q, k, v), reps)
+        gbs = kv_bytes / (ours * 1e-3) / 1e9
+        rows.append({"batch": B, "context": ctx, "heads": f"{Hq}/{Hkv}", "head_dim": D, "page": page,
+                     "kv_MB": kv_bytes / 1e6, "paged_ms": ours, "paged_GBps": gbs, "vs_copy": gbs / copy_gbs,
+                     "contiguous_triton_ms": contig, "sdpa_contiguous_ms": sdpa, "sdpa_GBps": kv_bytes / (sdpa * 1e-3) / 1e9,
+                     "paged_vs_sdpa_speedup": sdpa / ours})
+    return rows
+
+
+def mla_decode(quick: bool, reps: int, copy_gbs: float) -> list[dict]:
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    H, r, dr = (8, 64, 16) if quick else (128, 512, 64)
+    rows = []
+    for B, ctx in ([(2, 64)] if quick else [(32, 4096), (32, 32768), (128, 4096)]):
+        pool, table = scattered_pool(B, ctx, 16 if quick else 64, 1, r + dr, dtype, seed=2)
+        q = torch.randn(B, H, 1, r + dr, dtype=dtype, device=DEV)
+        seq = torch.full((B,), ctx, dtype=torch.int32, device=DEV)
+        scale = (192 if not quick else r + dr) ** -0.5
+        nbytes = B * ctx * (r + dr) * pool.element_size()
+        paged = median_ms(lambda: triton_decode.paged_decode_attention(q, pool, None, table, seq, scale=scale,
+                                                                       v_head_dim=r, max_len=ctx), reps)
+        lat = contiguous_from_pool(pool, table, ctx)  # (B, 1, ctx, r + dr)
+        contig = median_ms(lambda: triton_decode.decode_attention(q, lat, None, scale=scale, v_head_dim=r), reps)
+        sdpa = median_ms(lambda: F.scaled_dot_product_attention(q, lat, lat[..., :r], scale=scale, enable_gqa=True),
+                         reps)
+        gbs = nbytes / (paged * 1e-3) / 1e9
+        rows.append({"batch": B, "context": ctx, "heads": H, "latent": f"{r}+{dr}", "latent_MB": nbytes / 1e6,
+                     "paged_ms": paged, "paged_GBps": gbs, "vs_copy": gbs / copy_gbs, "contiguous_ms": contig,
+                     "contiguous_GBps": nbytes / (contig * 1e-3) / 1e9, "sdpa_ms": sdpa,
+                     "paged_vs_sdpa_speedup": sdpa / paged})
+    return rows
+
+
+def run(quick: bool) -> dict:
+    if not CUDA and not quick:
+        sys.exit("bench_gpu.py needs CUDA (use --quick for a CPU smoke test of the script in Triton's interpreter)")
+    torch.manual_seed(0)
+    reps = 3 if quick else 30
+    info = machine()
+    if CUDA:
+        p = torch.cuda.get_device_properties(0)
+        info["gpu"] = f"{p.name}, {p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs"
+        import triton
+        info["triton"] = triton.__version__
+    copy_gbs = copy_bandwidth(1 << (20 if quick else 32), reps)
+    return {"machine": info, "copy_GBps": copy_gbs, "prefill": prefill(quick, reps),
+            "paged_decode": paged_decode(quick, reps, copy_gbs), "mla_decode": mla_decode(quick, reps, copy_gbs)}
+
+
+def _fmt(x) -> str:
+    if x is None:
+        return "n/a"
+    if isinstance(x, float):
+        return f"{x:.3f}" if abs(x) < 10 else f"{x:.1f}"
+    return str(x)
+
+
+def _table(rows: list[dict], cols: list[str]) -> str:
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    out += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def to_markdown(res: dict) -> str:
+    m = res["machine"]
+    head = f"Machine: {m.get('gpu', m['cpu'] + ' (CPU: Triton interpreter, a smoke test; timings meaningless)')}, " \
+           f"torch {m['torch']}, triton {m.get('triton', '-')}, attnkit {m['attnkit']}. " \
+           f"Copy bandwidth (read + write): {res['copy_GBps']:.0f} GB/s."
+    pre = res["prefill"]
+    peer_cols = [c for c in pre[0] if c.endswith("_ms") and c != "attnkit_ms"]
+    parts = [head, "", "(a) Prefill, causal: attnkit auto vs SDPA's kernels forced (ms, medians).", "",
+             _table(pre, ["shape", "dtype", "auto_kernel", "attnkit_ms"] + peer_cols + ["attnkit_vs_best_peer"]), "",
+             "(b) Paged decode (one token per sequence, scattered block tables): KV bytes read per second.", "",
+             _table(res["paged_decode"], ["batch", "context", "heads", "head_dim", "kv_MB", "paged_ms", "paged_GBps",
+                                          "vs_copy", "contiguous_triton_ms", "sdpa_contiguous_ms",
+                                          "paged_vs_sdpa_speedup"]), "",
+             "(c) Absorbed-MLA decode over the latent cache (one latent head for all query heads).", "",
+             _table(res["mla_decode"], ["batch", "context", "heads", "latent", "latent_MB", "paged_ms", "paged_GBps",
+                                        "vs_copy", "contiguous_ms", "contiguous_GBps", "sdpa_ms",
+                                        "paged_vs_sdpa_speedup"]), ""]
+    return "\n".join(parts)
+
+
+if __name__ == "__main__":
+    sys.exit(bench_main(sys.argv[1:], __doc__, "gpu", run, to_markdown))
