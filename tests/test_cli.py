@@ -108,6 +108,14 @@ def test_bench_runs_suites_and_plots_their_tables(tmp_path, capsys):
     assert "unknown suite" in capsys.readouterr().err
 
 
+def test_bench_reports_a_suite_that_cannot_run_here_as_skipped(tmp_path, capsys):
+    d = _fake_suites(tmp_path)
+    (d / "bench_needsgpu.py").write_text('"""Needs a GPU."""\nimport sys\nsys.exit(77)\n')
+    assert main(["bench", "--dir", str(d), "--out", str(tmp_path / "o"), "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    assert "needsgpu: skipped" in out and "fake: ok" in out
+
+
 def test_bench_reports_a_failing_suite(tmp_path, capsys):
     d = _fake_suites(tmp_path, ok=False)
     assert main(["bench", "--dir", str(d), "--out", str(tmp_path / "o"), "--no-plots"]) == 1
