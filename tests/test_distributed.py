@@ -46,7 +46,7 @@ WORLD = 4
 
 @dataclass(frozen=True)
 class Case:
-    kind: str  # "attn" | "module" | "padding" | "error"
+    kind: str  # "attn" | "module" | "padding" | "error" | "memory"
     world: int
     sharding: str = "zigzag"
     causal: bool = False
@@ -108,6 +108,9 @@ def _grid(world: int, full: bool) -> list[Case]:
     ]
     if world > 1:
         cases += [Case("error", world, variant=v) for v in ("uneven", "odd-zigzag", "additive", "bad-sharding")]
+        # Peak memory of forward + backward, in shards (MHA, D=64 so per-row stats are 1/64 shard).
+        cases += [Case("memory", world, "zigzag", True, 2, 2, "none", 32 * world, D=64, tile=64),
+                  Case("memory", world, "contiguous", False, 2, 2, "none", 32 * world, D=64, tile=64)]
     return cases
 
 
@@ -281,7 +284,65 @@ def _run_error(case: Case, group, rank: int):
     _check(out, sh(attnkit.attention(q, k, v, causal=True)), "out after errors")
 
 
-RUNNERS = {"attn": _run_attn, "padding": _run_padding, "module": _run_module, "error": _run_error}
+def _peak_new_bytes(fn) -> int:
+    """Largest total size of the tensor storages torch ops create while ``fn`` runs (alive at once)."""
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    live, state = {}, {"now": 0, "peak": 0}
+
+    def free(key):
+        state["now"] -= live.pop(key, 0)
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            seen = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                    if isinstance(t, torch.Tensor)}
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                    st = t.untyped_storage()
+                    key, n = st.data_ptr(), st.nbytes()
+                    if n and key not in live:
+                        live[key] = n
+                        state["now"] += n
+                        state["peak"] = max(state["peak"], state["now"])
+                        weakref.finalize(st, free, key)
+            return out
+
+    with Mode():
+        fn()
+    return state["peak"]
+
+
+def _run_memory(case: Case, group, rank: int):
+    """The ring's buffers, counted in shards: besides its inputs (q, k, v, dout) a rank holds at
+    most out, dq, two K/V blocks and one dK/dV accumulator (computing), or one K/V block and two
+    accumulators (the dK/dV hop): 8 shards, plus per-row statistics and (forced tiny) score tiles.
+    The backward that kept the accumulator being filled, the one in flight and the one arriving
+    needed 12 (10 at P=2)."""
+    seed = stable_seed(case.id)
+    q, k, v = make_qkv(1, case.hq, case.hkv, case.S, case.S, case.D, seed=seed)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed + 1))
+    leaves = [_shard(t, case, rank).contiguous().requires_grad_() for t in (q, k, v)]
+    dout_l = _shard(dout, case, rank).contiguous()
+    shard = leaves[0].numel() * leaves[0].element_size()
+    old_tile = ring_mod._TILE_ELEMENTS
+    ring_mod._TILE_ELEMENTS = case.tile
+    try:
+        dist.barrier(group=group)
+        peak = _peak_new_bytes(lambda: torch.autograd.grad(
+            ring_attention(*leaves, causal=case.causal, group=group, sharding=case.sharding), leaves, dout_l))
+    finally:
+        ring_mod._TILE_ELEMENTS = old_tile
+    assert peak <= 8.25 * shard, f"peak {peak / shard:.2f} shards besides the inputs, want <= 8 (+ small)"
+    assert peak >= 8 * shard, f"peak {peak / shard:.2f} shards: the tracker missed buffers?"
+
+
+RUNNERS = {"attn": _run_attn, "padding": _run_padding, "module": _run_module, "error": _run_error,
+           "memory": _run_memory}
 
 
 def _run_cases(cases, group, rank, results):
@@ -379,6 +440,44 @@ def test_blocks_merge_and_backward_equal_full_attention(hq, hkv, dtype):
         torch.testing.assert_close(got, want)
     with pytest.raises(ValueError, match="dk_out must be"):
         block_backward(q, k, v, dout, lse, delta, allowed, scale, dk_out=torch.zeros(1))
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2)])
+def test_block_backward_accumulates_dq_in_place(hq, hkv):
+    """dq_out: a contiguous buffer, row slices of one (what the ring passes: one baddbmm, or one
+    per query-head group for GQA) and a layout no view can batch (through a temporary) all get
+    the block's dq added, and are returned."""
+    B, S, D, scale = 2, 12, 5, 0.6
+    q, k, v = make_qkv(B, hq, hkv, S, S, D, seed=stable_seed("dq_out", hq, hkv))
+    allowed = M.Causal().materialize(B, S, S)
+    out, lse = block_forward(q, k, v, allowed, scale)
+    dout = torch.randn_like(out)
+    delta = softmax_delta(out, dout)
+    dq_ref, dk_ref, dv_ref = block_backward(q, k, v, dout, lse, delta, allowed, scale)
+    rows = [(0, 5), (5, 12)]
+    for layout in ("contiguous", "row slices", "seq-major"):
+        buf = torch.ones(B, S, hq, D).transpose(1, 2) if layout == "seq-major" else torch.ones(B, hq, S, D)
+        parts = rows if layout == "row slices" else [(0, S)]
+        for a, b in parts:
+            got = block_backward(q[:, :, a:b], k, v, dout[:, :, a:b], lse[:, :, a:b], delta[:, :, a:b],
+                                 allowed[:, :, a:b], scale, dq_out=buf[:, :, a:b])[0]
+            assert got.data_ptr() == buf[:, :, a:b].data_ptr()
+        torch.testing.assert_close(buf, dq_ref + 1, msg=lambda m: f"{layout}: {m}")
+    with pytest.raises(ValueError, match="dq_out must be"):
+        block_backward(q, k, v, dout, lse, delta, allowed, scale, dq_out=torch.zeros(B, hq, S, D + 1))
+    empty = torch.ones(0, hq, S, D)
+    assert block_backward(q[:0], k[:0], v[:0], dout[:0], lse[:0], delta[:0], None, scale, dq_out=empty)[0] is empty
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softmax_delta_in_slabs_equals_rowsum(dtype):
+    """Large inputs go a slab of rows at a time (rows not a multiple of the slab: a short last one)."""
+    g = torch.Generator().manual_seed(5)
+    out, dout = (torch.randn(1, 4, 4100, 64, generator=g).to(dtype) for _ in range(2))
+    assert out.numel() > 1 << 20
+    delta = softmax_delta(out, dout)
+    assert delta.dtype == torch.float32 and delta.shape == (1, 4, 4100)
+    torch.testing.assert_close(delta, (dout.float() * out.float()).sum(-1))
 
 
 def test_block_forward_bf16_meets_rule_r():

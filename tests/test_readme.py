@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -13,11 +14,15 @@ def test_readme_usage_example_runs():
     assert blocks, "README has no python example"
     ns: dict = {}
     for i, block in enumerate(blocks):  # every example, in order, in one namespace
+        if "attnkit.kernels.triton_decode" in block and importlib.util.find_spec("triton") is None:
+            continue  # the Triton example (runs wherever triton is installed: in the interpreter on CPU)
         exec(compile(block, f"README.md[block {i}]", "exec"), ns)
     assert ns["y_next"].shape == (1, 1, 256)
     assert ns["out"].shape == (2, 32, 1, 128)
     assert ns["w"].shape == (2, 32, 1, 4096)
     assert (ns["w"][1, :, :, 1000:] == 0).all()  # padded keys get no weight
+    if "o_mla" in ns:
+        assert ns["o_gqa"].shape == (2, 8, 1, 64) and ns["o_mla"].shape == (2, 16, 1, 512)
 
 
 def test_readme_example_takes_the_path_it_claims():

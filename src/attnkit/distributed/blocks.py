@@ -100,14 +100,24 @@ def merge_partials(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tenso
 
 
 def softmax_delta(out: Tensor, dout: Tensor) -> Tensor:
-    """delta = rowsum(dout * out) (B, Hq, Sq) in the compute dtype, from the *final* output."""
+    """delta = rowsum(dout * out) (B, Hq, Sq) in the compute dtype, from the *final* output.
+
+    Computed a slab of rows at a time, so the product (and, for fp16/bf16, the fp32 copies of
+    ``out`` and ``dout``) never takes more than about 1/16 of ``out``'s size: a ring holds the
+    whole backward's buffers when it calls this."""
     ct = compute_dtype(out.dtype)
-    return (dout.to(ct) * out.to(ct)).sum(-1)
+    delta = torch.empty(out.shape[:-1], dtype=ct, device=out.device)
+    rows = out.shape[-2]
+    step = rows if out.numel() <= 1 << 20 else max(1, -(-rows // 16))  # small: one slab
+    for r0 in range(0, rows, step):
+        sl = slice(r0, r0 + step)
+        delta[..., sl] = (dout[..., sl, :].to(ct) * out[..., sl, :].to(ct)).sum(-1)
+    return delta
 
 
 def block_backward(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor,
-                   allowed: Tensor | None, scale: float, *, dk_out: Tensor | None = None,
-                   dv_out: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                   allowed: Tensor | None, scale: float, *, dq_out: Tensor | None = None,
+                   dk_out: Tensor | None = None, dv_out: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """This block's share of the gradients, given the final lse and delta of each query row.
 
     Args:
@@ -115,9 +125,12 @@ def block_backward(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, d
         dout: (B, Hq, Sq, Dv) gradient of the final output.
         lse: (B, Hq, Sq) log-sum-exp over *all* keys (not just this block's).
         delta: (B, Hq, Sq) :func:`softmax_delta` of the final output.
-        dk_out, dv_out: optional (B, Hkv, Sk, D) / (B, Hkv, Sk, Dv) accumulators in the compute
-            dtype (views are fine, e.g. a slice along Sk of a larger buffer): the block's dk / dv
-            are *added* to them in place, without a temporary, and they are returned.
+        dq_out, dk_out, dv_out: optional (B, Hq, Sq, D) / (B, Hkv, Sk, D) / (B, Hkv, Sk, Dv)
+            accumulators in the compute dtype (views are fine, e.g. a slice along the sequence of
+            a larger buffer): the block's dq / dk / dv are *added* to them in place and they are
+            returned. dk and dv never need a temporary; dq needs none when its (B, Hkv, G, Sq)
+            dims can be viewed as batches of rows (any slice along Sq of a contiguous buffer),
+            else one block-sized temporary.
 
     Returns:
         dq (B, Hq, Sq, D), dk (B, Hkv, Sk, D), dv (B, Hkv, Sk, Dv) in the compute dtype; dk and dv
@@ -127,13 +140,14 @@ def block_backward(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, d
     B, Hq, Sq, D = q.shape
     Hkv, Sk, Dv = v.shape[1], v.shape[2], v.shape[3]
     ct = compute_dtype(q.dtype)
-    for name, t, want in (("dk_out", dk_out, (B, Hkv, Sk, D)), ("dv_out", dv_out, (B, Hkv, Sk, Dv))):
+    for name, t, want in (("dq_out", dq_out, (B, Hq, Sq, D)), ("dk_out", dk_out, (B, Hkv, Sk, D)),
+                          ("dv_out", dv_out, (B, Hkv, Sk, Dv))):
         if t is not None and (tuple(t.shape) != want or t.dtype != ct):
             raise ValueError(f"{name} must be {want} in {ct}, got {tuple(t.shape)} in {t.dtype}")
     dk = k.new_zeros(B, Hkv, Sk, D, dtype=ct) if dk_out is None else dk_out
     dv = v.new_zeros(B, Hkv, Sk, Dv, dtype=ct) if dv_out is None else dv_out
     if B == 0 or Sk == 0 or Sq == 0:
-        return q.new_zeros(B, Hq, Sq, D, dtype=ct), dk, dv
+        return (q.new_zeros(B, Hq, Sq, D, dtype=ct) if dq_out is None else dq_out), dk, dv
     kc, vc = k.to(ct), v.to(ct)
     s = _scores(q, kc, allowed, scale)  # (B, Hkv, G, Sq, Sk)
     p = s.sub_(_finite(lse.to(ct)).reshape(B, Hkv, -1, Sq, 1)).exp_().view(B * Hkv, -1, Sk)  # (B*Hkv, G*Sq, Sk)
@@ -143,10 +157,41 @@ def block_backward(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, d
     dp = torch.bmm(do, vc.reshape(B * Hkv, Sk, Dv).transpose(-1, -2))  # (B*Hkv, G*Sq, Sk)
     ds = p.mul_(dp.sub_(delta.to(ct).reshape(B * Hkv, -1, 1)))  # p is not needed after this
     del dp
-    dq = torch.bmm(ds, kc.reshape(B * Hkv, Sk, D)).mul_(scale).view(B, Hq, Sq, D)
+    kf = kc.reshape(B * Hkv, Sk, D)
+    if dq_out is None:
+        dq = torch.bmm(ds, kf).mul_(scale).view(B, Hq, Sq, D)
+    else:
+        dq = dq_out
+        _add_bmm(dq_out, ds, kf, B, Hkv, scale)
     dk.view(B * Hkv, Sk, D).baddbmm_(ds.transpose(-1, -2), _flat_groups(q.to(ct), Hkv).reshape(B * Hkv, -1, D),
                                       alpha=scale)
     return dq, dk, dv
+
+
+def _add_bmm(out: Tensor, a: Tensor, b: Tensor, B: int, Hkv: int, alpha: float) -> None:
+    """``out`` (B, Hkv * G, R, C) += alpha * ``a`` (B * Hkv, G * R, K) @ ``b`` (B * Hkv, K, C),
+    in place: one baddbmm on ``out`` viewed as (B * Hkv, G * R, C) if its strides allow (it is
+    contiguous, or G == 1 and it is a slice along R of a contiguous buffer), else one per group
+    (a slice along R of a contiguous buffer), else through a temporary."""
+    G, R, C = out.shape[1] // Hkv, out.shape[2], out.shape[3]
+    whole = _view_or_none(out, (B * Hkv, G * R, C))
+    if whole is not None:
+        whole.baddbmm_(a, b, alpha=alpha)
+        return
+    groups, a_g = out.view(B, Hkv, G, R, C), a.view(B * Hkv, G, R, a.shape[-1])
+    for g in range(G):
+        target = _view_or_none(groups[:, :, g], (B * Hkv, R, C))
+        if target is not None:
+            target.baddbmm_(a_g[:, g], b, alpha=alpha)
+        else:
+            groups[:, :, g].add_(torch.bmm(a_g[:, g], b).view(B, Hkv, R, C), alpha=alpha)
+
+
+def _view_or_none(t: Tensor, shape: tuple[int, ...]) -> Tensor | None:
+    try:
+        return t.view(shape)
+    except RuntimeError:  # these strides cannot be viewed as ``shape`` without a copy
+        return None
 
 
 def mask_at(mask: Mask, q_idx: Tensor, kv_idx: Tensor, *, batch: int, heads: int, q_len: int, kv_len: int,

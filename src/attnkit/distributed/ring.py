@@ -6,10 +6,26 @@ sends to r+1 and receives from r-1) with ``torch.distributed`` point-to-point op
 the K/V block it holds and receiving the next one, attends its queries to the block it holds
 while that transfer is in flight, and merges the partial result exactly with its log-sum-exp.
 
-Backward is the same ring again: K/V travel as in forward, and each K/V block's gradient
-accumulator travels *with* it (as in ring-flash-attention): the rank holding a block adds its
-queries' share and passes the sum on, so after P steps (one more hop) every accumulator arrives
-at the rank that owns the block. The hop of step i's accumulator overlaps step i+1's compute.
+Backward is the same ring again: K/V travel as in forward (the next block is prefetched while
+this one is computed), and each K/V block's gradient accumulator travels *with* it (as in
+ring-flash-attention): the rank holding a block adds its queries' share into the accumulator it
+received and passes it on, so after P steps (one more hop) every accumulator arrives at the rank
+that owns the block.
+
+Memory over overlap: the dK/dV hop is waited for at once, after the step's compute, and the
+accumulator is added to in place, so a rank holds at most two dK/dV sets (the one sent and the
+one arriving, only during the hop). Overlapping the hop with the next step's compute would need
+a third (a fresh block to fill while the accumulator is still on its way): 2 more shard-sized
+buffers per rank, at the peak. The price is P hops of 2 fp32 shards per backward on the critical
+path; the hop grows like S/P while a step's compute grows like (S/P)^2, so it is a few percent
+at the lengths context parallelism is for (gloo on this project's CPU, S=8k, P=2: about 15 ms
+per hop against about 1 s of backward compute per step). Peak per rank, in shard-sized tensors:
+q, k, v, out, dq and the caller's dout (6), plus the K/V block in use, the next one arriving and
+the accumulator while computing, or the K/V block and two accumulators during the hop: 12 either
+way (fp16/bf16: the accumulators are fp32), against 8 for 1/P of a single process. Score tiles
+(below) come on top while computing. No other shard-sized temporaries: K/V tiles are converted
+to the compute dtype tile by tile, delta = rowsum(dout * out) is computed a slab of rows at a
+time, and dq / dk / dv are accumulated in place.
 
 Masks are evaluated per block at global indices (:func:`attnkit.distributed.blocks.mask_at`):
 causal, key padding, documents, sliding windows, prefix-LM and bool tensors over the full
@@ -34,9 +50,11 @@ __all__ = ["ring_attention"]
 
 # Score tiles (B * Hq * rows * keys elements; backward holds two at once) are a quarter of this
 # rank's q shard, within [2^18, 2^25] elements: the workspace then scales with the shard, like
-# the activations, instead of with (S/P)^2. Tiles merge exactly (log-sum-exp), so tiling changes
-# nothing but memory and which tiles a mask lets us skip. Tests set _TILE_ELEMENTS to force
-# many small tiles.
+# the activations, instead of with (S/P)^2 (half a shard on top of the ring's 12 while computing
+# on a middle block; the 2^18 floor, 1 MiB in fp32, keeps small shards from paying Python overhead
+# per tiny tile, and weighs more than that below 2^20-element shards). Tiles merge exactly
+# (log-sum-exp), so tiling changes nothing but memory and which tiles a mask lets us skip. Tests
+# set _TILE_ELEMENTS to force many small tiles.
 _TILE_MIN, _TILE_MAX = 1 << 18, 1 << 25
 _TILE_ELEMENTS: int | None = None
 
@@ -126,53 +144,61 @@ def _forward(q, k, v, plan: _Plan, ring: _Ring, scale: float) -> tuple[Tensor, T
             k_next, v_next = torch.empty_like(k_cur), torch.empty_like(v_cur)
             reqs = ring.start([k_cur, v_cur], [k_next, v_next])  # in flight during this step's compute
         src = (plan.rank - step) % plan.world
-        kc, vc = k_cur.to(ct), v_cur.to(ct)
+        # K/V tiles go to the block functions as they are: they convert each tile to the compute
+        # dtype themselves (no shard-sized fp32 copy of a fp16/bf16 block).
         for qs, ks, allowed in plan.tiles(src):
-            bo, bl = block_forward(q[:, :, qs], kc[:, :, ks], vc[:, :, ks], allowed, scale)
+            bo, bl = block_forward(q[:, :, qs], k_cur[:, :, ks], v_cur[:, :, ks], allowed, scale)
             out[:, :, qs], lse[:, :, qs] = merge_partials(out[:, :, qs], lse[:, :, qs], bo, bl)
         if reqs is not None:
             ring.wait(reqs)
+            # The requests hold their tensors: drop them too, or the block just sent stays alive.
             k_cur, v_cur = k_next, v_next
+            del reqs, k_next, v_next
     return out, lse
 
 
 def _backward(q, k, v, out, lse, dout, plan: _Plan, ring: _Ring, scale: float):
+    """Returns dq, dk, dv in the compute dtype.
+
+    Shard-sized buffers alive at once, besides q, k, v, out, dout and dq: the K/V block being
+    used, the next one arriving (double buffering), and ONE dK/dV accumulator while computing;
+    the block being used and TWO dK/dV accumulators (the one sent, the one arriving) during
+    the dK/dV hop. The hop therefore does not overlap compute (see the module docstring)."""
     ct = compute_dtype(q.dtype)
     delta = softmax_delta(out, dout)
     dq = torch.zeros(q.shape, dtype=ct, device=q.device)
     comm = plan.world > 1 and k.numel() + v.numel() > 0
     k_cur, v_cur = k, v
-    d_reqs, d_recv = None, None
-    dk_acc, dv_acc = None, None
+    # The accumulator of the block held this step: at step 0 this rank's own block, which starts
+    # here; afterwards the one the previous rank passed on, which this rank adds its share to.
+    dk_acc = torch.zeros(k.shape, dtype=ct, device=k.device)
+    dv_acc = torch.zeros(v.shape, dtype=ct, device=v.device)
     for step in range(plan.world):
         kv_reqs = None
         if comm and step < plan.world - 1:
             k_next, v_next = torch.empty_like(k_cur), torch.empty_like(v_cur)
-            kv_reqs = ring.start([k_cur, v_cur], [k_next, v_next])
+            kv_reqs = ring.start([k_cur, v_cur], [k_next, v_next])  # in flight during this step's compute
         src = (plan.rank - step) % plan.world
-        kc, vc = k_cur.to(ct), v_cur.to(ct)
-        dk_blk = torch.zeros(k.shape, dtype=ct, device=k.device)
-        dv_blk = torch.zeros(v.shape, dtype=ct, device=v.device)
         for qs, ks, allowed in plan.tiles(src):
-            dq_t, _, _ = block_backward(q[:, :, qs], kc[:, :, ks], vc[:, :, ks], dout[:, :, qs], lse[:, :, qs],
-                                        delta[:, :, qs], allowed, scale, dk_out=dk_blk[:, :, ks],
-                                        dv_out=dv_blk[:, :, ks])
-            dq[:, :, qs] += dq_t
-        if d_reqs is not None:  # the accumulator for block `src`, sent by the previous rank last step
-            ring.wait(d_reqs)
-            dk_blk += d_recv[0]
-            dv_blk += d_recv[1]
-            d_reqs = d_recv = None  # free the receive buffers before the next ones are allocated
-        dk_acc, dv_acc = dk_blk, dv_blk  # drops the accumulator sent last step (its send is done)
-        if comm:  # pass it on; after the last step this hop delivers each accumulator to its owner
-            d_recv = [torch.empty_like(dk_acc), torch.empty_like(dv_acc)]
-            d_reqs = ring.start([dk_acc, dv_acc], d_recv)
+            block_backward(q[:, :, qs], k_cur[:, :, ks], v_cur[:, :, ks], dout[:, :, qs], lse[:, :, qs],
+                           delta[:, :, qs], allowed, scale, dq_out=dq[:, :, qs], dk_out=dk_acc[:, :, ks],
+                           dv_out=dv_acc[:, :, ks])
+        # Free the block just used before the hop allocates its receive buffers: swap in the
+        # next one (its transfer ran during the compute), or drop the last one.
         if kv_reqs is not None:
             ring.wait(kv_reqs)
             k_cur, v_cur = k_next, v_next
-    if comm:
-        ring.wait(d_reqs)
-        dk_acc, dv_acc = d_recv
+            del kv_reqs, k_next, v_next  # the requests hold their tensors: drop them too
+        elif step == plan.world - 1:
+            k_cur = v_cur = None
+        if comm:
+            # Pass this block's accumulator on and receive the one of the block held next step;
+            # waited for at once, so the sent one is freed before the next receive buffers exist.
+            # After the last step this hop delivers every accumulator to the rank that owns it.
+            dk_in, dv_in = torch.empty_like(dk_acc), torch.empty_like(dv_acc)
+            ring.wait(ring.start([dk_acc, dv_acc], [dk_in, dv_in]))
+            dk_acc, dv_acc = dk_in, dv_in
+            del dk_in, dv_in
     return dq, dk_acc, dv_acc
 
 
