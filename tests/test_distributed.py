@@ -613,3 +613,20 @@ def test_block_primitives_take_an_empty_batch():
     assert out.shape == (0, 4, 16, 8) and lse.shape == (0, 4, 16)
     dq, dk, dv = block_backward(q, k, v, out, lse, lse, None, 0.3)
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+
+
+def test_merge_partials_differentiates_through_empty_rows():
+    """Rows where both partials saw nothing (lse -inf twice) stay 0 / -inf, and autograd through
+    the public primitive gives zero gradients there, not NaN; other rows match logaddexp."""
+    out = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    bo = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    inf = float("-inf")
+    lse = torch.tensor([[0.5, inf, inf], [1.0, -2.0, inf]], dtype=torch.float64, requires_grad=True)
+    bl = torch.tensor([[inf, 0.3, inf], [0.2, 1.5, inf]], dtype=torch.float64, requires_grad=True)
+    m, new = merge_partials(out, lse, bo, bl)
+    assert torch.isneginf(new[0, 2]) and torch.isneginf(new[1, 2])
+    torch.testing.assert_close(new[1, :2], torch.logaddexp(lse[1, :2], bl[1, :2]))
+    (m.sum() + torch.where(torch.isneginf(new), 0.0, new).sum()).backward()
+    for t in (out, bo, lse, bl):
+        assert torch.isfinite(t.grad).all()
+    assert (lse.grad[:, 2] == 0).all() and (out.grad[:, 2] == 0).all()

@@ -263,3 +263,14 @@ def test_inductor_compiled_decode_equals_eager():
     assert m.generate(PROMPTS, 16, cache="static", compile=True).tokens == want
     with torch._dynamo.config.patch(error_on_recompile=True):
         assert m.generate(PROMPTS, 16, cache="static", compile=True).tokens == want
+
+
+def test_generating_past_max_position_embeddings_warns():
+    m = tiny(max_position_embeddings=12)
+    with pytest.warns(UserWarning, match="max_position_embeddings=12"):
+        out = m.generate([[1, 2, 3, 4, 5]], max_new_tokens=8)
+    assert len(out.tokens[0]) == 8  # still generates: a warning, not an error
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m.generate([[1, 2, 3, 4, 5]], max_new_tokens=7)  # 12 positions: within the limit

@@ -818,3 +818,15 @@ def test_appended_ids_after_an_unrecorded_prefill_and_q_on_another_device_are_re
     with pytest.raises(ValueError, match="q is on meta"):
         fresh.attend(torch.randn(1, 2, 2, 4, device="meta"), x, x)
     assert fresh.lengths.numel() == 0
+
+
+def test_allocator_takes_numpy_and_tensor_ints():
+    np = pytest.importorskip("numpy")
+    alloc = BlockAllocator(np.int64(8), torch.tensor(4))
+    sid = alloc.add_sequence()
+    alloc.append(sid, np.int32(6))
+    alloc.crop(sid, torch.tensor(3))
+    assert (alloc.num_blocks, alloc.block_size, alloc.num_used) == (8, 4, 1)
+    for bad in (2.0, True, np.float32(3), -1):
+        with pytest.raises(ValueError, match="num_tokens must be a non-negative int"):
+            alloc.append(sid, bad)

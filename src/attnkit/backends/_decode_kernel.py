@@ -37,12 +37,9 @@ single-call path (fp32/fp64 math, safe softmax) is used, which autograd differen
 
 from __future__ import annotations
 
-import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
-
 import torch
 
+from .._threads import at_fork, run_split
 from ..reference import safe_softmax
 
 __all__ = ["grouped_decode"]
@@ -66,33 +63,8 @@ _MIN_ELEMS_PER_THREAD = 1 << 18
 _MIN_UNIT_ELEMS_HALF = 1 << 18  # Sk >= 1024 at D = Dv = 128
 _MIN_UNIT_ELEMS_FP32 = 1 << 20  # Sk >= 4096 at D = Dv = 128
 
-_pool: ThreadPoolExecutor | None = None
-_pool_workers = 0
-_pool_lock = threading.Lock()  # guards creation of the pool
-_run_lock = threading.Lock()  # one threaded call at a time (it changes torch's thread count)
-_workspaces: dict[int, dict[str, torch.Tensor]] = {}  # per worker slot; used under _run_lock
-
-
-def _reset_after_fork() -> None:
-    global _pool, _pool_workers, _pool_lock, _run_lock
-    _pool, _pool_workers = None, 0
-    _pool_lock, _run_lock = threading.Lock(), threading.Lock()
-    _workspaces.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_after_fork)
-
-
-def _get_pool(workers: int) -> ThreadPoolExecutor:
-    global _pool, _pool_workers
-    with _pool_lock:
-        if _pool is None or _pool_workers < workers:
-            if _pool is not None:
-                _pool.shutdown(wait=False)
-            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="attnkit-decode")
-            _pool_workers = workers
-        return _pool
+_workspaces: dict[int, dict[str, torch.Tensor]] = {}  # per worker slot (see attnkit._threads)
+at_fork(_workspaces.clear)
 
 
 def _workspace(slot: int | None, name: str, rows: int, cols: int) -> torch.Tensor:
@@ -303,25 +275,8 @@ def _fast(q, k, v, scale, bias, G):
     args = (inner, qg, k, v, bias_e, G, Sq, m_out, l_out, acc_out)
     inference = torch.is_inference_mode_enabled()
 
-    if T > 1 and _run_lock.acquire(blocking=False):
-        try:
-            pool = _get_pool(T - 1)
-            per = [units[(len(units) * t) // T : (len(units) * (t + 1)) // T] for t in range(T)]
-            saved = torch.get_num_threads()
-            torch.set_num_threads(1)
-            try:
-                futs = [pool.submit(_run_units, per[t], *args, t, inference) for t in range(1, T)]
-                try:
-                    _run_units(per[0], *args, 0, inference)
-                finally:
-                    for f in futs:
-                        f.result()
-            finally:
-                torch.set_num_threads(saved)
-        finally:
-            _run_lock.release()
-    else:
-        _run_units(units, *args, None, inference)
+    per = [units[(len(units) * t) // T : (len(units) * (t + 1)) // T] for t in range(T)]
+    run_split(per, lambda part, slot: _run_units(part, *args, slot, inference))
 
     if nsplit == 1:
         out = acc_out[:, :, 0] / l_out[:, :, 0].clamp_min_(1.0).unsqueeze(-1)

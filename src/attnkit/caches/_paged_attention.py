@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..backends import _decode_kernel as _dk
+from .._threads import at_fork, run_split
 from ..backends.decode import MAX_DECODE_Q_LEN
 from ..functional import attention
 from ..masks import Causal
@@ -175,7 +175,8 @@ def sequence_rows(plan: Plan, b: int) -> tuple[int, int] | Tensor:
 
 # --------------------------------------------------------------------------- workspaces
 
-_workspaces: dict[tuple[int, str], Tensor] = {}  # used only under the decode kernel's run lock
+_workspaces: dict[tuple[int, str], Tensor] = {}  # per worker slot (see attnkit._threads)
+at_fork(_workspaces.clear)
 # Larger scratch is allocated per call (its page faults are small next to the work it serves)
 # rather than kept alive between calls.
 _WORKSPACE_MAX_BYTES = 32 << 20
@@ -319,34 +320,16 @@ def _small(q: Tensor, kf: Tensor, vf: Tensor | None, Dv: int, plan: Plan, scale:
     inference = torch.is_inference_mode_enabled()
     total = sum(u[2] for u in units) * token_elems
     T = min(torch.get_num_threads(), len(units), max(1, total // _MIN_ELEMS_PER_THREAD))
-    # Reused scratch and threads only while holding the decode kernel's lock (it also guards
-    # torch's process-wide thread count); otherwise one thread with fresh buffers.
-    locked = q.device.type == "cpu" and _dk._run_lock.acquire(blocking=False)
-    try:
-        if locked and T > 1:
-            per: list[list] = [[] for _ in range(T)]  # biggest unit first to the least loaded thread
-            load = [0] * T
-            for u in sorted(units, key=lambda u: -u[2]):
-                t = load.index(min(load))
-                per[t].append(u)
-                load[t] += u[2]
-            pool = _dk._get_pool(T - 1)
-            saved = torch.get_num_threads()
-            torch.set_num_threads(1)
-            try:
-                futs = [pool.submit(_run_units, w, per[t], t, inference) for t in range(1, T)]
-                try:
-                    _run_units(w, per[0], 0, inference)
-                finally:
-                    for f in futs:
-                        f.result()
-            finally:
-                torch.set_num_threads(saved)
-        else:
-            _run_units(w, units, 0 if locked else None, inference)
-    finally:
-        if locked:
-            _dk._run_lock.release()
+    if q.device.type != "cpu":
+        _run_units(w, units, None, inference)
+    else:  # reused scratch (slots) and threads while holding attnkit's pool; else one thread, fresh buffers
+        per: list[list] = [[] for _ in range(T)]  # biggest unit first to the least loaded thread
+        load = [0] * T
+        for u in sorted(units, key=lambda u: -u[2]):
+            t = load.index(min(load))
+            per[t].append(u)
+            load[t] += u[2]
+        run_split(per, lambda part, slot: _run_units(w, part, slot, inference))
     seq = torch.tensor([v[0] for v in plan.views], dtype=torch.long, device=q.device)
     if Ng:
         seq = torch.cat([seq, plan.grp_seq])

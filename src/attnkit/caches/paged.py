@@ -81,6 +81,18 @@ def _as_id(seq_id, name: str = "seq_id") -> int:
         raise TypeError(f"{name} must be an int, got {type(seq_id).__name__}") from None
 
 
+def _as_count(val, name: str, lowest: int) -> int:
+    """An int >= ``lowest`` (numpy and 0-d tensor ints accepted; bools and floats refused)."""
+    try:
+        n = None if isinstance(val, bool) else operator.index(val)
+    except TypeError:
+        n = None
+    if n is None or n < lowest:
+        what = "a positive" if lowest == 1 else "a non-negative"
+        raise ValueError(f"{name} must be {what} int, got {val!r}")
+    return n
+
+
 def _as_tokens(token_ids, name: str = "token_ids") -> list[int]:
     if isinstance(token_ids, Tensor):
         if token_ids.dim() != 1 or token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
@@ -154,9 +166,7 @@ class BlockAllocator:
     """
 
     def __init__(self, num_blocks: int, block_size: int = 16, *, prefix_caching: bool = False):
-        for name, val in (("num_blocks", num_blocks), ("block_size", block_size)):
-            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        num_blocks, block_size = _as_count(num_blocks, "num_blocks", 1), _as_count(block_size, "block_size", 1)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.prefix_caching = bool(prefix_caching)
         self._ref = [0] * num_blocks
@@ -293,8 +303,7 @@ class BlockAllocator:
             if ids is None:
                 raise ValueError("append needs num_tokens or token_ids")
             num_tokens = len(ids)
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
-            raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
+        num_tokens = _as_count(num_tokens, "num_tokens", 0)
         if ids is not None and len(ids) != num_tokens:
             raise ValueError(f"token_ids has {len(ids)} ids but num_tokens is {num_tokens}")
         start = seq.length
@@ -350,8 +359,7 @@ class BlockAllocator:
     def crop(self, seq_id: int, length: int) -> None:
         """Keep the first ``length`` tokens of ``seq_id`` (no-op if it is shorter); whole blocks
         past them return to the pool. Token ids recorded past ``length`` are forgotten."""
-        if isinstance(length, bool) or not isinstance(length, int) or length < 0:
-            raise ValueError(f"length must be a non-negative int, got {length!r}")
+        length = _as_count(length, "length", 0)
         self._crop(self._get(seq_id), length)
         self._last = None
 

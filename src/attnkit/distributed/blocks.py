@@ -92,8 +92,12 @@ def merge_partials(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tenso
 
     ``out``/``block_out`` (..., Sq, Dv) each normalised over its own keys, ``lse``/``block_lse``
     (..., Sq). Returns the (out, lse) of attending to both key sets. Rows where both lse are -inf
-    stay 0 / -inf."""
-    new = torch.logaddexp(lse, block_lse)
+    stay 0 / -inf, with zero (not NaN) gradients."""
+    both_empty = torch.isneginf(lse) & torch.isneginf(block_lse)
+    # logaddexp(-inf, -inf)'s gradient is NaN: feed it zeros there and select -inf after.
+    zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
+    new = torch.logaddexp(torch.where(both_empty, zero, lse), torch.where(both_empty, zero, block_lse))
+    new = torch.where(both_empty, torch.full_like(new, float("-inf")), new)
     ref = _finite(new)
     merged = out * torch.exp(lse - ref).unsqueeze(-1) + block_out * torch.exp(block_lse - ref).unsqueeze(-1)
     return merged, new

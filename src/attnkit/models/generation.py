@@ -13,6 +13,7 @@ Notation: B prompts, P longest prompt, T = max_new_tokens, V vocabulary.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -180,6 +181,11 @@ class _Session:
         B, P = len(rows), max(lens)
         self.B, self.P = B, P
         total = P + max_new_tokens
+        limit = model.config.max_position_embeddings
+        if limit and total > limit:
+            warnings.warn(f"prompt ({P} tokens) + max_new_tokens ({max_new_tokens}) = {total} positions exceeds the "
+                          f"model's max_position_embeddings={limit}: RoPE extrapolates past what it was trained on "
+                          f"(Hugging Face does the same, silently); expect degraded output", stacklevel=4)
         # Compiled steps reuse static caches (and their graph) across calls of similar length.
         self.capacity = _round_up(total, 64) if compile else total
         with torch.inference_mode():
