@@ -48,6 +48,10 @@ def test_block_mask_cache_sees_in_place_edits_of_mask_tensors():
     assert (M.Causal() & mask).cache_key() != key_before
     out = check_against_oracle(q, k, v, mask, causal=True, backend="flex", grad=False)
     assert torch.equal(out[0], full[0]) and not torch.equal(out[1], full[1])
+    # Leaves that require grad, under no_grad: no backward will run, so CPU flex takes the call.
+    with torch.no_grad():
+        again = attnkit.attention(q.requires_grad_(), k, v, mask, causal=True, backend="flex")
+    assert torch.equal(again, out)
 
 
 def test_flex_refuses_cpu_backward_and_dropout():

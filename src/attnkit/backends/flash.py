@@ -58,8 +58,9 @@ from ..masks import And, Causal, KeyPadding, Mask, QueryPadding, SlidingWindow
 from ..reference import attention_math
 from .registry import AttentionCall, BackendBase
 
-#: Oldest flash-attn whose interface this backend uses (``window_size`` arrived in 2.3).
-MIN_VERSION = (2, 3)
+#: Oldest flash-attn whose interface this backend uses (``window_size`` arrived in 2.3, the
+#: ``deterministic`` keyword, passed under ``torch.use_deterministic_algorithms``, in 2.4.1).
+MIN_VERSION = (2, 4, 1)
 MAX_HEAD_DIM = 256
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -86,7 +87,7 @@ def _flash_attn():
             version = getattr(flash_attn, "__version__", "0")
             if _version_tuple(version) < MIN_VERSION:
                 _IMPORTED = (None, f"flash_attn {version} is older than "
-                                   f"{'.'.join(map(str, MIN_VERSION))} (needed for window_size)")
+                                   f"{'.'.join(map(str, MIN_VERSION))} (needed for window_size and deterministic)")
             else:
                 _IMPORTED = (flash_attn, None)
     return _IMPORTED
@@ -133,6 +134,22 @@ def flash_window(mask: Mask | None, q_len: int, kv_len: int) -> tuple[bool, tupl
         left = p_left if left is None else (left if p_left is None else min(left, p_left))
         right = p_right if right is None else (right if p_right is None else min(right, p_right))
     return right == 0, (-1 if left is None else left, -1 if right is None else right)
+
+
+def clamp_changes_window(lq: Tensor, lk: Tensor, left: int, right: int) -> Tensor:
+    """Per sequence (lq queries, lk keys), whether flash-attn 2's handling of ``window_size``
+    hides keys that attnkit's window (bottom-right, -1 = unbounded) allows.
+
+    flash-attn sets a side >= seqlen_k to -1, then gives a one-sided window's open side seqlen_k.
+    A changed left side never matters (its bound is already below key 0). The right side matters
+    when it becomes seqlen_k while the left stays bounded and the true right side is unbounded or
+    > lk (then rows near the top lose keys once lq > lk + 1), or when both become unbounded but the
+    true right side r >= lk still bounded the top rows (lq > r + 1)."""
+    left_kept = (left >= 0) & (left < lk)
+    right_wide = (right < 0) | (right > lk)
+    case_a = left_kept & right_wide & (lq > lk + 1)
+    case_b = ~left_kept & (right >= 0) & (right >= lk) & (lq > right + 1)
+    return case_a | case_b
 
 
 def unpad(x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor, Tensor, int]:
@@ -233,6 +250,10 @@ def plan_call(call: AttentionCall, device=None) -> FlashPlan | str:
                 "aligns causal/window bottom-right)")
     causal, window = win
     B, Sq, Sk = call.batch, call.q_len, call.kv_len
+    bounded_window = window not in ((-1, -1), (-1, 0))
+    if bounded_window and bool(clamp_changes_window(torch.tensor([Sq]), torch.tensor([Sk]), *window).any()):
+        return (f"sliding window {window} with Sq={Sq}, Sk={Sk}: flash-attn clamps window sides to the key "
+                "length, which here hides keys the window allows")
     key_valid = _axis_valid(keys, B, Sq, Sk, device, -1)
     query_valid = _axis_valid(queries, B, Sq, Sk, device, -2)
     if key_valid is None and query_valid is None:
@@ -248,6 +269,9 @@ def plan_call(call: AttentionCall, device=None) -> FlashPlan | str:
         qs, lq, q_run = _runs(query_valid)
         used = (lq > 0) & (lk > 0)
         aligned = bool(((ks - qs + lk - lq == Sk - Sq) | ~used).all())
+        if bounded_window and bool((clamp_changes_window(lq, lk, *window) & used).any()):
+            return (f"mask {m!r}: flash-attn clamps window sides to each sequence's key length, which for some "
+                    "sequence here hides keys the window allows")
         if not (k_run and q_run and aligned):
             return (f"mask {m!r}: padding with a causal/window part that flash would align per "
                     "sequence differently (each sequence needs one contiguous run of valid tokens and "
@@ -313,10 +337,18 @@ class FlashBackend(BackendBase):
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # (B, S, H, D) views
         if not plan.varlen:
             return fa.flash_attn_func(qt, kt, vt, **kwargs).transpose(1, 2), None
-        q_packed, q_idx, cu_q, max_q = unpad(qt, plan.query_valid)
+        # One query per sequence (decode): keep every sequence's slot, even a masked one, because
+        # flash-attn's GQA decode fast path reshapes the packed queries to (B, Hkv, G, D); rows
+        # of sequences without keys come back 0 from flash, masked queries are zeroed below.
+        one_each = call.q_len == 1
+        q_valid = torch.ones_like(plan.query_valid) if one_each else plan.query_valid
+        q_packed, q_idx, cu_q, max_q = unpad(qt, q_valid)
         k_packed, k_idx, cu_k, max_k = unpad(kt, plan.key_valid)
-        if q_packed.shape[0] == 0:  # every query masked: the contract's zeros, with gradients
+        if not bool(plan.query_valid.any()):  # every query masked: the contract's zeros, with gradients
             return attention_math(q, k, v, call.mask, scale=call.scale)
         v_packed = vt[k_idx // call.kv_len, k_idx % call.kv_len]
         out = fa.flash_attn_varlen_func(q_packed, k_packed, v_packed, cu_q, cu_k, max_q, max_k, **kwargs)
-        return pad(out, q_idx, call.batch, call.q_len).transpose(1, 2), None
+        out = pad(out, q_idx, call.batch, call.q_len)  # (B, Sq, Hq, Dv)
+        if one_each:
+            out = out.masked_fill(~plan.query_valid[:, :, None, None], 0.0)
+        return out.transpose(1, 2), None

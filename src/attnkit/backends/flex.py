@@ -115,5 +115,7 @@ class FlexBackend(BackendBase):
             bias = shifted_bias(call.mask, call.batch, call.q_len, call.kv_len, q.device)
             if bias is not None:  # -inf entries are in the block mask; add the finite rest
                 kwargs["score_mod"] = _bias_score_mod(bias.masked_fill(torch.isneginf(bias), 0.0))
+        if not call.needs_grad:  # e.g. leaves that require grad under no_grad: FlexAttention
+            q, k, v = q.detach(), k.detach(), v.detach()  # looks at .requires_grad alone (CPU refuses)
         out = _compiled()(q, k, v, scale=call.scale, enable_gqa=call.q_heads != call.kv_heads, **kwargs)
         return out, None

@@ -125,6 +125,8 @@ def _lower_right_bias(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> b
     ``enable_gqa``, so grouped calls that cannot go to flash keep the materialized mask)."""
     if call.device.type != "cuda" or not call.q_len < call.kv_len or torch.compiler.is_compiling():
         return False
+    if torch.is_autocast_enabled("cuda"):  # CausalBias calls kernels autocast does not cast
+        return False
     if not _is_bottom_right_causal(call.mask):
         return False
     return call.q_heads == call.kv_heads or _flash_usable(q, k, v, call)
