@@ -24,6 +24,7 @@ from ._decode_kernel import _v_is_prefix_of_k
 from .registry import AttentionCall, BackendBase
 
 MAX_Q_LEN = 16
+MAX_HEAD_DIM, MAX_V_HEAD_DIM = 1024, 512  # = triton_decode's (its tiles are sized for these)
 _NO_CAUSAL = 1 << 30  # = triton_decode.NO_CAUSAL, kept here so refusing a call never imports Triton
 
 
@@ -78,6 +79,8 @@ class TritonBackend(BackendBase):
             why.append("gradients required (forward-only kernel)")
         if call.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             why.append(f"dtype {call.dtype}")
+        if call.head_dim > MAX_HEAD_DIM or call.v_head_dim > MAX_V_HEAD_DIM:
+            why.append(f"head dims D={call.head_dim} / Dv={call.v_head_dim} above {MAX_HEAD_DIM} / {MAX_V_HEAD_DIM}")
         if call.device.type == "cpu" and not interpreting():
             why.append("CPU tensors without TRITON_INTERPRET=1")
         elif call.device.type not in ("cpu", "cuda"):
@@ -98,6 +101,7 @@ class TritonBackend(BackendBase):
 
         q_start, seq = decode_limits(call.mask, call.batch, call.q_len, call.kv_len, q.device)
         v_from_k = _v_is_prefix_of_k(k, v)
+        # seq_lens are clamped to Sk and the table is [[0], [1], ...]: nothing to check on the device.
         out = triton_decode.decode_attention(q, k, None if v_from_k else v, seq_lens=seq, q_start=q_start,
-                                             scale=call.scale, v_head_dim=call.v_head_dim)
+                                             scale=call.scale, v_head_dim=call.v_head_dim, check=False)
         return out, None

@@ -798,7 +798,7 @@ class PagedKVCache(KVCache):
             return paged_decode_attention(
                 q, self.k_pool, None if self.value_from_key else self.v_pool, step.table(dev),
                 torch.tensor(step.new, device=dev), q_start=torch.tensor(step.old, device=dev), scale=float(scale),
-                v_head_dim=self.v_head_dim, max_len=max(step.new, default=0))
+                v_head_dim=self.v_head_dim, max_len=max(step.new, default=0), check=False)  # built on the host
         kf, vf = self._flat()
         G = q.shape[1] // self.kv_heads
         token_bytes = self.bytes_per_token
@@ -817,8 +817,14 @@ class PagedKVCache(KVCache):
         if backend == "auto" and q.device.type != "cuda":
             return None
         from ..backends import get_backend
+        from ..backends.triton import MAX_HEAD_DIM, MAX_V_HEAD_DIM
+        from ..kernels import interpreting
 
-        return "triton" if get_backend("triton").available() is None and q.dtype != torch.float64 else None
+        ok = (get_backend("triton").available() is None
+              and (q.device.type == "cuda" or (q.device.type == "cpu" and interpreting()))
+              and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
+              and self.head_dim <= MAX_HEAD_DIM and self.v_head_dim <= MAX_V_HEAD_DIM)
+        return "triton" if ok else None
 
     # ---------------------------------------------------------------- editing
 

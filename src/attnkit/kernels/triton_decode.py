@@ -82,6 +82,11 @@ if triton is not None:
         pid_s = tl.program_id(2)
         b = pid_bh // HKV
         kvh = pid_bh % HKV
+        # Scalar bases in int64 (offsets past 2**31 elements are realistic); per-element offsets
+        # from them stay int32 (a sequence's rows of one head), except pages (int64 below).
+        Qb = Q + b.to(tl.int64) * stride_qb
+        Kh = K + kvh.to(tl.int64) * stride_kh
+        Vh = V + kvh.to(tl.int64) * stride_vh
 
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # row = g * S + j
         row_ok = rows < G * S
@@ -91,7 +96,7 @@ if triton is not None:
         lim = tl.minimum(tl.load(QSTART + b) + j + 1, seq_len)  # keys < lim are visible
 
         dk = tl.arange(0, BLOCK_DK)
-        q_base = Q + b * stride_qb + h[:, None] * stride_qh + j[:, None] * stride_qs
+        q_base = Qb + h[:, None] * stride_qh + j[:, None] * stride_qs
         q = tl.load(q_base + dk[None, :], mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
         if DOT_F32:
             q = q.to(tl.float32)
@@ -113,7 +118,7 @@ if triton is not None:
             pos_ok = pos < end
             page = tl.load(TABLE + b * stride_tb + pos // PAGE, mask=pos_ok, other=0).to(tl.int64)
             slot = pos % PAGE
-            k_base = K + page * stride_kn + slot * stride_kt + kvh * stride_kh
+            k_base = Kh + page * stride_kn + slot * stride_kt
             k = tl.load(k_base[:, None] + dk[None, :], mask=pos_ok[:, None] & (dk[None, :] < DK), other=0.0)
             if DOT_F32:
                 k = k.to(tl.float32)
@@ -133,7 +138,7 @@ if triton is not None:
             if V_FROM_K:
                 v = k  # V = K[..., :Dv]: the tile just read (DK == DV)
             else:
-                v_base = V + page * stride_vn + slot * stride_vt + kvh * stride_vh
+                v_base = Vh + page * stride_vn + slot * stride_vt
                 v = tl.load(v_base[:, None] + dv[None, :], mask=pos_ok[:, None] & (dv[None, :] < DV), other=0.0)
                 if DOT_F32:
                     v = v.to(tl.float32)
@@ -148,13 +153,13 @@ if triton is not None:
         lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
         out = acc / tl.where(seen, l_i, 1.0)[:, None]
         # Partials are contiguous (B, Hq, S, NSPLIT[, DV]); row (b, h, j).
-        prow = ((b * HKV * G + h) * S + j) * NSPLIT + pid_s
+        prow = ((b * HKV * G + h) * S + j).to(tl.int64) * NSPLIT + pid_s
         tl.store(LSEP + prow, lse, mask=row_ok)
         tl.store(OP + prow[:, None] * DV + dv[None, :], out, mask=row_ok[:, None] & (dv[None, :] < DV))
 
     @triton.jit
     def _merge_kernel(OP, LSEP, OUT, NSPLIT, DV, BLOCK_SPLIT: tl.constexpr, BLOCK_DV: tl.constexpr):
-        row = tl.program_id(0)  # (b, h, j) flattened; OUT is contiguous (B, Hq, S, DV)
+        row = tl.program_id(0).to(tl.int64)  # (b, h, j) flattened; OUT is contiguous (B, Hq, S, DV)
         sp = tl.arange(0, BLOCK_SPLIT)
         dv = tl.arange(0, BLOCK_DV)
         lse = tl.load(LSEP + row * NSPLIT + sp, mask=sp < NSPLIT, other=float("-inf"))
@@ -169,6 +174,29 @@ if triton is not None:
 
 def _pow2(n: int, lo: int = 16) -> int:
     return max(lo, 1 << max(0, n - 1).bit_length())
+
+
+def _config(dtype: torch.dtype, D: int, Dv: int, rows: int, v_from_k: bool) -> dict:
+    """Tile sizes for one call. K channels are scored in a main tile of a power-of-two width
+    (Dv when V is read from K, so that tile is V too) plus a remainder tile (MLA's rope part; 576
+    = 512 + 64, 192 = 128 + 64), so padding stays small. fp32 tiles are small: fp32 dots are plain
+    FMA loops (no tensor cores at "ieee" precision) whose operands live in registers.
+    ``tests/test_triton_kernels.py`` compiles these for sm_80 / sm_90 and checks shared memory."""
+    dk = Dv if v_from_k else (D if D & (D - 1) == 0 else 1 << (D.bit_length() - 1))
+    dr = D - dk
+    bdk, bdr, bdv = _pow2(dk), _pow2(dr), _pow2(Dv)
+    width = bdk + (bdr if dr else 0) + (0 if v_from_k else bdv)  # elements loaded per key
+    if dtype == torch.float32:
+        block_m, block_n = 16, (32 if width <= 128 else 16)
+    else:
+        block_m = min(64 if bdv <= 128 else 32, _pow2(rows))
+        block_n = 64 if width <= 512 else 32
+    return dict(DK=dk, DR=dr, BLOCK_DK=bdk, BLOCK_DR=bdr, BLOCK_DV=bdv, BLOCK_M=block_m, BLOCK_N=block_n,
+                num_warps=4 if width <= 512 else 8, num_stages=3)
+
+
+#: Widest K (D) and V (Dv) the kernel's tiles are sized for (checked to fit sm_80 shared memory).
+MAX_HEAD_DIM, MAX_V_HEAD_DIM = 1024, 512
 
 
 def _num_splits(device: torch.device, programs: int, max_len: int, block_n: int) -> int:
@@ -192,14 +220,12 @@ def _launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tens
     if out.numel() == 0:
         return out
     v_from_k = v is None
-    dk_main = Dv if v_from_k else D  # K channels scored in the main tile (shared with V when V from K)
-    dr = D - dk_main
-    big = max(D, Dv) > 256
-    block_m = 16 if big else min(64, _pow2(G * S))
-    block_n = 32 if big else 64
+    cfg = _config(q.dtype, D, Dv, G * S, v_from_k)
+    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     m_tiles = -(-G * S // block_m)
-    if num_splits <= 0:
-        num_splits = _num_splits(q.device, B * Hkv * m_tiles, max(1, max_len), block_n)
+    longest = -(-max(1, max_len) // block_n)  # key tiles of the longest sequence
+    num_splits = _num_splits(q.device, B * Hkv * m_tiles, max(1, max_len), block_n) if num_splits <= 0 \
+        else min(num_splits, longest, 1024)
     split_len = -(-max(1, max_len) // num_splits)
     split_len = -(-split_len // block_n) * block_n
     op = torch.empty((B, Hq, S, num_splits, Dv), dtype=torch.float32, device=q.device)
@@ -212,14 +238,13 @@ def _launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tens
         k.stride(0), k.stride(1), k.stride(2),
         vv.stride(0), vv.stride(1), vv.stride(2),
         table.stride(0),
-        Hkv, G, S, dk_main, dr, Dv, page, split_len, num_splits,
-        V_FROM_K=v_from_k, HAS_ROPE=dr > 0, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        Hkv, G, S, cfg["DK"], cfg["DR"], Dv, page, split_len, num_splits,
+        V_FROM_K=v_from_k, HAS_ROPE=cfg["DR"] > 0, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # Triton 3.9's interpreter computes bf16 dots wrongly: there, operands go up to fp32 (exact
         # products, fp32 sums: what the GPU's bf16 dot with fp32 accumulation gives).
         DOT_F32=q.dtype == torch.bfloat16 and interpreting(),
-        BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_DK=_pow2(dk_main), BLOCK_DR=_pow2(dr), BLOCK_DV=_pow2(Dv),
-        num_warps=8 if big else 4,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DK=cfg["BLOCK_DK"], BLOCK_DR=cfg["BLOCK_DR"],
+        BLOCK_DV=cfg["BLOCK_DV"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     _merge_kernel[(B * Hq * S,)](op, lsep, out, num_splits, Dv,
                                  BLOCK_SPLIT=_pow2(num_splits, 2), BLOCK_DV=_pow2(Dv))
@@ -257,7 +282,7 @@ def _lengths(x, name: str, B: int, device, default: Tensor | None = None) -> Ten
 
 def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor | None, block_table: Tensor, seq_lens,
                            *, q_start=None, scale: float | None = None, v_head_dim: int | None = None,
-                           max_len: int | None = None, num_splits: int = 0) -> Tensor:
+                           max_len: int | None = None, num_splits: int = 0, check: bool = True) -> Tensor:
     """Attention of a few new queries per sequence over a paged KV cache, in one fused kernel.
 
     Args:
@@ -273,6 +298,8 @@ def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor | None, blo
         v_head_dim: Dv when ``v_pool`` is None (required then).
         max_len: max(seq_lens) if known on the host (saves a device sync).
         num_splits: context splits per sequence (0: chosen from the GPU's SM count).
+        check: validate lengths and block table entries against the pool (a device sync); callers
+            that built them on the host (the caches, the ``triton`` backend) pass False.
 
     Returns:
         (B, Hq, S, Dv) in q's dtype; a query that sees no key gets 0.
@@ -295,6 +322,8 @@ def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor | None, blo
         raise ValueError(f"q has {S} tokens per sequence (shape {_shape(q)}); this kernel takes at most {MAX_Q_LEN}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"q dtype must be float16, bfloat16 or float32, got {q.dtype}")
+    if D > MAX_HEAD_DIM:
+        raise ValueError(f"head dim {D} (q {_shape(q)}) is above the kernel's {MAX_HEAD_DIM}")
     if v_pool is None:
         if v_head_dim is None or not 0 < v_head_dim <= D:
             raise ValueError(f"with v_pool=None (V = K[..., :Dv]) v_head_dim must be in [1, D={D}], got {v_head_dim}")
@@ -306,6 +335,8 @@ def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor | None, blo
         if v_head_dim is not None and v_head_dim != v_pool.shape[3]:
             raise ValueError(f"v_head_dim={v_head_dim} but v_pool {_shape(v_pool)}")
         Dv = v_pool.shape[3]
+    if Dv > MAX_V_HEAD_DIM:
+        raise ValueError(f"value head dim {Dv} is above the kernel's {MAX_V_HEAD_DIM}")
     for name, t in (("k_pool", k_pool), ("v_pool", v_pool)):
         if t is not None and (t.dtype != q.dtype or t.device != q.device):
             raise TypeError(f"{name} is {t.dtype} on {t.device}, q is {q.dtype} on {q.device}")
@@ -315,29 +346,34 @@ def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor | None, blo
                          f"{getattr(block_table, 'dtype', type(block_table).__name__)} of shape {_shape(block_table)}")
     seq = _lengths(seq_lens, "seq_lens", B, q.device)
     qs = _lengths(q_start, "q_start", B, q.device, default=seq - S if isinstance(seq, Tensor) else None)
-    if max_len is None:
-        max_len = int(seq.max()) if B else 0
     room = block_table.shape[1] * page
-    if not torch.compiler.is_compiling():
-        if B and (int(seq.min()) < 0 or int(seq.max()) > room):
+    if check and B and not torch.compiler.is_compiling():
+        lo, hi = int(seq.min()), int(seq.max())
+        if lo < 0 or hi > room:
             raise ValueError(f"seq_lens must be in [0, max_blocks * page = {room}] (block_table "
                              f"{_shape(block_table)}, page {page}), got {seq.tolist()}")
-        if B and block_table.numel() and (int(block_table.min()) < 0 or int(block_table.max()) >= N):
+        if max_len is not None and max_len < hi:
+            raise ValueError(f"max_len={max_len} is below the longest sequence ({hi} keys): keys would be skipped")
+        if block_table.numel() and (int(block_table.min()) < 0 or int(block_table.max()) >= N):
             raise ValueError(f"block_table entries must be in [0, N={N}) (k_pool {_shape(k_pool)}); pad unused "
                              f"entries with any valid page, e.g. 0")
+    if max_len is None:
+        max_len = int(seq.max()) if B else 0
     if scale is None:
         scale = D ** -0.5
     q = q if q.stride(-1) == 1 else q.contiguous()
     k_pool = k_pool if k_pool.stride(-1) == 1 else k_pool.contiguous()
     if v_pool is not None and v_pool.stride(-1) != 1:
         v_pool = v_pool.contiguous()
-    return _decode_op(q, k_pool, v_pool, block_table.to(torch.int32),
-                      qs.clamp(-NO_CAUSAL, NO_CAUSAL).to(torch.int32), seq.to(torch.int32),
+    # The kernel indexes these as contiguous int32 rows.
+    return _decode_op(q, k_pool, v_pool, block_table.to(torch.int32).contiguous(),
+                      qs.clamp(-NO_CAUSAL, NO_CAUSAL).to(torch.int32).contiguous(), seq.to(torch.int32).contiguous(),
                       float(scale), int(Dv), int(max_len), int(num_splits))
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor | None, *, seq_lens=None, q_start=None,
-                     scale: float | None = None, v_head_dim: int | None = None, num_splits: int = 0) -> Tensor:
+                     scale: float | None = None, v_head_dim: int | None = None, num_splits: int = 0,
+                     check: bool = True) -> Tensor:
     """:func:`paged_decode_attention` over a contiguous cache: k (B, Hkv, L, D), v (B, Hkv, L, Dv)
     or None (V = ``k[..., :v_head_dim]``). ``seq_lens`` defaults to L and ``q_start`` to
     ``seq_lens - S`` (bottom-right causal); pass ``q_start=NO_CAUSAL`` for no causality."""
@@ -349,10 +385,13 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor | None, *, seq_lens=None, q
     B, L = k.shape[0], k.shape[2]
     table = torch.arange(B, dtype=torch.int32, device=k.device)[:, None]
     if L == 0:  # nothing cached: a page of one empty slot keeps the kernel's indexing valid
+        if seq_lens is not None and bool((torch.as_tensor(seq_lens) != 0).any()):
+            raise ValueError(f"seq_lens must be 0 for an empty cache (k {_shape(k)}), got {seq_lens}")
         k = k.new_zeros(B, k.shape[1], 1, k.shape[3])
         v = None if v is None else v.new_zeros(B, v.shape[1], 1, v.shape[3])
         seq_lens = 0
     seq = torch.full((B,), L, device=k.device) if seq_lens is None else seq_lens
     return paged_decode_attention(q, k.transpose(1, 2), None if v is None else v.transpose(1, 2), table, seq,
                                   q_start=q_start, scale=scale, v_head_dim=v_head_dim,
-                                  max_len=L if seq_lens is None else None, num_splits=num_splits)
+                                  max_len=L if seq_lens is None or not check else None, num_splits=num_splits,
+                                  check=check)
