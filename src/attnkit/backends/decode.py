@@ -40,6 +40,18 @@ def grouped_bias(call: AttentionCall, device) -> torch.Tensor | None:
     return group_heads(bias, call.kv_heads)
 
 
+def decode_refusals(call: AttentionCall, max_q_len: int = MAX_DECODE_Q_LEN) -> list[str]:
+    """What every decode kernel (this one, ``triton``) refuses: long queries, weights, dropout."""
+    why = []
+    if call.q_len > max_q_len:
+        why.append(f"Sq={call.q_len} > {max_q_len} (a decode path: small query lengths only)")
+    if call.return_weights:
+        why.append("return_weights=True")
+    if call.dropout_p > 0:
+        why.append("dropout_p > 0")
+    return why
+
+
 class DecodeBackend(BackendBase):
     name = "decode"
 
@@ -56,13 +68,7 @@ class DecodeBackend(BackendBase):
         return None
 
     def not_supported_reasons(self, call: AttentionCall) -> list[str]:
-        why = []
-        if call.q_len > MAX_DECODE_Q_LEN:
-            why.append(f"Sq={call.q_len} > {MAX_DECODE_Q_LEN} (decode path is for small query lengths)")
-        if call.return_weights:
-            why.append("return_weights=True")
-        if call.dropout_p > 0:
-            why.append("dropout_p > 0")
+        why = decode_refusals(call)
         if call.dtype == torch.float64:
             why.append("fp64 (use math)")
         return why

@@ -21,6 +21,7 @@ from torch import Tensor
 from ..kernels import interpreting
 from ..masks import And, Causal, KeyPadding, Mask
 from ._decode_kernel import _v_is_prefix_of_k
+from .decode import decode_refusals
 from .registry import AttentionCall, BackendBase
 
 MAX_Q_LEN = 16
@@ -68,13 +69,7 @@ class TritonBackend(BackendBase):
         return None
 
     def not_supported_reasons(self, call: AttentionCall) -> list[str]:
-        why = []
-        if call.q_len > MAX_Q_LEN:
-            why.append(f"Sq={call.q_len} > {MAX_Q_LEN} (a decode kernel)")
-        if call.return_weights:
-            why.append("return_weights=True")
-        if call.dropout_p > 0:
-            why.append("dropout_p > 0")
+        why = decode_refusals(call, MAX_Q_LEN)
         if call.needs_grad:
             why.append("gradients required (forward-only kernel)")
         if call.dtype not in (torch.float16, torch.bfloat16, torch.float32):
