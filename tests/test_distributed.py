@@ -17,6 +17,7 @@ the tile plan (zigzag balances causal work) and bad input.
 from __future__ import annotations
 
 import json
+import math
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -337,7 +338,11 @@ def _run_memory(case: Case, group, rank: int):
             ring_attention(*leaves, causal=case.causal, group=group, sharding=case.sharding), leaves, dout_l))
     finally:
         ring_mod._TILE_ELEMENTS = old_tile
-    assert peak <= 8.25 * shard, f"peak {peak / shard:.2f} shards besides the inputs, want <= 8 (+ small)"
+    # Fused (CPU flash) tiles hold their dq, dk, dv (and, with grouped heads, K/V expanded per
+    # head): at most 5 tile-rows per shard row of it; with the forced tiny tiles that is visible.
+    side = max(1, math.isqrt(case.tile // case.hq))
+    allowance = 8.25 + 5 * side / (case.S // dist.get_world_size(group))
+    assert peak <= allowance * shard, f"peak {peak / shard:.2f} shards besides the inputs, want <= {allowance:.2f}"
     assert peak >= 8 * shard, f"peak {peak / shard:.2f} shards: the tracker missed buffers?"
 
 
@@ -552,7 +557,7 @@ def _work(world, rank, sharding, S=64, mask=None):
     plan.side = 2  # small tiles, so skipping is visible inside blocks
     area = 0
     for src in range(world):
-        for qs, ks, allowed in plan.tiles(src):
+        for qs, ks, allowed, causal in plan.tiles(src):
             area += (qs.stop - qs.start) * (ks.stop - ks.start)
     return area
 
@@ -630,3 +635,28 @@ def test_merge_partials_differentiates_through_empty_rows():
     for t in (out, bo, lse, bl):
         assert torch.isfinite(t.grad).all()
     assert (lse.grad[:, 2] == 0).all() and (out.grad[:, 2] == 0).all()
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_cpu_tiles_equal_the_matmul_path(hq, hkv, causal, monkeypatch):
+    """Whole (and causal diagonal) tiles on CPU go through torch's fused flash ops; forward,
+    merge and backward give what the matmul path gives."""
+    from attnkit.distributed import blocks as B_
+    q, k, v = make_qkv(2, hq, hkv, 24, 24, 16, seed=stable_seed("fused", hq, hkv, causal))
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
+    results = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(B_, "_FUSED", None)
+        with torch.no_grad():
+            out, lse = block_forward(q, k, v, None, 0.3, causal=causal)
+            delta = softmax_delta(out, dout)
+            dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))
+            block_backward(q, k, v, dout, lse, delta, None, 0.3, dq_out=dq, dk_out=dk, dv_out=dv, causal=causal,
+                           out=out)
+        results.append((out, lse, dq, dk, dv))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b)
+    ref = attnkit.attention(q, k, v, causal=causal, scale=0.3)
+    torch.testing.assert_close(results[0][0], ref)

@@ -57,12 +57,43 @@ def _scores(q: Tensor, k: Tensor, allowed: Tensor | None, scale: float) -> Tenso
     return s
 
 
+def _cpu_flash_ops():
+    """torch's fused CPU flash-attention forward / backward ops (they return and take the
+    log-sum-exp), or None in a torch without them."""
+    aten = torch.ops.aten
+    try:
+        return aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention_for_cpu_backward
+    except AttributeError:
+        return None
+
+
+_FUSED = _cpu_flash_ops()
+
+
+def _use_fused(q: Tensor, allowed: Tensor | None) -> bool:
+    """Whole tiles (or causal diagonal tiles) on CPU run in torch's fused flash kernel: 1.3-1.5x
+    faster than the matmuls below (measured on 256-row tiles, fp32, forward + backward), with the
+    same fp32 (fp64) arithmetic. Masked tiles keep the matmul path (rows with nothing allowed)."""
+    return _FUSED is not None and allowed is None and q.device.type == "cpu" and not torch.is_grad_enabled()
+
+
+def _expand_heads(t: Tensor, groups: int) -> Tensor:
+    """(B, Hkv, S, X) -> (B, Hkv * G, S, X) for the fused op, which has no grouped heads (a
+    tile-sized copy)."""
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def _causal_allowed(q_len: int, kv_len: int, device) -> Tensor:
+    return torch.ones(1, 1, q_len, kv_len, dtype=torch.bool, device=device).tril()
+
+
 def _finite(lse: Tensor) -> Tensor:
     """lse with -inf (rows with nothing allowed) replaced by 0, so exp(-inf - lse) is 0, not NaN."""
     return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
 
 
-def block_forward(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
+def block_forward(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None, scale: float, *,
+                  causal: bool = False) -> tuple[Tensor, Tensor]:
     """Attention of ``q`` to this block of keys alone (no autograd: gradients come from
     :func:`block_backward`).
 
@@ -70,6 +101,7 @@ def block_forward(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None, scale
         q: (B, Hq, Sq, D); k: (B, Hkv, Sk, D); v: (B, Hkv, Sk, Dv); Hq a multiple of Hkv.
         allowed: None or a bool (B|1, Hq|1, Sq, Sk) mask of this block (True = attend).
         scale: multiplies q @ k^T.
+        causal: top-left causal within the block (query i sees keys j <= i); ``allowed`` None.
 
     Returns:
         out (B, Hq, Sq, Dv) normalised within the block, and lse (B, Hq, Sq), both in the compute
@@ -80,6 +112,13 @@ def block_forward(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None, scale
     ct = compute_dtype(q.dtype)
     if B == 0 or Sk == 0 or Sq == 0:
         return q.new_zeros(B, Hq, Sq, Dv, dtype=ct), q.new_full((B, Hq, Sq), float("-inf"), dtype=ct)
+    if _use_fused(q, allowed) and (not causal or Sq <= Sk) and q.shape[-1] == Dv:
+        G = Hq // Hkv
+        out, lse = _FUSED[0](q.to(ct), _expand_heads(k.to(ct), G), _expand_heads(v.to(ct), G), 0.0, causal,
+                             scale=scale)
+        return out, lse.to(ct)
+    if causal:
+        allowed = _causal_allowed(Sq, Sk, q.device)
     s = _scores(q, k, allowed, scale)  # (B, Hkv, G, Sq, Sk)
     lse = torch.logsumexp(s, dim=-1)  # -inf for rows with nothing allowed
     p = s.sub_(_finite(lse).unsqueeze(-1)).exp_()
@@ -121,7 +160,8 @@ def softmax_delta(out: Tensor, dout: Tensor) -> Tensor:
 
 def block_backward(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor,
                    allowed: Tensor | None, scale: float, *, dq_out: Tensor | None = None,
-                   dk_out: Tensor | None = None, dv_out: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                   dk_out: Tensor | None = None, dv_out: Tensor | None = None, causal: bool = False,
+                   out: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """This block's share of the gradients, given the final lse and delta of each query row.
 
     Args:
@@ -135,6 +175,9 @@ def block_backward(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, d
             returned. dk and dv never need a temporary; dq needs none when its (B, Hkv, G, Sq)
             dims can be viewed as batches of rows (any slice along Sq of a contiguous buffer),
             else one block-sized temporary.
+        causal: as in :func:`block_forward`.
+        out: (B, Hq, Sq, Dv) the final output of these query rows, optional: with it, whole tiles
+            on CPU run torch's fused flash backward (which takes out and lse, not delta).
 
     Returns:
         dq (B, Hq, Sq, D), dk (B, Hkv, Sk, D), dv (B, Hkv, Sk, Dv) in the compute dtype; dk and dv
@@ -152,6 +195,16 @@ def block_backward(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, d
     dv = v.new_zeros(B, Hkv, Sk, Dv, dtype=ct) if dv_out is None else dv_out
     if B == 0 or Sk == 0 or Sq == 0:
         return (q.new_zeros(B, Hq, Sq, D, dtype=ct) if dq_out is None else dq_out), dk, dv
+    if out is not None and _use_fused(q, allowed) and (not causal or Sq <= Sk) and D == Dv:
+        G = Hq // Hkv
+        gq, gk, gv = _FUSED[1](dout.to(ct), q.to(ct), _expand_heads(k.to(ct), G), _expand_heads(v.to(ct), G),
+                               out.to(ct), lse.to(torch.float32 if ct == torch.float32 else ct), 0.0, causal,
+                               scale=scale)
+        dk.add_(gk.view(B, Hkv, G, Sk, D).sum(2) if G > 1 else gk)
+        dv.add_(gv.view(B, Hkv, G, Sk, Dv).sum(2) if G > 1 else gv)
+        return (gq if dq_out is None else dq_out.add_(gq)), dk, dv
+    if causal:
+        allowed = _causal_allowed(Sq, Sk, q.device)
     kc, vc = k.to(ct), v.to(ct)
     s = _scores(q, kc, allowed, scale)  # (B, Hkv, G, Sq, Sk)
     p = s.sub_(_finite(lse.to(ct)).reshape(B, Hkv, -1, Sq, 1)).exp_().view(B * Hkv, -1, Sk)  # (B*Hkv, G*Sq, Sk)

@@ -83,8 +83,9 @@ class _Plan:
         self.side = max(1, math.isqrt(budget // max(1, batch * heads)))
 
     def tiles(self, src: int):
-        """Yield (query slice, key slice, allowed or None) for the K/V block of rank ``src``;
-        tiles the mask leaves empty are not yielded."""
+        """Yield (query slice, key slice, allowed or None, causal) for the K/V block of rank
+        ``src``; ``causal`` marks a square tile on a pure causal mask's diagonal (top-left causal
+        within the tile, ``allowed`` None). Tiles the mask leaves empty are not yielded."""
         kv_ranges = shard_ranges(self.kv_local, src, self.world, self.sharding)
         side = self.side
         for q_lo, q_g, q_n in self.q_ranges:
@@ -100,7 +101,10 @@ class _Plan:
                             continue
                         qs, ks = slice(q_lo + r0, q_lo + r1), slice(k_lo + c0, k_lo + c1)
                         if self.mask is None or (self.pure_causal and kb <= qa + self.causal_offsets[0]):
-                            yield qs, ks, None
+                            yield qs, ks, None, False
+                            continue
+                        if self.pure_causal and ka == qa + self.causal_offsets[0] and c1 - c0 == r1 - r0:
+                            yield qs, ks, None, True  # the diagonal: top-left causal within the tile
                             continue
                         allowed = mask_at(self.mask, torch.arange(qa, qb + 1, device=self.device),
                                           torch.arange(ka, kb + 1, device=self.device), batch=self.batch,
@@ -108,7 +112,7 @@ class _Plan:
                                           mask_mod=self.mod)
                         if not bool(allowed.any()):
                             continue
-                        yield qs, ks, (None if bool(allowed.all()) else allowed)
+                        yield qs, ks, (None if bool(allowed.all()) else allowed), False
 
 
 class _Ring:
@@ -146,8 +150,8 @@ def _forward(q, k, v, plan: _Plan, ring: _Ring, scale: float) -> tuple[Tensor, T
         src = (plan.rank - step) % plan.world
         # K/V tiles go to the block functions as they are: they convert each tile to the compute
         # dtype themselves (no shard-sized fp32 copy of a fp16/bf16 block).
-        for qs, ks, allowed in plan.tiles(src):
-            bo, bl = block_forward(q[:, :, qs], k_cur[:, :, ks], v_cur[:, :, ks], allowed, scale)
+        for qs, ks, allowed, causal in plan.tiles(src):
+            bo, bl = block_forward(q[:, :, qs], k_cur[:, :, ks], v_cur[:, :, ks], allowed, scale, causal=causal)
             out[:, :, qs], lse[:, :, qs] = merge_partials(out[:, :, qs], lse[:, :, qs], bo, bl)
         if reqs is not None:
             ring.wait(reqs)
@@ -179,10 +183,10 @@ def _backward(q, k, v, out, lse, dout, plan: _Plan, ring: _Ring, scale: float):
             k_next, v_next = torch.empty_like(k_cur), torch.empty_like(v_cur)
             kv_reqs = ring.start([k_cur, v_cur], [k_next, v_next])  # in flight during this step's compute
         src = (plan.rank - step) % plan.world
-        for qs, ks, allowed in plan.tiles(src):
+        for qs, ks, allowed, causal in plan.tiles(src):
             block_backward(q[:, :, qs], k_cur[:, :, ks], v_cur[:, :, ks], dout[:, :, qs], lse[:, :, qs],
                            delta[:, :, qs], allowed, scale, dq_out=dq[:, :, qs], dk_out=dk_acc[:, :, ks],
-                           dv_out=dv_acc[:, :, ks])
+                           dv_out=dv_acc[:, :, ks], causal=causal, out=out[:, :, qs])
         # Free the block just used before the hop allocates its receive buffers: swap in the
         # next one (its transfer ran during the compute), or drop the last one.
         if kv_reqs is not None:
