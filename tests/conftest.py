@@ -10,7 +10,7 @@ import pytest
 import torch
 
 # Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors. It is read when a
-# kernel is defined, so it must be set before anything imports attnkit.kernels.triton_decode.
+# kernel is defined, so it must be set before anything imports attnkit.backends.triton.decode.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

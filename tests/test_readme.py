@@ -14,7 +14,7 @@ def test_readme_usage_example_runs():
     assert blocks, "README has no python example"
     ns: dict = {}
     for i, block in enumerate(blocks):  # every example, in order, in one namespace
-        if "attnkit.kernels.triton_decode" in block and importlib.util.find_spec("triton") is None:
+        if "attnkit.backends.triton.decode" in block and importlib.util.find_spec("triton") is None:
             continue  # the Triton example (runs wherever triton is installed: in the interpreter on CPU)
         exec(compile(block, f"README.md[block {i}]", "exec"), ns)
     assert ns["y_next"].shape == (1, 1, 256)

@@ -565,7 +565,7 @@ class PagedKVCache(KVCache):
     ``attend`` is the fast path: attention over the pages in place (no (B, max_len) copy), for
     MHA/GQA/MQA and V-from-K (MLA absorbed) alike; see :mod:`attnkit.caches._paged_attention`.
     On CUDA, steps of at most 16 tokens per sequence run in the fused Triton kernel
-    (:mod:`attnkit.kernels.triton_decode`; ``backend="triton"`` forces it, on CPU under
+    (:mod:`attnkit.backends.triton.decode`; ``backend="triton"`` forces it, on CPU under
     ``TRITON_INTERPRET=1``). With an extra ``mask``, ``dropout_p > 0``, ``return_weights``, another
     forced ``backend`` or gradients required it falls back to ``update`` + :func:`attnkit.attention`. ``update``
     returns contiguous (B, Hkv, max_len, ·) copies gathered from the pages (the slow path, for
@@ -792,7 +792,7 @@ class PagedKVCache(KVCache):
             raise TypeError(f"scale must be a finite float or None, got {scale!r}")
         step = self._step(k, v, num_new)
         if fused == "triton":
-            from ..kernels.triton_decode import paged_decode_attention
+            from ..backends.triton.decode import paged_decode_attention
 
             dev = q.device
             return paged_decode_attention(
@@ -812,14 +812,13 @@ class PagedKVCache(KVCache):
         """"triton" when this step's attention runs in the fused Triton paged-decode kernel: on
         CUDA by default (the plain-torch path is tuned for CPUs), or forced with
         ``backend="triton"`` (on CPU under ``TRITON_INTERPRET=1``: how the tests reach it)."""
-        if backend not in ("auto", "triton") or not isinstance(q, Tensor) or q.dim() != 4 or q.shape[2] > 16:
+        from ..backends import get_backend
+        from ..backends.triton import MAX_HEAD_DIM, MAX_Q_LEN, MAX_V_HEAD_DIM, interpreting
+
+        if backend not in ("auto", "triton") or not isinstance(q, Tensor) or q.dim() != 4 or q.shape[2] > MAX_Q_LEN:
             return None
         if backend == "auto" and q.device.type != "cuda":
             return None
-        from ..backends import get_backend
-        from ..backends.triton import MAX_HEAD_DIM, MAX_V_HEAD_DIM
-        from ..kernels import interpreting
-
         ok = (get_backend("triton").available() is None
               and (q.device.type == "cuda" or (q.device.type == "cpu" and interpreting()))
               and q.dtype in (torch.float16, torch.bfloat16, torch.float32)

@@ -1,4 +1,4 @@
-"""``triton``: the fused split-K decode kernel (:mod:`attnkit.kernels.triton_decode`) for
+"""``triton``: the fused split-K decode kernel (:mod:`attnkit.backends.triton.decode`) for
 ``attnkit.attention`` calls with a few queries per sequence (Sq <= 16).
 
 It takes the masks a KV cache produces, causal (any offsets) and right-side key padding, which it
@@ -14,19 +14,29 @@ runs under Triton's interpreter (``TRITON_INTERPRET=1``), for tests only: ``auto
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import torch
 from torch import Tensor
 
-from ..kernels import interpreting
-from ..masks import And, Causal, KeyPadding, Mask
-from ._decode_kernel import _v_is_prefix_of_k
-from .decode import decode_refusals
-from .registry import AttentionCall, BackendBase
+from ...masks import And, Causal, KeyPadding, Mask
+from .._decode_kernel import _v_is_prefix_of_k
+from ..decode import decode_refusals
+from ..registry import AttentionCall, BackendBase
 
+#: Most query tokens per sequence in one call (decode and speculative verification).
 MAX_Q_LEN = 16
-MAX_HEAD_DIM, MAX_V_HEAD_DIM = 1024, 512  # = triton_decode's (its tiles are sized for these)
-_NO_CAUSAL = 1 << 30  # = triton_decode.NO_CAUSAL, kept here so refusing a call never imports Triton
+#: Widest K (D) and V (Dv) the kernel's tiles are sized for (checked to fit sm_80 shared memory).
+MAX_HEAD_DIM, MAX_V_HEAD_DIM = 1024, 512
+#: q_start meaning "not causal": every key below seq_lens is visible. (Constants live here, not in
+#: decode.py, so refusing a call never imports Triton.)
+NO_CAUSAL = 1 << 30
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its interpreter (on CPU tensors). Triton reads
+    ``TRITON_INTERPRET`` when a kernel is defined, i.e. when :mod:`.decode` is imported."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _limit_parts(mask: Mask | None) -> tuple[Causal | None, KeyPadding | None] | None:
@@ -50,7 +60,7 @@ def decode_limits(mask: Mask | None, batch: int, q_len: int, kv_len: int, device
     if causal is not None:
         q_start = causal._offset(q_len, kv_len, device).reshape(-1).expand(batch)
     else:
-        q_start = torch.full((batch,), _NO_CAUSAL, device=device)
+        q_start = torch.full((batch,), NO_CAUSAL, device=device)
     if pad is not None:
         seq = pad.lengths.to(device).reshape(-1).expand(batch).clamp(0, kv_len)
     else:
@@ -92,7 +102,7 @@ class TritonBackend(BackendBase):
         return None
 
     def run(self, q, k, v, call: AttentionCall):
-        from ..kernels import triton_decode
+        from . import decode as triton_decode
 
         q_start, seq = decode_limits(call.mask, call.batch, call.q_len, call.kv_len, q.device)
         v_from_k = _v_is_prefix_of_k(k, v)

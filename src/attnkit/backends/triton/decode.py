@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import interpreting
+from . import MAX_HEAD_DIM, MAX_Q_LEN, MAX_V_HEAD_DIM, NO_CAUSAL, interpreting
 
 try:
     import triton
@@ -41,12 +41,8 @@ try:
 except ImportError:  # optional dependency: only this module needs it
     triton = tl = None
 
-__all__ = ["available", "decode_attention", "interpreting", "paged_decode_attention", "MAX_Q_LEN"]
+__all__ = ["available", "decode_attention", "interpreting", "paged_decode_attention", "MAX_Q_LEN", "NO_CAUSAL"]
 
-#: Most query tokens per sequence in one call (decode and speculative verification).
-MAX_Q_LEN = 16
-#: q_start meaning "not causal": every key below seq_lens is visible.
-NO_CAUSAL = 1 << 30
 _LOG2E = 1.4426950408889634
 
 
@@ -193,10 +189,6 @@ def _config(dtype: torch.dtype, D: int, Dv: int, rows: int, v_from_k: bool) -> d
         block_n = 64 if width <= 512 else 32
     return dict(DK=dk, DR=dr, BLOCK_DK=bdk, BLOCK_DR=bdr, BLOCK_DV=bdv, BLOCK_M=block_m, BLOCK_N=block_n,
                 num_warps=4 if width <= 512 else 8, num_stages=3)
-
-
-#: Widest K (D) and V (Dv) the kernel's tiles are sized for (checked to fit sm_80 shared memory).
-MAX_HEAD_DIM, MAX_V_HEAD_DIM = 1024, 512
 
 
 def _num_splits(device: torch.device, programs: int, max_len: int, block_n: int) -> int:
