@@ -7,6 +7,7 @@
   write their tables and plots.
 * ``attnkit viz``: mask patterns and attention maps to PNG.
 * ``attnkit kv``: KV-cache bytes per token, per layer and per model, for attention variants.
+* ``attnkit generate``: text in, text out with a checkpoint folder's tokenizer (streamed).
 """
 
 from __future__ import annotations
@@ -261,6 +262,45 @@ def cmd_kv(args: argparse.Namespace) -> int:
         raise CLIError(str(e)) from None
 
 
+# ---------------------------------------------------------------------------- generate
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from attnkit.models.text import TextGenerator, TokenizerNotFound
+    if args.temperature < 0:
+        raise CLIError(f"--temperature must be >= 0, got {args.temperature}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise CLIError(f"--top-p must be in (0, 1], got {args.top_p}")
+    dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    try:
+        gen = TextGenerator(args.folder, dtype=dtype)
+        pieces = gen.stream(args.prompt, args.max_new_tokens, chat=args.chat, temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, cache=args.cache, seed=args.seed)
+        for piece in pieces:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    except (TokenizerNotFound, FileNotFoundError, ImportError, ValueError, TypeError) as e:
+        raise CLIError(str(e)) from None
+    except KeyboardInterrupt:
+        print("\nattnkit generate: interrupted", file=sys.stderr)
+        return 130
+    s = gen.stats
+    sys.stdout.write("\n")
+    print(f"[{s.new_tokens} new tokens ({s.finish_reason}) after a {s.prompt_tokens}-token prompt; "
+          f"first token {s.first_token_seconds * 1e3:.0f} ms, then {s.tokens_per_second:.1f} tokens/s; "
+          f"KV cache {_fmt_bytes(s.kv_cache_bytes)} ({gen.model.kv_bytes_per_token()} bytes/token, "
+          f"cache={args.cache})]", file=sys.stderr)
+    return 0
+
+
 # ---------------------------------------------------------------------------- parser
 
 
@@ -274,8 +314,20 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _nonneg_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
+    import attnkit
     p = argparse.ArgumentParser(prog="attnkit", description="attnkit: attention mechanisms for PyTorch")
+    p.add_argument("--version", action="version", version=f"attnkit {attnkit.__version__} (torch {torch.__version__})")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     info = sub.add_parser("info", help="print versions, device and which backends are available")
     info.set_defaults(func=cmd_info)
@@ -326,6 +378,26 @@ def build_parser() -> argparse.ArgumentParser:
                                     "head_dim=128,layers=32 --context 128k`.")
     add_kv_arguments(kv)
     kv.set_defaults(func=cmd_kv)
+
+    gen = sub.add_parser("generate", help="generate text from a checkpoint folder with its own tokenizer (streamed)",
+                         description="Load FOLDER (a save_pretrained checkpoint: config.json, weights, tokenizer) "
+                                     "with attnkit.models.Decoder.from_pretrained and the folder's tokenizer "
+                                     "(transformers, or tokenizer.json with pip install 'attnkit[text]'); stream "
+                                     "the continuation of --prompt to stdout, then tokens/s and KV-cache bytes to "
+                                     "stderr. Nothing is downloaded.")
+    gen.add_argument("folder", type=Path, help="checkpoint folder (config.json + safetensors + tokenizer files)")
+    gen.add_argument("--prompt", required=True, help="the prompt text")
+    gen.add_argument("--max-new-tokens", type=_nonneg_int, default=64, help="new tokens at most (default 64)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    gen.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (with --temperature > 0)")
+    gen.add_argument("--top-k", type=_positive_int, default=None, help="sample among the k likeliest tokens")
+    gen.add_argument("--cache", choices=["dynamic", "static", "paged"], default="dynamic",
+                     help="KV cache kind (default dynamic)")
+    gen.add_argument("--seed", type=int, default=None, help="seed for sampling (same seed, same text)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the folder's chat template (one user turn)")
+    gen.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
+                     help="model dtype (default: the checkpoint's)")
+    gen.set_defaults(func=cmd_generate)
     return p
 
 
