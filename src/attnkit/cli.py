@@ -135,7 +135,19 @@ def _first_doc_line(path: Path) -> str:
 SKIPPED = 77
 
 
+def _plot(table: Path, png: Path) -> str:
+    try:
+        from attnkit.viz import plot_benchmark
+        return f"chart: {plot_benchmark(table, png)}"
+    except ImportError as e:
+        return f"chart skipped: {e}"
+    except ValueError as e:
+        return f"no chart: {e}"
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    import os
+    import tempfile
     d = benchmarks_dir(args.dir)
     suites = bench_suites(d)
     if not suites:
@@ -149,29 +161,41 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if unknown:
         raise CLIError(f"unknown suite(s) {unknown}; available: {', '.join(suites)}")
     out = (args.out or d / "results").resolve()
-    failed = []
+    if args.plots_only:  # redraw charts from the result files already there; nothing is timed
+        drawn = 0
+        for name in chosen:
+            stem = f"{name}_quick" if args.quick else name
+            table = out / f"{stem}.json"
+            if table.is_file():
+                print(f"== {name}: {_plot(table, out / f'{stem}.png')}")
+                drawn += 1
+            else:
+                print(f"== {name}: no {table.name} in {out}")
+        return 0 if drawn else 1
+    failed, skipped = [], []
     for name in chosen:
         cmd = [sys.executable, str(suites[name]), "--out", str(out)] + (["--quick"] if args.quick else [])
         print(f"== {name}: {' '.join(cmd)}", flush=True)
         t0 = time.perf_counter()
-        rc = subprocess.run(cmd, cwd=d).returncode
-        verdict = {0: "ok", SKIPPED: "skipped (this machine lacks what it measures)"}.get(rc, f"FAILED (exit {rc})")
-        print(f"== {name}: {verdict} in {time.perf_counter() - t0:.0f} s", flush=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            note = Path(tmp) / "skip-reason"
+            rc = subprocess.run(cmd, cwd=d, env={**os.environ, "ATTNKIT_BENCH_SKIP_FILE": str(note)}).returncode
+            reason = note.read_text().strip() if note.is_file() else "this machine lacks what it measures"
         if rc == SKIPPED:
+            print(f"== {name}: skipped: {reason}", flush=True)
+            skipped.append(name)
             continue
+        print(f"== {name}: {'ok' if rc == 0 else f'FAILED (exit {rc})'} in {time.perf_counter() - t0:.0f} s", flush=True)
         if rc:
             failed.append(name)
             continue
         stem = f"{name}_quick" if args.quick else name
         table, png = out / f"{stem}.json", out / f"{stem}.png"
-        if not args.no_plots and table.is_file() and not png.is_file():
-            try:
-                from attnkit.viz import plot_benchmark
-                print(f"   plot: {plot_benchmark(table, png)}")
-            except ImportError as e:
-                print(f"   plot skipped: {e}")
-            except ValueError as e:
-                print(f"   no plot: {e}")
+        # Scripts draw their own chart; draw it here for one that did not (or left an older one).
+        if not args.no_plots and table.is_file() and (not png.is_file() or png.stat().st_mtime < table.stat().st_mtime):
+            print(f"   {_plot(table, png)}")
+    if skipped:
+        print(f"skipped suites: {', '.join(skipped)}")
     if failed:
         print(f"failed suites: {', '.join(failed)}", file=sys.stderr)
         return 1
@@ -344,13 +368,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="run the benchmark suites of benchmarks/ and write their tables and plots",
                            description="Run benchmarks/bench_<suite>.py scripts of a source checkout (all by "
-                                       "default), each writing <suite>.md/.json; then plot each table to <suite>.png "
-                                       "(matplotlib) unless the script drew its own.")
+                                       "default), each writing <suite>.md/.json and its chart <suite>.png "
+                                       "(matplotlib). A suite this machine cannot run (no GPU, no transformers, "
+                                       "no triton) is reported as 'skipped: needs ...' and does not fail the run.")
     bench.add_argument("suites", nargs="*", metavar="SUITE", help="suites to run (default: all; see --list)")
     bench.add_argument("--quick", action="store_true", help="small sizes (seconds), as CI runs them")
     bench.add_argument("--out", type=Path, default=None, help="folder for tables and plots (default: benchmarks/results)")
     bench.add_argument("--list", action="store_true", help="list the suites and exit")
     bench.add_argument("--no-plots", action="store_true", help="tables only")
+    bench.add_argument("--plots-only", action="store_true",
+                       help="redraw <suite>.png from the result files in --out (with --quick: the _quick ones); "
+                            "runs nothing")
     bench.add_argument("--dir", type=Path, default=None, help="the benchmarks folder (default: the checkout's)")
     bench.set_defaults(func=cmd_bench)
 
