@@ -207,7 +207,7 @@ def run(quick: bool) -> dict:
         import triton
         info["triton"] = triton.__version__
     copy_gbs = copy_bandwidth(1 << (20 if quick else 32), reps)
-    return {"machine": info, "copy_GBps": copy_gbs, "prefill": prefill(quick, reps),
+    return {"machine": info, "quick": quick, "copy_GBps": copy_gbs, "prefill": prefill(quick, reps),
             "paged_decode": paged_decode(quick, reps, copy_gbs), "mla_decode": mla_decode(quick, reps, copy_gbs)}
 
 
