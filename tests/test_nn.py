@@ -276,3 +276,21 @@ def test_replace_rejects_non_modules():
 
 def test_public_names():
     assert attnkit.nn.MultiheadAttention is ann.MultiheadAttention
+
+
+def test_copies_and_clones_keep_routing_through_attnkit(monkeypatch):
+    """nn.TransformerEncoder deep-copies its layer; the copies still call attnkit."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(E, H, 16, dropout=0.0, batch_first=True)
+    layer.self_attn = ann.MultiheadAttention.from_torch(layer.self_attn)
+    enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    assert all(isinstance(lyr.self_attn, ann.MultiheadAttention) for lyr in enc.layers)
+    calls = _count_attention_calls(monkeypatch)
+    with torch.no_grad():
+        enc(torch.randn(2, 3, E))
+    assert len(calls) == 2
+    again = copy.deepcopy(enc)
+    assert isinstance(again.layers[0].self_attn, ann.MultiheadAttention)
+    with torch.no_grad():
+        again(torch.randn(2, 3, E))
+    assert len(calls) == 4

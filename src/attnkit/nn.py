@@ -102,11 +102,9 @@ class MultiheadAttention(nn.MultiheadAttention):
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         state = dict(module.__dict__)
-        for name in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set",
-                     "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_state_dict_hooks",
-                     "_load_state_dict_pre_hooks"):
-            if name in state:
-                state[name] = type(state[name])(state[name])  # own container, same entries
+        for name, value in state.items():  # own containers (parameters, hooks, ...), same entries
+            if isinstance(value, (dict, set)):
+                state[name] = type(value)(value)
         new.__dict__.update(state)
         if _route_through_forward not in new._forward_pre_hooks.values():
             new.register_forward_pre_hook(_route_through_forward)
