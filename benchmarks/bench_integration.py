@@ -5,8 +5,9 @@ Model: a random Llama (hidden 512, 4 layers, 8 heads, 2 KV heads (GQA 4), head d
 intermediate 1376, vocab 4096), batch 1, greedy, long prompts (2k and 8k tokens; "eager" only up to
 4k: it materializes (H, S, S) fp32 scores per layer), 32 new tokens. For each contender:
 prefill = wall time from the ``generate`` call to the first step's logits; decode tokens/s =
-(new - 1) / time from there to the last step's logits (one ``generate`` call gives both). Medians of interleaved repetitions (alternating
-order). ✓: the contender produced exactly the "sdpa" run's tokens.
+(new - 1) / time from there to the last step's logits (one ``generate`` call gives both).
+Medians of interleaved repetitions (alternating order). ✓: the contender produced exactly the
+"sdpa" run's tokens.
 
     python benchmarks/bench_integration.py           # full: 2k and 8k prompts, fp32 and bf16
     python benchmarks/bench_integration.py --quick   # a tiny model and prompt: seconds
