@@ -347,7 +347,7 @@ def _context_line(res: dict, suite: str) -> str:
     for key in ("config", "dims", "shape", "heads", "model"):
         v = res.get(key)
         if isinstance(v, dict):
-            bits.append(", ".join(f"{k} {x}" for k, x in v.items() if x is not None))
+            bits.append(", ".join(str(x) if k == "arch" else f"{k} {x}" for k, x in v.items() if x is not None))
         elif isinstance(v, (str, int)):
             bits.append(f"{key} {v}")
     if "block_size" in res:
