@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import attnkit
-from attnkit.caches import DynamicCache, StaticCache
+from attnkit.caches import BlockAllocator, DynamicCache, PagedKVCache, SlidingWindowCache, StaticCache
 
 from conftest import base_attention, make_qkv, rule_r, stable_seed
 
@@ -269,37 +269,126 @@ def test_sliding_cache_reorder():
     torch.testing.assert_close(last, attnkit.attention(swap(q), swap(k), swap(v), M.SlidingWindow(2))[:, :, 9:])
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("shared", [False, True], ids=["kv", "value_from_key"])
-def test_append_uniform_equals_update(kind, shared):
-    q, k, v = make_qkv(2, 4, 2, 9, 9, 8, seed=5)
-    v = None if shared else v
-    caches = [DynamicCache(2, 8, value_from_key=shared) if kind == "dynamic" else
-              StaticCache(2, 8, max_batch=2, max_len=12, value_from_key=shared) for _ in range(2)]
-    start = 0
-    for n in (5, 1, 3):
-        sl = slice(start, start + n)
-        vs = None if v is None else v[:, :, sl]
-        k_all, v_all, mask = caches[0].update(k[:, :, sl], vs)
-        want = attnkit.attention(q[:, :, sl], k_all, v_all, mask)
-        k_u, v_u = caches[1].append_uniform(k[:, :, sl], vs, start)
-        got = attnkit.attention(q[:, :, sl], k_u, v_u, causal=True)
-        assert k_u.shape[2] == start + n  # only the filled part, even for a static cache
-        torch.testing.assert_close(got, want)
-        start += n
-        assert caches[1].lengths.tolist() == caches[0].lengths.tolist() == [start, start]
-    assert caches[1].positions(1).tolist() == [[9], [9]]
+def _all_kinds(Hkv=2, D=8, B=2):
+    return {
+        "dynamic": lambda: DynamicCache(Hkv, D),
+        "static": lambda: StaticCache(Hkv, D, max_batch=B, max_len=32),
+        "sliding": lambda: SlidingWindowCache(Hkv, D, window=4, max_batch=B),
+        "paged": lambda: PagedKVCache(Hkv, D, num_blocks=16, block_size=4),
+    }
 
 
-def test_attend_takes_what_attention_takes_and_append_uniform_checks_its_input():
+def _snapshot(cache):
+    """Everything a later step can read: lengths and each row's committed K/V (the whole ring for
+    a sliding cache, whose slots a step overwrites)."""
+    lens = cache.lengths.tolist()
+    if isinstance(cache, SlidingWindowCache):
+        return lens, [cache.k_ring.clone(), cache.v_ring.clone()]
+    if isinstance(cache, PagedKVCache):
+        a = cache.allocator
+        rows = [a.blocks(s) for s in a.batch]
+        return lens, [torch.cat([cache.k_pool[list(r)].flatten(0, 1)[:n] for r, n in zip(rows, lens)]),
+                      torch.cat([cache.v_pool[list(r)].flatten(0, 1)[:n] for r, n in zip(rows, lens)])]
+    return lens, [torch.cat([cache.k_buf[b, :, :n] for b, n in enumerate(lens)], 1),
+                  torch.cat([cache.v_buf[b, :, :n] for b, n in enumerate(lens)], 1)]
+
+
+BAD_CALLS = {
+    "mask shape": lambda c, q, k, v: c.attend(q, k, v, torch.ones(2, 1, 1, 99, dtype=torch.bool)),
+    "unknown backend": lambda c, q, k, v: c.attend(q, k, v, backend="nope"),
+    "refusing backend": lambda c, q, k, v: c.attend(q, k, v, backend="flex", return_weights=True),
+    "nan scale": lambda c, q, k, v: c.attend(q, k, v, scale=float("nan")),
+    "bad q": lambda c, q, k, v: c.attend(q[:, :, :, :5], k, v),
+    "bad k": lambda c, q, k, v: c.attend(q, k[:, :1], v),
+    "bad num_new": lambda c, q, k, v: c.attend(q, k, v, num_new=torch.tensor([3, 1])),
+}
+
+
+@pytest.mark.parametrize("call", list(BAD_CALLS))
+@pytest.mark.parametrize("kind", ["dynamic", "static", "sliding", "paged"])
+def test_a_failing_call_leaves_the_cache_unchanged(kind, call):
+    """Exception safety: a call that raises leaves lengths and contents exactly as before, and the
+    next valid call equals an untouched twin's."""
+    make = _all_kinds()[kind]
+    cache, twin = make(), make()
+    q, k, v = make_qkv(2, 4, 2, 5, 5, 8, seed=3)
+    for c in (cache, twin):
+        c.attend(q, k, v)
+    before = _snapshot(cache)
+    q1, k1, v1 = make_qkv(2, 4, 2, 1, 1, 8, seed=4)
+    with pytest.raises((ValueError, TypeError, RuntimeError)):
+        BAD_CALLS[call](cache, q1, k1, v1)
+    after = _snapshot(cache)
+    assert after[0] == before[0]
+    for x, y in zip(after[1], before[1]):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    torch.testing.assert_close(cache.attend(q1, k1, v1), twin.attend(q1, k1, v1), rtol=0, atol=0)
+    if kind == "paged":
+        assert cache.allocator.num_free == twin.allocator.num_free
+        assert cache.allocator.open_step is None
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static", "sliding", "paged"])
+def test_a_step_over_several_layers_commits_in_all_or_none(kind):
+    make = _all_kinds()[kind]
+    if kind == "paged":
+        alloc = BlockAllocator(32, 4)
+        caches = [PagedKVCache(2, 8, allocator=alloc) for _ in range(3)]
+    else:
+        caches = [make() for _ in range(3)]
+    q, k, v = make_qkv(2, 4, 2, 5, 5, 8, seed=1)
+    with attnkit.caches.step(caches, batch=2, tokens=5) as bound:
+        outs = [c.attend(q, k, v) for c in bound]
+    assert all(c.lengths.tolist() == [5, 5] for c in caches)
+    window = attnkit.masks.SlidingWindow(3) if kind == "sliding" else None  # the sliding cache's window is 4
+    torch.testing.assert_close(outs[2], attnkit.attention(q, k, v, window, causal=True))
+    q1, k1, v1 = make_qkv(2, 4, 2, 1, 1, 8, seed=2)
+    with pytest.raises(ValueError, match="mask"):
+        with attnkit.caches.step(caches, batch=2, tokens=1) as bound:
+            bound[0].attend(q1, k1, v1)
+            bound[1].attend(q1, k1, v1)
+            bound[2].attend(q1, k1, v1, torch.ones(1, 1, 1, 3, dtype=torch.bool))  # the last layer fails
+    assert all(c.lengths.tolist() == [5, 5] for c in caches)  # no layer kept the token
+    with attnkit.caches.step(caches, batch=2, tokens=1) as bound:
+        got = [c.attend(q1, k1, v1) for c in bound]
+    want = attnkit.attention(torch.cat([q, q1], 2), torch.cat([k, k1], 2), torch.cat([v, v1], 2), window,
+                             causal=True)[:, :, 5:]
+    torch.testing.assert_close(got[0], want)
+    assert all(c.lengths.tolist() == [6, 6] for c in caches)
+
+
+def test_shared_paged_allocator_needs_an_explicit_step():
+    alloc = BlockAllocator(16, 4)
+    caches = [PagedKVCache(2, 8, allocator=alloc) for _ in range(2)]
+    q, k, v = make_qkv(1, 4, 2, 3, 3, 8)
+    with pytest.raises(RuntimeError, match="attnkit.caches.step"):
+        caches[0].attend(q, k, v)
+    with pytest.raises(RuntimeError, match="attnkit.caches.reorder"):
+        caches[0].reorder(torch.tensor([0]))
+    with attnkit.caches.step(caches, batch=1, tokens=3) as bound:
+        for c in bound:
+            c.attend(q, k, v)
+    attnkit.caches.reorder(caches, torch.tensor([0, 0]))  # once for the allocator, not once per layer
+    assert alloc.batch == (0, 1) and caches[1].lengths.tolist() == [3, 3]
+    attnkit.caches.crop(caches, -1)
+    assert caches[0].lengths.tolist() == [2, 2]
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static", "sliding"])
+def test_reorder_refuses_bool_and_float_indices(kind):
+    cache = _all_kinds()[kind]()
+    q, k, v = make_qkv(2, 4, 2, 3, 3, 8)
+    cache.attend(q, k, v)
+    for bad in (torch.tensor([True, False]), torch.tensor([0.0, 1.0]), torch.tensor([[0, 1]])):
+        with pytest.raises(ValueError, match="indices"):
+            cache.reorder(bad)
+    assert cache.lengths.tolist() == [3, 3]
+
+
+def test_attend_takes_what_attention_takes():
     q, k, v = make_qkv(2, 4, 2, 6, 6, 8, seed=7)
     keep = torch.rand(2, 1, 6, 6, generator=torch.Generator().manual_seed(0)) > 0.3
     got = DynamicCache(2, 8).attend(q, k, v, keep)  # a bool tensor, ANDed with the cache's causal mask
     want = attnkit.attention(q, k, v, attnkit.masks.Dense(keep) & attnkit.masks.Causal())
     torch.testing.assert_close(got, want)
-    cache = StaticCache(2, 8, max_batch=2, max_len=8)
-    with pytest.raises(ValueError, match=r"append_uniform: k \(2, 3, 1, 8\)"):
-        cache.append_uniform(torch.zeros(2, 3, 1, 8), torch.zeros(2, 3, 1, 8), 0)
-    with pytest.raises(ValueError, match="max_len 8"):
-        cache.append_uniform(k, v, 5)
     assert attnkit.caches.new_cache("dynamic", (2, 8, 8)).bytes_per_token == 2 * 16 * 4  # fp32 by default

@@ -13,13 +13,15 @@ from __future__ import annotations
 import logging
 import math
 import os
+from dataclasses import replace
 
 import torch
 from torch import Tensor
 
 from . import backends  # noqa: F401  (registers the built-in backends)
-from .backends.registry import AttentionCall, get_backend, select
-from .masks import as_mask
+from .backends.registry import AttentionCall, get_backend, reads_in_place, select
+from .kvlayout import PagedKV
+from .masks import KeyPadding, as_mask
 from .reference import attention_math
 
 __all__ = ["attention", "describe_call", "check_qkv", "set_debug"]
@@ -67,16 +69,25 @@ if os.environ.get("ATTNKIT_DEBUG", "").strip().lower() not in ("", "0", "false",
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _shape(t: Tensor) -> tuple[int, ...]:
-    return tuple(t.shape)
+def _shape(t) -> tuple[int, ...] | str:
+    if isinstance(t, PagedKV):
+        return f"paged(pool {tuple(t.k_pool.shape)}, table {tuple(t.block_table.shape)})"
+    return tuple(getattr(t, "shape", ()))
 
 
 def check_qkv(q, k, v, scale=None, *, layout: str = "(B, H, S, D)") -> float:
     """Check q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv) and ``scale``; errors name
-    the argument and the shapes (``layout`` is how the 4 dims are described in them). Returns
-    the scale (default 1 / sqrt(D))."""
+    the argument and the shapes (``layout`` is how the 4 dims are described in them). ``k`` may
+    be a :class:`attnkit.PagedKV` (then ``v`` is None). Returns the scale (default 1 / sqrt(D))."""
+    if isinstance(k, PagedKV):
+        if v is not None:
+            raise ValueError("v must be None when k is a PagedKV (it holds both K and V)")
+        k.validate()
+        if not isinstance(q, Tensor):
+            raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+        k, v = _PagedShape(k, "k"), _PagedShape(k, "v")
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor):
+        if not isinstance(t, (Tensor, _PagedShape)):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{name} must have 4 dims {layout}, got shape {_shape(t)}")
@@ -108,10 +119,22 @@ def check_qkv(q, k, v, scale=None, *, layout: str = "(B, H, S, D)") -> float:
     return float(scale)
 
 
+class _PagedShape:
+    """The logical dense shape (B, Hkv, L, D|Dv) of a PagedKV's K or V, for the shape checks."""
+
+    def __init__(self, kv: PagedKV, which: str):
+        self.shape = torch.Size((kv.batch, kv.kv_heads, kv.kv_len(), kv.head_dim if which == "k" else kv.value_dim))
+        self.dtype, self.device = kv.dtype, kv.device
+
+    def dim(self) -> int:
+        return 4
+
+
 def _validate(q, k, v, mask, causal, scale, dropout_p, return_weights, backend="auto") -> AttentionCall:
     scale = check_qkv(q, k, v, scale)
+    paged = isinstance(k, PagedKV)
     B, Hq, Sq, D = q.shape
-    _, Hkv, Sk, Dv = v.shape
+    _, Hkv, Sk, Dv = _PagedShape(k, "v").shape if paged else v.shape
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     if not isinstance(return_weights, bool):
@@ -119,17 +142,20 @@ def _validate(q, k, v, mask, causal, scale, dropout_p, return_weights, backend="
     if backend != "auto":
         get_backend(backend)  # unknown names and non-strings fail here, empty inputs included
     m = as_mask(mask, causal)
+    if paged:  # keys past each sequence's length are not there
+        m = KeyPadding(k.lengths) if m is None else m & KeyPadding(k.lengths)
     if m is not None:
         m.check(B, Hq, Sq, Sk)
         if m.allows_all(Sq, Sk):  # e.g. causal decode (Sq = 1): nothing to mask
             m = None
         if isinstance(mask, Tensor) and mask.device != q.device:
             raise ValueError(f"mask is on {mask.device} but q is on {q.device}")
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    kv = (k.k_pool, k.v_pool) if paged else (k, v)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, *kv))
     return AttentionCall(
         batch=B, q_heads=Hq, kv_heads=Hkv, q_len=Sq, kv_len=Sk, head_dim=D, v_head_dim=Dv,
         dtype=q.dtype, device=q.device, mask=m, scale=float(scale), dropout_p=float(dropout_p),
-        return_weights=return_weights, needs_grad=needs_grad,
+        return_weights=return_weights, needs_grad=needs_grad, kv_layout="paged" if paged else "dense",
     )
 
 
@@ -150,8 +176,10 @@ def attention(
     Args:
         q: (B, Hq, Sq, D) queries.
         k: (B, Hkv, Sk, D) keys; Hq must be a multiple of Hkv (query head h uses KV head
-            h // (Hq // Hkv)). K and V are never copied per query head.
-        v: (B, Hkv, Sk, Dv) values.
+            h // (Hq // Hkv)). K and V are never copied per query head. Or a
+            :class:`attnkit.PagedKV` holding paged keys and values (Sk = max(lengths); keys past
+            a sequence's length are masked); then ``v`` is None.
+        v: (B, Hkv, Sk, Dv) values (None with a PagedKV).
         mask: None, a bool tensor (True = attend), a float tensor added to the scores, or an
             :mod:`attnkit.masks` object; broadcastable to (B, Hq, Sq, Sk). ANDed with ``causal``.
         causal: bottom-right aligned causal mask: query i sees key j iff j <= i + (Sk - Sq).
@@ -173,6 +201,9 @@ def attention(
     """
     call = _validate(q, k, v, mask, causal, scale, dropout_p, return_weights, backend)
     chosen = None if call.is_empty else select(call, backend)
+    if call.kv_layout == "paged" and (chosen is None or not reads_in_place(chosen, call)):
+        k, v = k.gather()  # a backend that reads dense K/V
+        call = replace(call, kv_layout="dense")
     if _DEBUG:
         _log_call(chosen, q, k, v, call)
     if chosen is None:
@@ -196,4 +227,8 @@ def describe_call(q: Tensor, k: Tensor, v: Tensor, mask=None, *, causal: bool = 
     if call.is_empty:
         return "math"
     chosen = select(call, backend)
+    if call.kv_layout == "paged" and not reads_in_place(chosen, call):
+        if detail:
+            k, v = k.gather()
+        call = replace(call, kv_layout="dense")
     return _detailed_name(chosen, q, k, v, call) if detail else chosen.name

@@ -89,6 +89,15 @@ class Mask:
         """The tensors this mask holds (lengths, offsets, dense masks)."""
         return ()
 
+    def key_range(self, batch: int, q_len: int, kv_len: int, device=None) -> tuple[Tensor, Tensor] | None:
+        """The mask as one interval of keys per query row, or None when it is not one.
+
+        Returns (lo, hi), int64 tensors broadcastable to (B, Sq): query i of sequence b sees key
+        j iff ``lo[b, i] <= j < hi[b, i]`` (before clamping to [0, Sk)), the same for every
+        head. Causal, windows, padding and prefix-LM masks are intervals (and so are ANDs of
+        them); kernels that walk keys in order use this instead of a materialized mask."""
+        return None
+
     def cache_key(self) -> tuple:
         """Hashable key of what this mask allows, for caches of derived structures (FlexAttention
         block masks). Tensor-free masks: their structure. Masks holding tensors: this object and
@@ -153,6 +162,10 @@ class _Positional(Mask):
         kj = torch.arange(kv_len, device=device).reshape(1, 1, 1, -1)
         return qi + self._offset(q_len, kv_len, device), kj
 
+    def _positions(self, q_len: int, kv_len: int, device) -> Tensor:
+        """(B|1, Sq) int64 position of each query in key coordinates."""
+        return torch.arange(q_len, device=device)[None] + self._offset(q_len, kv_len, device).reshape(-1, 1)
+
     def _offset_fn(self, q_len: int, kv_len: int, device) -> Callable[[Tensor], Tensor]:
         if self.offsets is not None:
             offsets = self.offsets.to(device)
@@ -187,6 +200,10 @@ class Causal(_Positional):
     def mask_mod(self, q_len, kv_len, device=None):
         off = self._offset_fn(q_len, kv_len, device)
         return lambda b, h, q, kv: kv <= q + off(b)
+
+    def key_range(self, batch, q_len, kv_len, device=None):
+        pos = self._positions(q_len, kv_len, torch.device(device or "cpu"))
+        return torch.zeros_like(pos), pos + 1
 
     def is_top_left_causal(self, q_len, kv_len):
         return self.offsets is None and (self.align == "top_left" or q_len == kv_len)
@@ -247,6 +264,12 @@ class SlidingWindow(_Positional):
             return super().cache_key()
         return ("window", self.left, self.right, self.align)
 
+    def key_range(self, batch, q_len, kv_len, device=None):
+        pos = self._positions(q_len, kv_len, torch.device(device or "cpu"))
+        lo = torch.zeros_like(pos) if self.left is None else pos - self.left
+        hi = torch.full_like(pos, kv_len) if self.right is None else pos + self.right + 1
+        return lo, hi
+
     def __repr__(self):
         return f"SlidingWindow(left={self.left}, right={self.right}, {self._describe_pos()})"
 
@@ -275,6 +298,11 @@ class PrefixLM(_Positional):
         prefix = self.prefix.to(device)
         pre = (lambda b: prefix[b]) if prefix.dim() else (lambda b: prefix)
         return lambda b, h, q, kv: (kv <= q + off(b)) | (kv < pre(b))
+
+    def key_range(self, batch, q_len, kv_len, device=None):
+        pos = self._positions(q_len, kv_len, torch.device(device or "cpu"))
+        prefix = self.prefix.to(pos.device).reshape(-1, 1)
+        return torch.zeros_like(pos), torch.maximum(pos + 1, prefix)
 
     def __repr__(self):
         return f"PrefixLM({self._describe_pos()})"
@@ -344,6 +372,14 @@ class KeyPadding(_Padding):
         ok = self._axis_valid_fn(kv_len, device)
         return lambda b, h, q, kv: ok(b, kv)
 
+    def key_range(self, batch, q_len, kv_len, device=None):
+        if self.lengths is None:
+            return None
+        lens = self.lengths.to(torch.device(device or "cpu")).reshape(-1, 1)
+        if self.side == "right":
+            return torch.zeros_like(lens), lens
+        return kv_len - lens, torch.full_like(lens, kv_len)
+
     def __repr__(self):
         return f"KeyPadding(side={self.side!r})"
 
@@ -359,6 +395,10 @@ class QueryPadding(_Padding):
     def mask_mod(self, q_len, kv_len, device=None):
         ok = self._axis_valid_fn(q_len, device)
         return lambda b, h, q, kv: ok(b, q)
+
+    def key_range(self, batch, q_len, kv_len, device=None):
+        valid = self._axis_valid(q_len, torch.device(device or "cpu")).long()  # (B|1, Sq)
+        return torch.zeros_like(valid), valid * kv_len  # a padded query sees [0, 0): nothing
 
     def __repr__(self):
         return f"QueryPadding(side={self.side!r})"
@@ -564,6 +604,16 @@ class And(_Compose):
 
     def is_top_left_causal(self, q_len, kv_len):
         return all(m.is_top_left_causal(q_len, kv_len) for m in self.masks)
+
+    def key_range(self, batch, q_len, kv_len, device=None):
+        lo = hi = None
+        for m in self.masks:
+            r = m.key_range(batch, q_len, kv_len, device)
+            if r is None:
+                return None
+            lo = r[0] if lo is None else torch.maximum(lo, r[0])
+            hi = r[1] if hi is None else torch.minimum(hi, r[1])
+        return lo, hi
 
     def allows_all(self, q_len, kv_len):
         return all(m.allows_all(q_len, kv_len) for m in self.masks)

@@ -1,8 +1,9 @@
-"""Built-in backends, registered in ``auto`` priority order: decode (small Sq), sdpa, math.
+"""Built-in backends, registered in ``auto`` priority order: decode and paged (small Sq on CPU,
+the split-K engine), triton (CUDA), sdpa, math.
 ``flex`` is registered but never picked by ``auto`` (its first call per shape compiles), nor is
 ``flash`` (the optional flash-attn package; why: :mod:`attnkit.backends.flash`)."""
 
-from .decode import DecodeBackend
+from .decode import SplitKBackend
 from .flash import FlashBackend
 from .flex import FlexBackend
 from .math import MathBackend
@@ -11,7 +12,8 @@ from .registry import (AttentionCall, BackendBase, BackendNotSupported, auto_ord
 from .sdpa import SdpaBackend
 from .triton import TritonBackend
 
-register_backend(DecodeBackend())
+register_backend(SplitKBackend("decode", "dense"))
+register_backend(SplitKBackend("paged", "paged"))
 register_backend(TritonBackend())  # auto: CUDA calls with unequal K/V widths (MLA decode) only
 register_backend(SdpaBackend())
 register_backend(MathBackend())

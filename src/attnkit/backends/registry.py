@@ -3,15 +3,20 @@
 A backend is an object with ``name``, ``available() -> str | None`` (None when usable on this
 machine, else why not), ``not_supported_reasons(call) -> list[str]``,
 ``auto_skip_reason(call) -> str | None`` (a call it runs correctly but another backend runs
-faster, so ``auto`` passes it over; forcing it still works) and
-``run(q, k, v, call) -> (out, weights | None)``. ``auto`` walks the registry in priority order
-and takes the first backend with no reasons; a forced backend that refuses raises
-:class:`BackendNotSupported` listing every backend's reasons.
+faster, so ``auto`` passes it over; forcing it still works), ``layouts`` (the K/V layouts it reads
+in place: "dense" tensors, "paged" :class:`attnkit.PagedKV`) and
+``run(q, k, v, call) -> (out, weights | None)`` (for a paged call ``k`` is the ``PagedKV`` and ``v``
+None). ``auto`` walks the registry in priority order and takes the first backend with no reasons;
+a forced backend that refuses raises :class:`BackendNotSupported` listing every backend's reasons.
+
+Paged calls: backends that read pages in place are tried first; any other backend can still run
+the call on the gathered dense K/V (:meth:`attnkit.PagedKV.gather`, done by ``attention()``), and
+is judged on that dense call.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -38,6 +43,7 @@ class AttentionCall:
     dropout_p: float
     return_weights: bool
     needs_grad: bool
+    kv_layout: str = "dense"  # "dense" tensors or "paged" (attnkit.PagedKV)
 
     @property
     def groups(self) -> int:
@@ -50,6 +56,7 @@ class AttentionCall:
 
 class Backend(Protocol):
     name: str
+    layouts: tuple[str, ...]
 
     def available(self) -> str | None: ...
 
@@ -64,6 +71,7 @@ class BackendBase:
     """Defaults for the protocol: available everywhere, supports everything, never skipped."""
 
     name = ""
+    layouts: tuple[str, ...] = ("dense",)
 
     def available(self) -> str | None:
         return None
@@ -110,9 +118,18 @@ def auto_order() -> list[str]:
     return list(_AUTO_ORDER)
 
 
+def reads_in_place(backend: Backend, call: AttentionCall) -> bool:
+    """True when ``backend`` takes ``call``'s K/V layout as is (else paged K/V is gathered)."""
+    return call.kv_layout in getattr(backend, "layouts", ("dense",))
+
+
 def reasons(backend: Backend, call: AttentionCall) -> list[str]:
     why = backend.available()
-    return [why] if why else backend.not_supported_reasons(call)
+    if why:
+        return [why]
+    if not reads_in_place(backend, call):  # judged on the gathered dense call
+        call = replace(call, kv_layout="dense")
+    return backend.not_supported_reasons(call)
 
 
 def explain(call: AttentionCall) -> dict[str, list[str]]:
@@ -136,8 +153,13 @@ def select(call: AttentionCall, backend: str = "auto") -> Backend:
                                                f"(q {call.batch, call.q_heads, call.q_len, call.head_dim}, "
                                                f"Sk={call.kv_len}, {call.dtype}, {call.device}):", call))
         return b
-    for name in _AUTO_ORDER:
-        b = _REGISTRY[name]
-        if not reasons(b, call) and b.auto_skip_reason(call) is None:
-            return b
+    # Paged K/V: first the backends that read pages in place, then any other (gathering first).
+    for in_place_only in ((True, False) if call.kv_layout != "dense" else (False,)):
+        for name in _AUTO_ORDER:
+            b = _REGISTRY[name]
+            if in_place_only and not reads_in_place(b, call):
+                continue
+            c = call if reads_in_place(b, call) else replace(call, kv_layout="dense")
+            if not reasons(b, c) and b.auto_skip_reason(c) is None:
+                return b
     raise BackendNotSupported(_refusal("no backend can run this call:", call))

@@ -1,11 +1,13 @@
-"""KV caches: one protocol (``update(k, v) -> (k_all, v_all, mask)``, ``lengths``, ``positions``,
-``nbytes``, ``bytes_per_token``, ``reset``, ``crop``, ``reorder``), several kinds."""
+"""KV caches: one protocol (``begin`` / ``write`` / ``view`` / ``commit`` / ``abort`` steps,
+``update``, ``attend``, ``lengths``, ``positions``, ``nbytes``, ``bytes_per_token``, ``reset``,
+``crop``, ``reorder``), several kinds, and :func:`step` to run several layers' caches as one
+transaction."""
 
-from .base import DynamicCache, KVCache, StaticCache
+from .allocator import BlockAllocator, OutOfBlocks, PagedStep
+from .base import BoundCache, CacheStep, DynamicCache, KVCache, StaticCache, crop, reorder, reset, step
 from .factory import new_cache
-from .paged import BlockAllocator, OutOfBlocks, PagedKVCache
+from .paged import PagedKVCache
 from .sliding import SlidingWindowCache
 
-__all__ = ["KVCache", "DynamicCache", "StaticCache", "SlidingWindowCache", "PagedKVCache", "BlockAllocator", "OutOfBlocks",
-           "new_cache"]
-
+__all__ = ["KVCache", "CacheStep", "BoundCache", "DynamicCache", "StaticCache", "SlidingWindowCache", "PagedKVCache",
+           "BlockAllocator", "OutOfBlocks", "PagedStep", "new_cache", "step", "reorder", "crop", "reset"]

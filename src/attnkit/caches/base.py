@@ -1,25 +1,27 @@
-"""The KV-cache protocol and the contiguous caches (dynamic and static).
+"""The KV-cache protocol, the explicit step, and the contiguous caches (dynamic and static).
 
 Notation: B batch, Hkv key/value heads (a cache never stores K/V repeated to Hq heads), S new
 tokens this step, L cache length (or capacity), D key head dim, Dv value head dim.
 
-Every cache keeps ``lengths`` (B,): how many tokens each sequence holds. ``update(k, v)`` writes
-this step's S tokens of sequence b at positions ``lengths[b] .. lengths[b] + S - 1`` and returns
-what to attend to plus the mask that makes it right::
+Every cache keeps ``lengths`` (B,): how many tokens each sequence holds. A forward appends one
+*step*: row b gains ``num_new[b]`` of the step's S tokens (default all), written at positions
+``lengths[b] .. lengths[b] + num_new[b] - 1``; query i of row b sits at ``lengths[b] + i`` and sees
+the keys at or before it. Prefill, decode of one or several tokens (speculative verification) and
+chunked prefill are all steps.
 
-    k_all, v_all, mask = cache.update(k, v)         # k: (B, Hkv, S, D)
-    out = attnkit.attention(q, k_all, v_all, mask)  # q: (B, Hq, S, D), no causal flag needed
+A step is a transaction: ``step = cache.begin(B, S, num_new)`` validates it and makes room,
+``cache.write(step, k, v)`` stores this step's K/V where nothing committed is overwritten (or
+keeps what it overwrites), ``cache.view(step)`` is what attention reads, and ``commit(step)``
+makes it the cache's state, or ``abort(step)`` forgets it. One layer::
 
-``mask`` is ``Causal(offsets=old_lengths) & KeyPadding(new_lengths)``: query i of sequence b sits
-at position ``old_lengths[b] + i`` and sees the keys at or before it. (``DynamicCache`` returns
-the equivalent plain ``Causal()`` when every sequence is equally long.) Prefill, decode of one or
-several tokens (speculative verification) and chunked prefill all go through the same call.
-Ragged batches: ``update(k, v, num_new=n)`` with right-padded new tokens advances sequence b by
-``n[b]`` only (its padding is overwritten by the next step).
+    out = cache.attend(q, k, v)          # begin, write, attention(), commit; a raise aborts
+    k_all, v_all, mask = cache.update(k, v)   # the same without the attention
 
-Modules call ``cache.attend(q, k, v, mask)``: update, then :func:`attnkit.attention` over what
-the cache returns. A cache whose memory is not one tensor per sequence (paged) overrides
-``attend`` to run its own attention over its layout, with the same result.
+Several layers (a model): one step for every cache, committed only when every layer succeeded::
+
+    with attnkit.caches.step(caches, batch=B, tokens=S) as bound:   # bound[i]: caches[i] in the step
+        for layer, c in zip(layers, bound):
+            x = layer(x, cache=c)        # c.attend / c.update write into the step, no commit
 
 ``value_from_key=True`` stores K only and reads V as its first ``v_head_dim`` channels
 (``v_head_dim <= head_dim``): MLA's latent cache keeps ``[c_kv, k_rope]`` per token and attends
@@ -28,23 +30,59 @@ with V = ``c_kv``, so nothing is stored twice. ``update(k, None)`` then.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator, Sequence
+
 import torch
 from torch import Tensor, nn
 
 from ..functional import attention
 from ..masks import Causal, KeyPadding, Mask, as_mask
 
-__all__ = ["KVCache", "DynamicCache", "StaticCache"]
+__all__ = ["KVCache", "DynamicCache", "StaticCache", "CacheStep", "BoundCache", "step", "reorder", "crop", "reset"]
 
 
-def _shape(t: Tensor) -> tuple[int, ...]:
-    return tuple(t.shape)
+def _shape(t) -> tuple[int, ...]:
+    return tuple(getattr(t, "shape", ()))
+
+
+class CacheStep:
+    """What one forward appends: ``old`` (B,) lengths before, ``num_new`` (B,) tokens each row
+    gains, ``new`` (B,) lengths after, ``tokens`` S per row (rows with num_new < S carry padding),
+    and the same as host lists when known (``*_host``; None in a traced, compiled step)."""
+
+    def __init__(self, old: Tensor, num_new: Tensor, tokens: int, *, old_host: list[int] | None = None,
+                 num_new_host: list[int] | None = None):
+        self.old, self.num_new, self.new, self.tokens = old, num_new, old + num_new, tokens
+        self.batch = old.shape[0]
+        self.old_host, self.num_new_host = old_host, num_new_host
+        self.new_host = None if old_host is None else [o + n for o, n in zip(old_host, num_new_host)]
+        self.writers: set[int] = set()  # caches that wrote this step (each writes once)
+
+    @property
+    def uniform(self) -> bool:
+        """Every row holds the same number of tokens and gains all S (the plain causal case)."""
+        h = self.old_host
+        return h is not None and min(h, default=0) == max(h, default=0) and all(
+            n == self.tokens for n in self.num_new_host)
+
+    def positions(self) -> Tensor:
+        """(B, S) position of each new token (for RoPE)."""
+        return self.old[:, None] + torch.arange(self.tokens, device=self.old.device)
+
+    def mask(self) -> Mask:
+        """Over the rows' keys 0 .. L-1: query i of row b sees keys ``<= old[b] + i`` that exist."""
+        if self.uniform:
+            return Causal()
+        return Causal(offsets=self.old) & KeyPadding(self.new)
 
 
 class KVCache(nn.Module):
-    """Base of the caches: per-sequence ``lengths``, size accounting, the update contract.
+    """Base of the caches: per-sequence ``lengths``, size accounting, the step protocol.
 
-    Buffers are non-persistent (``.to()`` moves them; state dicts stay weight-only).
+    Buffers are non-persistent (``.to()`` moves them; state dicts stay weight-only). Subclasses
+    implement ``begin``, ``write``, ``view`` and ``_commit`` (and ``_abort`` if writing can
+    overwrite committed data).
     """
 
     def __init__(self, kv_heads: int, head_dim: int, v_head_dim: int | None = None, *,
@@ -56,6 +94,8 @@ class KVCache(nn.Module):
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
         if value_from_key and v_head_dim > head_dim:
             raise ValueError(f"value_from_key needs v_head_dim <= head_dim, got {v_head_dim} > {head_dim}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
         self.kv_heads, self.head_dim, self.v_head_dim = kv_heads, head_dim, v_head_dim
         self.value_from_key = bool(value_from_key)
         self.dtype = dtype
@@ -74,7 +114,7 @@ class KVCache(nn.Module):
         """Bytes this cache holds allocated now (capacity, not just the filled part)."""
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
-    # ---------------------------------------------------------------- protocol
+    # ---------------------------------------------------------------- the step protocol
 
     def positions(self, num_new: int) -> Tensor:
         """(B, S) positions of the next ``num_new`` tokens of each sequence (for RoPE); (1, S)
@@ -82,56 +122,121 @@ class KVCache(nn.Module):
         step = torch.arange(num_new, device=self.lengths.device)
         return step[None] if self.lengths.numel() == 0 else self.lengths[:, None] + step
 
-    def update(self, k: Tensor, v: Tensor | None, *, num_new: Tensor | None = None) -> tuple[Tensor, Tensor, Mask]:
-        """Append this step's k (B, Hkv, S, D) and v (B, Hkv, S, Dv) (None with
-        ``value_from_key``); returns (k_all (B, Hkv, L, D), v_all (B, Hkv, L, Dv), mask)."""
+    def begin(self, batch: int, tokens: int, num_new=None, *, token_ids=None) -> CacheStep:
+        """Validate a step of ``tokens`` new tokens for ``batch`` rows (row b keeps ``num_new[b]``
+        of them) and make room; changes nothing a reader of the cache sees."""
         raise NotImplementedError
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor | None, mask=None, *,
-               num_new: Tensor | None = None, scale: float | None = None, dropout_p: float = 0.0,
-               backend: str = "auto", return_weights: bool = False):
-        """Append k (B, Hkv, S, D), v (B, Hkv, S, Dv) and attend q (B, Hq, S, D) over everything
-        cached. ``mask`` (anything :func:`attnkit.attention` takes, over (B, Hq, S, L)) is ANDed
-        with the cache's own. Returns what :func:`attnkit.attention` returns: (B, Hq, S, Dv)."""
-        user_mask = as_mask(mask)
-        k_all, v_all, cache_mask = self.update(k, v, num_new=num_new)
-        full = cache_mask if user_mask is None else cache_mask & user_mask
-        return attention(q, k_all, v_all, full, scale=scale, dropout_p=dropout_p, backend=backend,
-                         return_weights=return_weights)
+    def write(self, step: CacheStep, k: Tensor, v: Tensor | None) -> None:
+        """Store this step's k (B, Hkv, S, D) and v (B, Hkv, S, Dv) (None with value_from_key)."""
+        raise NotImplementedError
 
-    def _check_new(self, k: Tensor, v: Tensor | None, num_new) -> Tensor:
-        """Validate this step's K/V; returns num_new as a (B,) long tensor."""
+    def view(self, step: CacheStep, *, dense: bool = False):
+        """(k_all, v_all, mask) to attend to after ``write``: tensors (B, Hkv, L, ·) (or, for a
+        paged cache unless ``dense``, a :class:`attnkit.PagedKV` and None) and the step's mask."""
+        raise NotImplementedError
+
+    def commit(self, step: CacheStep) -> None:
+        """Make ``step`` the cache's state (lengths advance)."""
+        self._commit(step)
+
+    def abort(self, step: CacheStep) -> None:
+        """Forget ``step``: the cache is as before :meth:`begin` (lengths and contents)."""
+        self._abort(step)
+
+    def _commit(self, step: CacheStep) -> None:
+        raise NotImplementedError
+
+    def _abort(self, step: CacheStep) -> None:
+        pass  # contiguous caches wrote past the committed lengths only
+
+    def bind(self, step: CacheStep) -> "BoundCache":
+        """This cache inside ``step`` (what a layer of a multi-layer forward receives)."""
+        return BoundCache(self, step)
+
+    @contextlib.contextmanager
+    def _transaction(self, batch: int, tokens: int, num_new) -> Iterator["BoundCache"]:
+        st = self.begin(batch, tokens, num_new)
+        try:
+            yield self.bind(st)
+        except BaseException:
+            self.abort(st)
+            raise
+        self.commit(st)
+
+    def update(self, k: Tensor, v: Tensor | None, *, num_new=None):
+        """Append k (B, Hkv, S, D) and v (B, Hkv, S, Dv) (None with ``value_from_key``) as one
+        committed step; returns (k_all (B, Hkv, L, D), v_all (B, Hkv, L, Dv), mask)."""
+        B, S = self._batch_tokens(k)
+        with self._transaction(B, S, num_new) as c:
+            return c.update(k, v, num_new=num_new)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor | None, mask=None, *, num_new=None, **kwargs):
+        """Append k (B, Hkv, S, D), v (B, Hkv, S, Dv) and attend q (B, Hq, S, D) over everything
+        cached, as one step: committed if :func:`attnkit.attention` returns, aborted (the cache
+        unchanged) if anything raises. ``mask`` (anything attention takes, over (B, Hq, S, L))
+        is ANDed with the cache's own; ``kwargs`` are attention's (scale, dropout_p, backend,
+        return_weights, ...). Returns what :func:`attnkit.attention` returns: (B, Hq, S, Dv)."""
+        B, S = self._batch_tokens(k)
+        with self._transaction(B, S, num_new) as c:
+            return c.attend(q, k, v, mask, num_new=num_new, **kwargs)
+
+    @staticmethod
+    def _batch_tokens(k) -> tuple[int, int]:
+        if not isinstance(k, Tensor) or k.dim() != 4:
+            raise ValueError(f"k must be a (B, Hkv, S, D) tensor, got shape {_shape(k)}")
+        return k.shape[0], k.shape[2]
+
+    # ---------------------------------------------------------------- validation helpers
+
+    def _check_step_args(self, batch, tokens, num_new) -> tuple[int, int, Tensor, list[int] | None]:
+        """(B, S, num_new (B,) long, its host list or None under compile), validated."""
+        for name, val in (("batch", batch), ("tokens", tokens)):
+            if not isinstance(val, int) or isinstance(val, bool) or val < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {val!r}")
+        if self.lengths.numel() and batch != self.lengths.shape[0]:
+            raise ValueError(f"this step has batch {batch} but the cache holds {self.lengths.shape[0]} sequences; "
+                             f"reset() or reorder() it first")
+        dev = self.lengths.device
+        if num_new is None:
+            return batch, tokens, torch.full((batch,), tokens, dtype=torch.long, device=dev), [tokens] * batch
+        n = torch.as_tensor(num_new, device=dev)
+        if n.dtype.is_floating_point or n.dtype == torch.bool or n.shape not in ((batch,), ()):
+            raise ValueError(f"num_new must be an int or a (B,) int tensor with B={batch}, got "
+                             f"{n.dtype} of shape {tuple(n.shape)}")
+        n = n.long().expand(batch)
+        if torch.compiler.is_compiling():
+            return batch, tokens, n, None
+        host = n.tolist()
+        if any(x < 0 or x > tokens for x in host):
+            raise ValueError(f"num_new must be in [0, S={tokens}], got {host}")
+        return batch, tokens, n, host
+
+    def _check_kv(self, step: CacheStep, k: Tensor, v: Tensor | None) -> Tensor:
+        """Validate this step's K/V against the cache and the step; returns v (a view of k with
+        value_from_key)."""
         if self.value_from_key:
             if v is not None:
                 raise ValueError("this cache reads V from K (value_from_key=True); pass v=None")
-            v = k[..., :self.v_head_dim]
+            if isinstance(k, Tensor):
+                v = k[..., :self.v_head_dim]
         elif v is None:
             raise ValueError("v is None but this cache stores values (value_from_key=False)")
+        if not isinstance(k, Tensor) or not isinstance(v, Tensor) or k.dim() != 4 or v.dim() != 4:
+            raise ValueError(f"k and v must be (B, Hkv, S, D) tensors, got k {_shape(k)}, v {_shape(v)}")
         if k.dtype != self.dtype or v.dtype != self.dtype:
             raise TypeError(f"k/v dtype {k.dtype}/{v.dtype} differs from the cache's {self.dtype}")
-        if k.dim() != 4 or v.dim() != 4:
-            raise ValueError(f"k and v must be (B, Hkv, S, D), got k {_shape(k)}, v {_shape(v)}")
         B, H, S, D = k.shape
         if v.shape[:3] != k.shape[:3] or H != self.kv_heads or D != self.head_dim or v.shape[3] != self.v_head_dim:
             raise ValueError(f"k {_shape(k)} and v {_shape(v)} do not fit this cache "
                              f"(Hkv={self.kv_heads}, D={self.head_dim}, Dv={self.v_head_dim})")
-        if self.lengths.numel() and B != self.lengths.shape[0]:
-            raise ValueError(f"k has batch {B} but the cache holds {self.lengths.shape[0]} sequences; "
-                             f"reset() or reorder() it first")
-        if num_new is None:
-            return torch.full((B,), S, dtype=torch.long, device=k.device)
-        n = torch.as_tensor(num_new, device=k.device)
-        if n.dtype.is_floating_point or n.dtype == torch.bool or n.shape not in ((B,), ()):
-            raise ValueError(f"num_new must be an int or a (B,) int tensor with B={B}, got "
-                             f"{n.dtype} of shape {tuple(n.shape)}")
-        n = n.long().expand(B)
-        if not torch.compiler.is_compiling() and ((n < 0) | (n > S)).any():
-            raise ValueError(f"num_new must be in [0, S={S}], got {n.tolist()}")
-        return n
-
-    @staticmethod
-    def _mask(old: Tensor, new: Tensor) -> Mask:
-        return Causal(offsets=old) & KeyPadding(new)
+        if (B, S) != (step.batch, step.tokens):
+            raise ValueError(f"k {_shape(k)} does not fit the step (B={step.batch}, S={step.tokens})")
+        if k.device != self.lengths.device:
+            raise ValueError(f"k is on {k.device} but the cache is on {self.lengths.device}")
+        if id(self) in step.writers:
+            raise RuntimeError("this cache already wrote this step (each layer writes a step once)")
+        return v
 
     # ---------------------------------------------------------------- editing
 
@@ -142,7 +247,10 @@ class KVCache(nn.Module):
     def crop(self, n) -> None:
         """Keep the first ``n`` tokens of each sequence (int or (B,) tensor); a negative int drops
         ``-n`` tokens from the end (rolling back rejected speculative tokens)."""
-        n = torch.as_tensor(n, device=self.lengths.device).long()
+        n = torch.as_tensor(n, device=self.lengths.device)
+        if n.dtype.is_floating_point or n.dtype == torch.bool or n.dim() > 1:
+            raise ValueError(f"n must be an int or a (B,) int tensor, got {n.dtype} of shape {tuple(n.shape)}")
+        n = n.long()
         keep = self.lengths + n if (n.dim() == 0 and int(n) < 0) else n.expand_as(self.lengths)
         if (keep < 0).any():
             raise ValueError(f"crop({n.tolist()}) would leave a negative length: lengths {self.lengths.tolist()}")
@@ -150,21 +258,149 @@ class KVCache(nn.Module):
 
     def reorder(self, indices: Tensor) -> None:
         """Select / repeat sequences along the batch (beam search): new sequence i = old indices[i]."""
-        idx = torch.as_tensor(indices, device=self.lengths.device)
-        if idx.dtype.is_floating_point or idx.dim() != 1:
-            raise ValueError(f"indices must be a 1-D int tensor, got {idx.dtype} of shape {tuple(idx.shape)}")
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.lengths.shape[0]):
-            raise ValueError(f"indices {idx.tolist()} out of range for {self.lengths.shape[0]} sequences")
-        self._reorder_buffers(idx.long())
+        idx = _check_indices(indices, self.lengths.shape[0], self.lengths.device)
+        self._reorder_buffers(idx)
         self.lengths = self.lengths[idx]
 
     def _reorder_buffers(self, idx: Tensor) -> None:
         raise NotImplementedError
 
 
+def _check_indices(indices, batch: int, device) -> Tensor:
+    idx = torch.as_tensor(indices, device=device)
+    if idx.dtype.is_floating_point or idx.dtype == torch.bool or idx.is_complex() or idx.dim() != 1:
+        raise ValueError(f"indices must be a 1-D integer tensor, got {idx.dtype} of shape {tuple(idx.shape)}")
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= batch):
+        raise ValueError(f"indices {idx.tolist()} out of range for {batch} sequences")
+    return idx.long()
+
+
+class BoundCache:
+    """A cache inside one open step (see :func:`step`): ``attend`` / ``update`` write this
+    layer's K/V into the step and read the step's view; the step commits (or aborts) for every
+    layer at once. Other attributes (``kv_heads``, ``head_dim``, ``dtype``, ...) are the cache's."""
+
+    def __init__(self, cache: KVCache, step: CacheStep):
+        self.cache, self.step = cache, step
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["cache"], name)
+
+    def __repr__(self) -> str:
+        return f"BoundCache({self.cache!r}, B={self.step.batch}, S={self.step.tokens})"
+
+    @property
+    def lengths(self) -> Tensor:
+        """(B,) tokens each row held before this step."""
+        return self.step.old
+
+    def positions(self, num_new: int) -> Tensor:
+        """(B, S) positions of this step's tokens."""
+        if num_new != self.step.tokens:
+            raise ValueError(f"positions({num_new}) but the step has S={self.step.tokens} tokens per row")
+        return self.step.positions()
+
+    def _check_num_new(self, num_new) -> None:
+        if num_new is not None and not torch.compiler.is_compiling():
+            n = torch.as_tensor(num_new).expand(self.step.batch).tolist()
+            if n != self.step.num_new_host:
+                raise ValueError(f"num_new {n} differs from the step's {self.step.num_new_host}")
+
+    def update(self, k: Tensor, v: Tensor | None, *, num_new=None):
+        """Write k, v into the step; (k_all, v_all, mask) dense tensors to attend to."""
+        self._check_num_new(num_new)
+        self.cache.write(self.step, k, v)
+        return self.cache.view(self.step, dense=True)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor | None, mask=None, *, num_new=None, **kwargs):
+        """Write k, v into the step and attend q (B, Hq, S, D) over the step's view, ANDed with
+        ``mask``; ``kwargs`` are :func:`attnkit.attention`'s."""
+        self._check_num_new(num_new)
+        user_mask = as_mask(mask)
+        if not isinstance(q, Tensor) or q.dim() != 4 or q.shape[0] != self.step.batch or q.shape[2] != self.step.tokens:
+            raise ValueError(f"q must be (B, Hq, S, D) with B={self.step.batch}, S={self.step.tokens}, got shape "
+                             f"{_shape(q)}")
+        self.cache.write(self.step, k, v)
+        k_all, v_all, cache_mask = self.cache.view(self.step)
+        full = cache_mask if user_mask is None else cache_mask & user_mask
+        return attention(q, k_all, v_all, full, **kwargs)
+
+
+@contextlib.contextmanager
+def step(caches: Sequence[KVCache], *, batch: int, tokens: int, num_new=None,
+         token_ids=None) -> Iterator[list[BoundCache]]:
+    """One step for several caches (the layers of a model): yields the caches bound to it, and
+    commits every cache when the block finishes, or aborts every one if it raises. Paged caches
+    of one allocator share its step. ``token_ids``: per row, the ids of the new tokens (confirmed
+    for prefix caching by paged caches)."""
+    caches = list(caches)
+    steps: list[CacheStep] = []
+    shared: dict[int, CacheStep] = {}
+    try:
+        for c in caches:
+            key = getattr(c, "step_group", None)
+            if key is not None and key in shared:
+                steps.append(shared[key])
+                continue
+            st = c.begin(batch, tokens, num_new, token_ids=token_ids)
+            steps.append(st)
+            if key is not None:
+                shared[key] = st
+    except BaseException:
+        for c, st in _unique(caches, steps):
+            c.abort(st)
+        raise
+    try:
+        yield [c.bind(st) for c, st in zip(caches, steps)]
+    except BaseException:
+        for c, st in _unique(caches, steps):
+            c.abort(st)
+        raise
+    for c, st in _unique(caches, steps):
+        c.commit(st)
+
+
+def _unique(caches, steps):
+    """(cache, step) with each step once (paged caches of one allocator share theirs)."""
+    seen = set()
+    for c, st in zip(caches, steps):
+        if id(st) not in seen:
+            seen.add(id(st))
+            yield c, st
+
+
+def reorder(caches: Sequence[KVCache], indices) -> None:
+    """``reorder(indices)`` on every cache (paged caches of one allocator reorder it once)."""
+    for c in _one_per_group(caches):
+        getattr(c, "reorder_group", c.reorder)(indices)
+
+
+def crop(caches: Sequence[KVCache], n) -> None:
+    """``crop(n)`` on every cache (paged caches of one allocator crop it once)."""
+    for c in _one_per_group(caches):
+        getattr(c, "crop_group", c.crop)(n)
+
+
+def reset(caches: Sequence[KVCache]) -> None:
+    """``reset()`` on every cache."""
+    for c in _one_per_group(caches):
+        c.reset()
+
+
+def _one_per_group(caches):
+    seen = set()
+    for c in caches:
+        key = getattr(c, "step_group", None)
+        if key is None or key not in seen:
+            if key is not None:
+                seen.add(key)
+            yield c
+
+
 class _ContiguousCache(KVCache):
-    """K/V in (B, Hkv, capacity, D) buffers; tokens written in place by scatter (no cat per step).
-    With ``value_from_key`` there is no V buffer (``v_buf`` stays empty)."""
+    """K/V in (B, Hkv, capacity, D) buffers; a step's tokens are written past the committed
+    lengths (so an aborted step leaves nothing behind). With ``value_from_key`` there is no V
+    buffer (``v_buf`` stays empty)."""
 
     def __init__(self, kv_heads, head_dim, v_head_dim=None, *, value_from_key=False, dtype=torch.float32,
                  device=None):
@@ -187,73 +423,36 @@ class _ContiguousCache(KVCache):
             buf[:rows, :, :cols] = old[:rows, :, :cols]
             setattr(self, name, buf)
 
-    def _write(self, k: Tensor, v: Tensor | None, start: Tensor | int) -> None:
-        """Write the step's S tokens of sequence b at ``start[b] ..`` (an int: one slice copy)."""
+    def _old(self, batch: int) -> Tensor:
+        return self.lengths if self.lengths.numel() else torch.zeros(batch, dtype=torch.long,
+                                                                      device=self.lengths.device)
+
+    def write(self, step, k, v):
+        v = self._check_kv(step, k, v)
         B, H, S, _ = k.shape
+        uniform = step.old_host is not None and min(step.old_host, default=0) == max(step.old_host, default=0)
         for (name, dim), t in zip(self._stored(), (k, v)):
             buf = getattr(self, name)
-            if isinstance(start, int):
+            if uniform:  # one slice copy
+                start = step.old_host[0] if step.old_host else 0
                 buf[:B, :, start:start + S].copy_(t)
             else:
-                pos = start[:, None] + torch.arange(S, device=k.device)  # (B, S)
+                pos = step.positions()  # (B, S); rows' padding tokens land past their new length
                 buf[:B].scatter_(2, pos[:, None, :, None].expand(B, H, S, dim), t)
+        step.writers.add(id(self))
 
     def _views(self, batch: int, length: int) -> tuple[Tensor, Tensor]:
         k = self.k_buf[:batch, :, :length]
         return k, (k[..., :self.v_head_dim] if self.value_from_key else self.v_buf[:batch, :, :length])
 
-    def _reserve(self, batch: int, needed: int) -> None:
-        """Make room for ``needed`` tokens per sequence for a batch of ``batch``."""
-        raise NotImplementedError
-
-    def _view_len(self) -> int:
-        """How many positions of the buffers ``update`` returns."""
-        raise NotImplementedError
-
-    def update(self, k, v, *, num_new=None):
-        n = self._check_new(k, v, num_new)
-        B, _, S, _ = k.shape
-        if self.lengths.numel() == 0:
-            self.lengths = torch.zeros(B, dtype=torch.long, device=k.device)
-        self._reserve(B, S)
-        old = self.lengths.clone()
-        self._write(k, v, old)
-        self.lengths.add_(n)  # in place: a static cache's buffers keep their identity under compile
-        return (*self._views(B, self._view_len()), self._mask(old, self.lengths))
-
     def _reorder_buffers(self, idx):
         for name, _ in self._stored():
             setattr(self, name, getattr(self, name)[: self.lengths.shape[0]][idx])
 
-    def append_uniform(self, k: Tensor, v: Tensor | None, start: int) -> tuple[Tensor, Tensor]:
-        """``update`` for a batch whose sequences all hold ``start`` tokens (a decode loop over
-        left-padded prompts keeps them so), without its checks and mask: one slice copy per
-        buffer and an in-place length bump. k (B, Hkv, S, D) -> (k_all, v_all) over
-        ``start + S`` positions, every key before each query (no mask needed)."""
-        if (k.dim() != 4 or k.shape[1] != self.kv_heads or k.shape[3] != self.head_dim or k.dtype != self.dtype
-                or (v is None) != self.value_from_key or start < 0):
-            raise ValueError(f"append_uniform: k {tuple(k.shape)} {k.dtype}, v "
-                             f"{None if v is None else tuple(v.shape)}, start={start} do not fit this cache "
-                             f"(Hkv={self.kv_heads}, D={self.head_dim}, {self.dtype}, value_from_key="
-                             f"{self.value_from_key})")
-        B, _, S, _ = k.shape
-        if self.lengths.numel() == 0:
-            self.lengths = torch.zeros(B, dtype=torch.long, device=k.device)
-        self._room_for(B, start + S)
-        self._write(k, v, start)
-        self.lengths.add_(S)
-        return self._views(B, start + S)
-
-    def _room_for(self, batch: int, end: int) -> None:
-        """Make room for ``end`` tokens in every sequence of a batch of ``batch`` (Python ints:
-        no device sync)."""
-        raise NotImplementedError
-
 
 class DynamicCache(_ContiguousCache):
     """Grows with the sequences: capacity doubles when full (amortised O(1) per token; one copy
-    per doubling, not a ``torch.cat`` per step). ``update`` returns views up to the longest
-    sequence's end.
+    per doubling, not a ``torch.cat`` per step). Views reach the longest sequence's end.
 
     Eager-only by design (its shapes change every step), so it mirrors ``lengths`` as Python
     ints: sizes need no device sync, and a batch whose sequences are all equally long (the
@@ -268,38 +467,21 @@ class DynamicCache(_ContiguousCache):
     def _sync_host(self) -> None:
         self._host = self.lengths.tolist()
 
-    def update(self, k, v, *, num_new=None):
-        n = self._check_new(k, v, num_new)
-        B, _, S, _ = k.shape
-        if not self._host:
-            self.lengths = torch.zeros(B, dtype=torch.long, device=k.device)
-            self._host = [0] * B
-        old_host = self._host
-        self._reserve(B, S)
-        new_host = [o + S for o in old_host] if num_new is None else [o + m for o, m in zip(old_host, n.tolist())]
-        if num_new is None and min(old_host) == max(old_host):  # uniform: one slice copy each
-            self._write(k, v, old_host[0])
-            mask = Causal()
-        else:
-            old = self.lengths.clone()
-            self._write(k, v, old)
-            mask = self._mask(old, self.lengths + n)
-        self.lengths.add_(n)
-        self._host = new_host
-        return (*self._views(B, max(new_host)), mask)
-
-    def _reserve(self, batch, needed):
-        self._room_for(batch, max(self._host) + needed)
-
-    def _room_for(self, batch, end):
+    def begin(self, batch, tokens, num_new=None, *, token_ids=None):
+        B, S, n, n_host = self._check_step_args(batch, tokens, num_new)
+        old_host = self._host if self._host else [0] * B
+        need = max(old_host, default=0) + S
         cap = self.k_buf.shape[2]
-        if self.k_buf.shape[0] != batch or end > cap:
-            self._alloc(batch, max(end, 2 * cap, 16))
+        if self.k_buf.shape[0] != B or need > cap:
+            self._alloc(B, max(need, 2 * cap, 16))  # keeps every committed token
+        return CacheStep(self._old(B), n, S, old_host=list(old_host), num_new_host=n_host)
 
-    def append_uniform(self, k, v, start):
-        views = super().append_uniform(k, v, start)
-        self._host = [start + k.shape[2]] * k.shape[0]
-        return views
+    def view(self, step, *, dense=False):
+        return (*self._views(step.batch, max(step.new_host, default=0)), step.mask())
+
+    def _commit(self, step):
+        self.lengths = step.new
+        self._host = list(step.new_host)
 
     def reset(self) -> None:
         super().reset()
@@ -315,35 +497,40 @@ class DynamicCache(_ContiguousCache):
 
 
 class StaticCache(_ContiguousCache):
-    """Preallocated (max_batch, Hkv, max_len, D) buffers: every ``update`` returns the same shapes
-    and the positions are tensors, so a decode step compiles once (``torch.compile``) and never
+    """Preallocated (max_batch, Hkv, max_len, D) buffers: every view has the same shapes and the
+    positions are tensors, so a decode step compiles once (``torch.compile``) and never
     recompiles per step. Writing past ``max_len`` raises a ValueError."""
 
     def __init__(self, kv_heads, head_dim, v_head_dim=None, *, max_batch: int, max_len: int,
                  value_from_key=False, dtype=torch.float32, device=None):
         super().__init__(kv_heads, head_dim, v_head_dim, value_from_key=value_from_key, dtype=dtype, device=device)
-        if max_batch < 1 or max_len < 1:
-            raise ValueError(f"max_batch and max_len must be >= 1, got {max_batch}, {max_len}")
+        for name, val in (("max_batch", max_batch), ("max_len", max_len)):
+            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+                raise ValueError(f"{name} must be a positive int, got {val!r}")
         self.max_batch, self.max_len = max_batch, max_len
         self._alloc(max_batch, max_len)
 
-    def _reserve(self, batch, needed):
-        self._room_for(batch, None)
+    def begin(self, batch, tokens, num_new=None, *, token_ids=None):
+        B, S, n, n_host = self._check_step_args(batch, tokens, num_new)
+        if B != self.max_batch:
+            raise ValueError(f"a step of batch {B} but the static cache was built for max_batch={self.max_batch}; "
+                             f"build it for the batch you run")
+        if self.lengths.numel() == 0:
+            self.lengths = torch.zeros(B, dtype=torch.long, device=self.lengths.device)
+        old_host = None
         if not torch.compiler.is_compiling():
-            end = int((self.lengths + needed).max())
+            old_host = self.lengths.tolist()
+            end = max(old_host, default=0) + S
             if end > self.max_len:
-                raise ValueError(f"writing {needed} tokens after lengths {self.lengths.tolist()} overflows "
-                                 f"the static cache's max_len {self.max_len}")
+                raise ValueError(f"writing {S} tokens after lengths {old_host} overflows the static cache's "
+                                 f"max_len {self.max_len}")
+        return CacheStep(self.lengths.clone(), n, S, old_host=old_host, num_new_host=n_host)
 
-    def _room_for(self, batch, end):
-        if batch != self.max_batch:
-            raise ValueError(f"k has batch {batch} but the static cache was built for max_batch="
-                             f"{self.max_batch}; build it for the batch you run")
-        if end is not None and end > self.max_len:
-            raise ValueError(f"writing up to position {end} overflows the static cache's max_len {self.max_len}")
+    def view(self, step, *, dense=False):
+        return (*self._views(step.batch, self.max_len), Causal(offsets=step.old) & KeyPadding(step.new))
 
-    def _view_len(self):
-        return self.max_len
+    def _commit(self, step):
+        self.lengths.copy_(step.new)  # in place: the buffer keeps its identity under compile
 
     def _reorder_buffers(self, idx):
         if idx.numel() != self.max_batch:

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from ...masks import And, Causal, KeyPadding, Mask
-from .._decode_kernel import _v_is_prefix_of_k
+from ..splitk import v_is_prefix_of_k
 from ..decode import decode_refusals
 from ..registry import AttentionCall, BackendBase
 
@@ -70,6 +70,7 @@ def decode_limits(mask: Mask | None, batch: int, q_len: int, kv_len: int, device
 
 class TritonBackend(BackendBase):
     name = "triton"
+    layouts = ("dense", "paged")
 
     def available(self) -> str | None:
         if importlib.util.find_spec("triton") is None:
@@ -105,7 +106,12 @@ class TritonBackend(BackendBase):
         from . import decode as triton_decode
 
         q_start, seq = decode_limits(call.mask, call.batch, call.q_len, call.kv_len, q.device)
-        v_from_k = _v_is_prefix_of_k(k, v)
+        if call.kv_layout == "paged":  # k is the PagedKV: read the pages in place
+            out = triton_decode.paged_decode_attention(
+                q, k.k_pool, k.v_pool, k.block_table, seq, q_start=q_start, scale=call.scale,
+                v_head_dim=k.value_dim, max_len=call.kv_len, check=False)  # attention() validated the PagedKV
+            return out, None
+        v_from_k = v_is_prefix_of_k(k, v)
         # seq_lens are clamped to Sk and the table is [[0], [1], ...]: nothing to check on the device.
         out = triton_decode.decode_attention(q, k, None if v_from_k else v, seq_lens=seq, q_start=q_start,
                                              scale=call.scale, v_head_dim=call.v_head_dim, check=False)

@@ -1,0 +1,679 @@
+// attnkit's CPU split-K attention kernel: the one engine behind the `decode` and `paged` backends.
+//
+// Notation: B batch, Hq / Hkv query / KV heads, G = Hq / Hkv, Sq queries per sequence, D / Dv
+// key / value head dims, M = G * Sq query rows per KV head, Sk logical keys per sequence.
+//
+// Work is split into units (b, kv head, key slice); each unit streams its keys once for all M
+// query rows of the KV head (K/V are never read per query head), converting fp16/bf16 rows to
+// fp32 in a small tile buffer while they are in L1, with an online softmax over tiles. Partial
+// results (row max m, sum of exp l, unnormalised P @ V) of the slices of one (b, kv head) merge
+// exactly by the log-sum-exp rule; sinks join the denominator once, in that merge.
+//
+// Keys are read through a row locator: contiguous caches (B, Hkv, Sk, D) by their strides, paged
+// pools (N, bs, Hkv, D) through a block table, so scattered pages cost no copy.
+//
+// Query row (b, i) sees keys j with lo[b, i] <= j < hi[b, i] (causal, windows, padding: the mask
+// as a range), plus an optional additive fp32 bias (any other mask), ALiBi (slope[h] * (j -
+// qpos[b, i])) and soft-capping (c * tanh(s / c), on the scaled score, before bias and ALiBi).
+//
+// Invariants: a row with no visible key gets exactly 0 (and lse -inf); NaN in a visible score
+// propagates to the row's output (only the mask decides emptiness); threads come from torch's
+// own intra-op pool (at::parallel_for) with the caller's thread count, which is never changed.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__F16C__) || defined(__AVX__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// exp(x) in fp32 (Cephes' expf polynomial after Cody-Waite reduction, ~1 ulp): exp(-inf) and
+// anything below the normal range is 0, NaN stays NaN. vexp below is the same on vectors.
+inline float exp_f32(float x) {
+  const float lo = -87.33654475f, hi = 88.0f;
+  float xc = x < lo ? lo : x;
+  xc = xc > hi ? hi : xc;
+  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  float n = (xc * 1.44269504088896341f + magic) - magic;
+  float r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  float res = p * two_n;
+  return x < lo ? 0.0f : res;
+}
+
+// max that propagates NaN (std::max drops it): a NaN score poisons its row, as it should.
+inline float nan_max(float a, float b) { return (a != a || a > b) ? a : b; }
+
+template <typename T>
+inline void to_f32(const T* src, float* dst, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+}
+
+template <>
+inline void to_f32<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* o = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) o[d] = static_cast<uint32_t>(s[d]) << 16;
+}
+
+#if defined(__F16C__)
+template <>
+inline void to_f32<c10::Half>(const c10::Half* src, float* dst, int64_t n) {
+  int64_t d = 0;
+  for (; d + 8 <= n; d += 8)
+    _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d))));
+  for (; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+}
+#endif
+
+struct Args {
+  int64_t B, Hq, Hkv, G, Sq, D, Dv;
+  const float* q;  // (B, Hq, Sq, D) contiguous, already multiplied by the scale
+  const void* k;   // dense: strides (b, h, j); paged: strides (block, slot, h)
+  int64_t ks0, ks1, ks2;
+  const void* v;   // nullptr: V is the first Dv channels of K
+  int64_t vs0, vs1, vs2;
+  bool paged;
+  const int64_t* table;  // (B, W) block ids (paged)
+  int64_t table_s0, block_size, num_blocks, table_w;
+  const int64_t* lo;  // (B, Sq)
+  const int64_t* hi;  // (B, Sq)
+  const float* bias;  // optional, strides (b, h, i, j)
+  int64_t bs0, bs1, bs2, bs3;
+  const float* slopes;  // optional (Hq,)
+  const int64_t* qpos;  // (B, Sq) with slopes
+  float softcap;        // 0: off
+};
+
+struct Unit {
+  int64_t b, h, s0, s1;
+};
+
+[[noreturn]] __attribute__((noinline, cold)) void bad_block(int64_t b, int64_t slot, int64_t blk, const Args& a) {
+  TORCH_CHECK(slot < a.table_w, "attnkit paged attention: a position of sequence ", b, " is past its block table (",
+              a.table_w, " blocks of ", a.block_size, ")");
+  TORCH_CHECK(false, "attnkit paged attention: block table entry ", blk, " (sequence ", b, ", block ", slot,
+              ") is outside the pool of ", a.num_blocks, " blocks");
+  __builtin_unreachable();
+}
+
+// Address of key / value row j of (sequence b, KV head h): dense by strides, paged through the
+// block table (entries are checked against the pool: a bad table raises, never reads outside).
+template <typename T>
+inline const T* row_ptr(const Args& a, const void* base, int64_t s0, int64_t s1, int64_t s2, int64_t b, int64_t h,
+                        int64_t j) {
+  const T* p = static_cast<const T*>(base);
+  if (!a.paged) return p + b * s0 + h * s1 + j * s2;
+  const int64_t slot = j / a.block_size;
+  const int64_t blk = slot < a.table_w ? a.table[b * a.table_s0 + slot] : -1;
+  if (__builtin_expect(blk < 0 || blk >= a.num_blocks, 0)) bad_block(b, slot, blk, a);
+  return p + blk * s0 + (j - slot * a.block_size) * s1 + h * s2;
+}
+
+// fp32 SIMD vectors through the compilers' vector extensions (GCC, Clang): the width follows the
+// instruction set the library is compiled for (-march=native): 16 lanes with AVX-512, else 8.
+#if defined(__AVX512F__)
+constexpr int64_t VL = 16;
+#else
+constexpr int64_t VL = 8;
+#endif
+typedef float vf __attribute__((vector_size(VL * sizeof(float))));
+typedef float vf_u __attribute__((vector_size(VL * sizeof(float)), aligned(sizeof(float))));
+
+typedef int32_t vi __attribute__((vector_size(VL * sizeof(int32_t))));
+
+inline vf vload(const float* p) { return *reinterpret_cast<const vf_u*>(p); }
+inline void vstore(float* p, vf v) { *reinterpret_cast<vf_u*>(p) = v; }
+inline vf vsplat(float x) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_set1_ps(x);
+#elif defined(__AVX__)
+  return (vf)_mm256_set1_ps(x);
+#else
+  return vf{} + x;
+#endif
+}
+inline float hsum(vf v) {
+  float s = 0.0f;
+  for (int64_t i = 0; i < VL; ++i) s += v[i];
+  return s;
+}
+inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// exp_f32 on a whole vector (the same arithmetic, lane by lane).
+inline vf vexp(vf x) {
+  const vf lo = vsplat(-87.33654475f), hi = vsplat(88.0f), magic = vsplat(12582912.0f);
+  vf xc = x < lo ? lo : x;
+  xc = xc > hi ? hi : xc;
+  const vf n = (xc * 1.44269504088896341f + magic) - magic;
+  vf r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  vf p = vsplat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  const vf res = p * reinterpret_cast<const vf&>(bits);
+  return x < lo ? vf{} : res;
+}
+
+// tanh_f32 on a whole vector.
+inline vf vtanh(vf x) {
+  const vi sign_mask = vi{} + static_cast<int32_t>(0x80000000u);
+  const vi xb = reinterpret_cast<const vi&>(x);
+  const vi ab = xb & ~sign_mask;
+  const vf ax = reinterpret_cast<const vf&>(ab);
+  const vf e = vexp(ax * -2.0f);
+  const vf big = (1.0f - e) / (1.0f + e);
+  const vf x2 = ax * ax;
+  const vf small = ax * (1.0f + x2 * (-1.0f / 3.0f + x2 * (2.0f / 15.0f + x2 * (-17.0f / 315.0f + x2 * (62.0f / 2835.0f)))));
+  const vf t = ax < 0.25f ? small : big;
+  const vi tb = reinterpret_cast<const vi&>(t) | (xb & sign_mask);
+  return reinterpret_cast<const vf&>(tb);
+}
+
+// Eight dot-product accumulators to their eight sums, [sum(c0), ..., sum(c7)].
+inline void hsum8(const vf c[8], float* out) {
+#if defined(__AVX__) && !defined(__AVX512F__)
+  const __m256 t0 = _mm256_hadd_ps((__m256)c[0], (__m256)c[1]), t1 = _mm256_hadd_ps((__m256)c[2], (__m256)c[3]);
+  const __m256 t2 = _mm256_hadd_ps((__m256)c[4], (__m256)c[5]), t3 = _mm256_hadd_ps((__m256)c[6], (__m256)c[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
+#else
+  for (int k = 0; k < 8; ++k) out[k] = hsum(c[k]);
+#endif
+}
+
+// Vector loads of VL key / value elements stored as R, widened to fp32 in registers.
+template <typename R>
+inline vf vload_as_f32(const R* p);
+template <>
+inline vf vload_as_f32<float>(const float* p) { return vload(p); }
+typedef uint16_t vh __attribute__((vector_size(VL * sizeof(uint16_t))));
+typedef uint16_t vh_u __attribute__((vector_size(VL * sizeof(uint16_t)), aligned(sizeof(uint16_t))));
+// bf16 is the top half of an fp32: zero-extend each 16-bit lane to 32 bits and shift it up.
+template <>
+inline vf vload_as_f32<c10::BFloat16>(const c10::BFloat16* p) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+#elif defined(__AVX2__)
+  return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+#else
+  const vi w = __builtin_convertvector(*reinterpret_cast<const vh_u*>(p), vi) << 16;
+  return reinterpret_cast<const vf&>(w);
+#endif
+}
+#if defined(__AVX512F__)
+template <>
+inline vf vload_as_f32<c10::Half>(const c10::Half* p) {
+  return (vf)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+constexpr bool kHalfInRegisters = true;
+#elif defined(__F16C__)
+template <>
+inline vf vload_as_f32<c10::Half>(const c10::Half* p) {
+  return (vf)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+constexpr bool kHalfInRegisters = true;
+#else
+template <>
+inline vf vload_as_f32<c10::Half>(const c10::Half* p) {
+  vf out;
+  for (int64_t i = 0; i < VL; ++i) out[i] = static_cast<float>(p[i]);
+  return out;
+}
+constexpr bool kHalfInRegisters = false;
+#endif
+
+// One unit: all M rows of KV head h of sequence b over keys [s0, s1). Writes m (M), l (M) and the
+// unnormalised acc (M, Dv).
+//
+// R is how the loops read key and value rows: T itself, in place in the cache, widened to fp32 in
+// registers (when whole vectors cover D and Dv), or float from a tile buffer the rows are
+// converted into (other widths: q and the buffers are zero-padded to whole vectors, so padding
+// lanes add 0 to the dot products; V lanes past Dv are accumulated and dropped).
+//
+// Scores take two keys and four rows per pass over D (8 accumulators; every key and q vector is
+// loaded once per pass); P @ V keeps four rows x two vectors of accumulators in registers while
+// the tile's V rows stream by. The next tile's rows are prefetched a row per key, so their memory
+// latency overlaps this tile's arithmetic.
+template <typename T, typename R>
+void run_unit(const Args& a, const Unit& u, float* m, float* l, float* acc_out) {
+  const int64_t M = a.G * a.Sq, D = a.D, Dv = a.Dv;
+  const int64_t Dp = round_up(D, VL), Dvp = round_up(Dv, VL);
+  const int64_t TILE = round_up(std::max<int64_t>(8, std::min<int64_t>(64, 4096 / std::max(Dp, Dvp))), VL);
+  const bool v_from_k = a.v == nullptr;
+  constexpr bool in_place = std::is_same<T, R>::value;
+  // Scratch reused across units of a thread. Plain pointers from here on: every access to a
+  // thread_local in the loops would go through the TLS lookup of a shared library.
+  thread_local std::vector<float> scratch;
+  thread_local std::vector<int64_t> bounds;
+  thread_local std::vector<const void*> rows;
+  const int64_t kbuf_n = in_place ? 0 : TILE * Dp, vbuf_n = (in_place || v_from_k) ? 0 : TILE * Dvp;
+  scratch.assign(M * Dp + kbuf_n + vbuf_n + M * TILE + M * Dvp, 0.0f);  // zero padding lanes
+  bounds.resize(2 * M);
+  rows.resize(2 * TILE);
+  float* const qbuf = scratch.data();
+  float* const kbuf = qbuf + M * Dp;
+  float* const vbuf = kbuf + kbuf_n;
+  float* const sbuf = vbuf + vbuf_n;
+  float* const acc = sbuf + M * TILE;
+  int64_t* const rlo = bounds.data();
+  int64_t* const rhi = rlo + M;
+  const R** const krow = reinterpret_cast<const R**>(rows.data());
+  const R** const vrow = krow + TILE;
+  for (int64_t r = 0; r < M; ++r) {
+    const float* src = a.q + ((u.b * a.Hq + u.h * a.G + r / a.Sq) * a.Sq + r % a.Sq) * D;
+    std::copy(src, src + D, qbuf + r * Dp);
+  }
+
+  int64_t start = u.s1, end = u.s0;
+  for (int64_t r = 0; r < M; ++r) {
+    const int64_t i = r % a.Sq;
+    rlo[r] = std::max(a.lo[u.b * a.Sq + i], u.s0);
+    rhi[r] = std::min(a.hi[u.b * a.Sq + i], u.s1);
+    if (rlo[r] < rhi[r]) {
+      start = std::min(start, rlo[r]);
+      end = std::max(end, rhi[r]);
+    }
+    m[r] = kNegInf;
+    l[r] = 0.0f;
+  }
+
+  for (int64_t t0 = start; t0 < end; t0 += TILE) {
+    const int64_t n = std::min(TILE, end - t0);
+    for (int64_t j = 0; j < n; ++j) {
+      if (t0 + j + TILE < end) {  // the same key of the next tile
+        const char* pk = reinterpret_cast<const char*>(row_ptr<T>(a, a.k, a.ks0, a.ks1, a.ks2, u.b, u.h, t0 + j + TILE));
+        for (int64_t c = 0; c < D * static_cast<int64_t>(sizeof(T)); c += 64) __builtin_prefetch(pk + c, 0, 3);
+        if (!v_from_k) {
+          const char* pv = reinterpret_cast<const char*>(row_ptr<T>(a, a.v, a.vs0, a.vs1, a.vs2, u.b, u.h, t0 + j + TILE));
+          for (int64_t c = 0; c < Dv * static_cast<int64_t>(sizeof(T)); c += 64) __builtin_prefetch(pv + c, 0, 3);
+        }
+      }
+      const T* kr = row_ptr<T>(a, a.k, a.ks0, a.ks1, a.ks2, u.b, u.h, t0 + j);
+      const T* vr = v_from_k ? kr : row_ptr<T>(a, a.v, a.vs0, a.vs1, a.vs2, u.b, u.h, t0 + j);
+      if constexpr (in_place) {
+        krow[j] = kr;
+        vrow[j] = vr;  // V = K[:Dv] reads the K row
+      } else {
+        to_f32<T>(kr, kbuf + j * Dp, D);
+        krow[j] = kbuf + j * Dp;
+        if (v_from_k) {
+          vrow[j] = krow[j];  // lanes past Dv hold K's other channels: accumulated, dropped
+        } else {
+          to_f32<T>(vr, vbuf + j * Dvp, Dv);
+          vrow[j] = vbuf + j * Dvp;
+        }
+      }
+    }
+    // Scores s[r][j] = q_r . k_j
+    int64_t j = 0;
+    for (; j + 2 <= n; j += 2) {
+      const R* k0 = krow[j];
+      const R* k1 = krow[j + 1];
+      int64_t r = 0;
+      for (; r + 4 <= M; r += 4) {
+        const float* q0 = qbuf + r * Dp;
+        vf c00 = {}, c01 = {}, c10 = {}, c11 = {}, c20 = {}, c21 = {}, c30 = {}, c31 = {};
+        for (int64_t d = 0; d < Dp; d += VL) {
+          const vf x0 = vload_as_f32(k0 + d), x1 = vload_as_f32(k1 + d);
+          const vf y0 = vload(q0 + d), y1 = vload(q0 + Dp + d), y2 = vload(q0 + 2 * Dp + d), y3 = vload(q0 + 3 * Dp + d);
+          c00 += y0 * x0; c01 += y0 * x1;
+          c10 += y1 * x0; c11 += y1 * x1;
+          c20 += y2 * x0; c21 += y2 * x1;
+          c30 += y3 * x0; c31 += y3 * x1;
+        }
+        const vf c[8] = {c00, c01, c10, c11, c20, c21, c30, c31};
+        float sums[8];
+        hsum8(c, sums);
+        float* sr = sbuf + r * TILE + j;
+        sr[0] = sums[0]; sr[1] = sums[1];
+        sr[TILE] = sums[2]; sr[TILE + 1] = sums[3];
+        sr[2 * TILE] = sums[4]; sr[2 * TILE + 1] = sums[5];
+        sr[3 * TILE] = sums[6]; sr[3 * TILE + 1] = sums[7];
+      }
+      for (; r < M; ++r) {
+        const float* q0 = qbuf + r * Dp;
+        vf c0 = {}, c1 = {};
+        for (int64_t d = 0; d < Dp; d += VL) {
+          const vf y = vload(q0 + d);
+          c0 += y * vload_as_f32(k0 + d);
+          c1 += y * vload_as_f32(k1 + d);
+        }
+        sbuf[r * TILE + j] = hsum(c0);
+        sbuf[r * TILE + j + 1] = hsum(c1);
+      }
+    }
+    for (; j < n; ++j) {
+      for (int64_t r = 0; r < M; ++r) {
+        const float* q0 = qbuf + r * Dp;
+        vf c0 = {};
+        for (int64_t d = 0; d < Dp; d += VL) c0 += vload(q0 + d) * vload_as_f32(krow[j] + d);
+        sbuf[r * TILE + j] = hsum(c0);
+      }
+    }
+    // Modifiers, the row's interval, online softmax: s becomes p, l and acc are rescaled.
+    int64_t vis_lo = n, vis_hi = 0;  // keys of this tile some row sees
+    for (int64_t r = 0; r < M; ++r) {
+      float* s = sbuf + r * TILE;
+      const int64_t jlo = std::max<int64_t>(0, rlo[r] - t0), jhi = std::min<int64_t>(n, rhi[r] - t0);
+      if (jlo >= jhi) {  // nothing of this tile is visible to r: contributes p = 0
+        std::fill(s, s + n, 0.0f);
+        continue;
+      }
+      const int64_t g = r / a.Sq, i = r % a.Sq, hq = u.h * a.G + g;
+      if (a.softcap > 0.0f) {
+        const float c = a.softcap, inv = 1.0f / a.softcap;
+        for (int64_t jj = 0; jj < n; jj += VL) vstore(s + jj, vtanh(vload(s + jj) * inv) * c);
+      }
+      if (a.bias != nullptr) {
+        const float* br = a.bias + u.b * a.bs0 + hq * a.bs1 + i * a.bs2;
+        for (int64_t jj = 0; jj < n; ++jj) s[jj] += br[(t0 + jj) * a.bs3];
+      }
+      if (a.slopes != nullptr) {
+        const float slope = a.slopes[hq];
+        const int64_t p = a.qpos[u.b * a.Sq + i];
+        for (int64_t jj = 0; jj < n; ++jj) s[jj] += slope * static_cast<float>(t0 + jj - p);
+      }
+      for (int64_t jj = 0; jj < jlo; ++jj) s[jj] = kNegInf;
+      for (int64_t jj = jhi; jj < TILE; ++jj) s[jj] = kNegInf;  // also the padding past n
+      vf vmax = vsplat(kNegInf);
+      for (int64_t jj = 0; jj < TILE; jj += VL) {
+        const vf x = vload(s + jj);
+        vmax = (x != x || x > vmax) ? x : vmax;  // NaN-propagating
+      }
+      float mt = kNegInf;
+      for (int64_t k = 0; k < VL; ++k) mt = nan_max(vmax[k], mt);
+      const float m_new = nan_max(mt, m[r]);
+      if (m_new == kNegInf) {  // every visible score so far is -inf (masked by the bias)
+        std::fill(s, s + n, 0.0f);
+        continue;
+      }
+      const float alpha = exp_f32(m[r] - m_new);  // 0 while m is -inf; NaN poisons the row
+      vf vsum = {};
+      const vf mv = vsplat(m_new);
+      for (int64_t jj = 0; jj < TILE; jj += VL) {
+        const vf p = vexp(vload(s + jj) - mv);
+        vstore(s + jj, p);
+        vsum += p;
+      }
+      l[r] = l[r] * alpha + hsum(vsum);
+      if (alpha != 1.0f) {
+        float* ar = acc + r * Dvp;
+        const vf va = vsplat(alpha);
+        for (int64_t d = 0; d < Dvp; d += VL) vstore(ar + d, vload(ar + d) * va);
+      }
+      m[r] = m_new;
+      vis_lo = std::min(vis_lo, jlo);
+      vis_hi = std::max(vis_hi, jhi);
+    }
+    // acc += P @ V over the keys some row sees (p = 0 for the others, as in P @ V of the math).
+    // Four rows x two vectors of acc stay in registers while the tile's V rows stream by: per key
+    // two V loads and four broadcasts feed eight FMAs.
+    int64_t d = 0;
+    for (; d + 2 * VL <= Dvp; d += 2 * VL) {
+      int64_t r = 0;
+      for (; r + 4 <= M; r += 4) {
+        float* a0 = acc + r * Dvp + d;
+        const float* p0 = sbuf + r * TILE;
+        vf x0 = vload(a0), y0 = vload(a0 + VL), x1 = vload(a0 + Dvp), y1 = vload(a0 + Dvp + VL);
+        vf x2 = vload(a0 + 2 * Dvp), y2 = vload(a0 + 2 * Dvp + VL), x3 = vload(a0 + 3 * Dvp), y3 = vload(a0 + 3 * Dvp + VL);
+        for (int64_t jj = vis_lo; jj < vis_hi; ++jj) {
+          const vf va = vload_as_f32(vrow[jj] + d), vb = vload_as_f32(vrow[jj] + d + VL);
+          const vf p_0 = vsplat(p0[jj]), p_1 = vsplat(p0[TILE + jj]), p_2 = vsplat(p0[2 * TILE + jj]), p_3 = vsplat(p0[3 * TILE + jj]);
+          x0 += p_0 * va; y0 += p_0 * vb;
+          x1 += p_1 * va; y1 += p_1 * vb;
+          x2 += p_2 * va; y2 += p_2 * vb;
+          x3 += p_3 * va; y3 += p_3 * vb;
+        }
+        vstore(a0, x0); vstore(a0 + VL, y0);
+        vstore(a0 + Dvp, x1); vstore(a0 + Dvp + VL, y1);
+        vstore(a0 + 2 * Dvp, x2); vstore(a0 + 2 * Dvp + VL, y2);
+        vstore(a0 + 3 * Dvp, x3); vstore(a0 + 3 * Dvp + VL, y3);
+      }
+      for (; r < M; ++r) {
+        float* a0 = acc + r * Dvp + d;
+        const float* p0 = sbuf + r * TILE;
+        vf x0 = vload(a0), y0 = vload(a0 + VL);
+        for (int64_t jj = vis_lo; jj < vis_hi; ++jj) {
+          const vf pp = vsplat(p0[jj]);
+          x0 += pp * vload_as_f32(vrow[jj] + d);
+          y0 += pp * vload_as_f32(vrow[jj] + d + VL);
+        }
+        vstore(a0, x0);
+        vstore(a0 + VL, y0);
+      }
+    }
+    for (; d < Dvp; d += VL) {
+      for (int64_t r = 0; r < M; ++r) {
+        float* a0 = acc + r * Dvp + d;
+        const float* p0 = sbuf + r * TILE;
+        vf x0 = vload(a0);
+        for (int64_t jj = vis_lo; jj < vis_hi; ++jj) x0 += p0[jj] * vload_as_f32(vrow[jj] + d);
+        vstore(a0, x0);
+      }
+    }
+  }
+  for (int64_t r = 0; r < M; ++r) std::copy(acc + r * Dvp, acc + r * Dvp + Dv, acc_out + r * Dv);
+}
+
+// Splits each (b, kv head)'s visible key range into slices of about equal length, enough of them
+// that torch's threads (static partition of the unit list) get balanced work.
+std::vector<Unit> plan_units(const Args& a, std::vector<int64_t>& first) {
+  const int64_t threads = at::get_num_threads();
+  std::vector<int64_t> start(a.B), end(a.B);
+  int64_t total = 0;
+  for (int64_t b = 0; b < a.B; ++b) {
+    int64_t s = std::numeric_limits<int64_t>::max(), e = 0;
+    for (int64_t i = 0; i < a.Sq; ++i) {
+      const int64_t lo = std::max<int64_t>(0, a.lo[b * a.Sq + i]), hi = a.hi[b * a.Sq + i];
+      if (lo < hi) {
+        s = std::min(s, lo);
+        e = std::max(e, hi);
+      }
+    }
+    if (e <= s) s = e = 0;
+    start[b] = s;
+    end[b] = e;
+    total += (e - s) * a.Hkv;
+  }
+  const int64_t per_unit = std::max<int64_t>(256, (total + 4 * threads - 1) / (4 * threads));
+  std::vector<Unit> units;
+  first.assign(a.B * a.Hkv + 1, 0);
+  for (int64_t b = 0; b < a.B; ++b) {
+    const int64_t len = end[b] - start[b];
+    const int64_t pieces = std::max<int64_t>(1, (len + per_unit - 1) / per_unit);
+    for (int64_t h = 0; h < a.Hkv; ++h) {
+      first[b * a.Hkv + h] = static_cast<int64_t>(units.size());
+      for (int64_t p = 0; p < pieces; ++p)
+        units.push_back({b, h, start[b] + len * p / pieces, start[b] + len * (p + 1) / pieces});
+    }
+  }
+  first[a.B * a.Hkv] = static_cast<int64_t>(units.size());
+  return units;
+}
+
+template <typename T>
+void run_all(const Args& a, float* out, float* lse, const float* sinks) {
+  const int64_t M = a.G * a.Sq, Dv = a.Dv;
+  std::vector<int64_t> first;
+  const std::vector<Unit> units = plan_units(a, first);
+  const int64_t U = static_cast<int64_t>(units.size());
+  std::vector<float> pm(U * M), pl(U * M), pacc(U * M * Dv);
+  // Rows are read in place when whole vectors cover them (and the type widens in registers).
+  const bool in_place = a.D % VL == 0 && a.Dv % VL == 0 && (!std::is_same<T, c10::Half>::value || kHalfInRegisters);
+  at::parallel_for(0, U, 1, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      if (in_place)
+        run_unit<T, T>(a, units[u], &pm[u * M], &pl[u * M], &pacc[u * M * Dv]);
+      else
+        run_unit<T, float>(a, units[u], &pm[u * M], &pl[u * M], &pacc[u * M * Dv]);
+    }
+  });
+  // Merge the slices of each (b, kv head): exact log-sum-exp rule; sinks join the denominator.
+  at::parallel_for(0, a.B * a.Hkv, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t b = p / a.Hkv, h = p % a.Hkv, u0 = first[p], u1 = first[p + 1];
+      for (int64_t r = 0; r < M; ++r) {
+        const int64_t g = r / a.Sq, i = r % a.Sq, hq = h * a.G + g;
+        float mx = kNegInf;
+        for (int64_t u = u0; u < u1; ++u) mx = nan_max(pm[u * M + r], mx);
+        float* o = out + ((b * a.Hq + hq) * a.Sq + i) * Dv;
+        std::fill(o, o + Dv, 0.0f);
+        float den = 0.0f;
+        if (mx != kNegInf) {
+          for (int64_t u = u0; u < u1; ++u) {
+            const float w = exp_f32(pm[u * M + r] - mx);  // a slice with nothing visible: 0
+            den += w * pl[u * M + r];
+            const float* ar = &pacc[(u * M + r) * Dv];
+#pragma omp simd
+            for (int64_t d = 0; d < Dv; ++d) o[d] += w * ar[d];
+          }
+        }
+        if (sinks != nullptr && mx != kNegInf) den += exp_f32(sinks[hq] - mx);
+        // den is >= 1 for a row with any visible key (its largest score gives exp(0)); 0 for an
+        // empty row, whose output stays exactly 0; NaN propagates.
+        if (den != 0.0f) {
+          const float inv = 1.0f / den;
+#pragma omp simd
+          for (int64_t d = 0; d < Dv; ++d) o[d] *= inv;
+        }
+        if (lse != nullptr) lse[(b * a.Hq + hq) * a.Sq + i] = den != 0.0f ? mx + std::log(den) : kNegInf;
+      }
+    }
+  });
+}
+
+// q (B, Hq, Sq, D) fp32 contiguous, pre-scaled; k / v: dense (B, Hkv, Sk, D) or paged pools
+// (N, bs, Hkv, D) (v undefined: V = K[..., :Dv]); lo / hi (B, Sq) int64; bias fp32 broadcastable
+// (B, Hq, Sq, Sk) (expanded strides); slopes / sinks (Hq,) fp32; qpos (B, Sq) int64.
+// Returns out (B, Hq, Sq, Dv) fp32 and lse (B, Hq, Sq) fp32 (empty unless return_lse).
+std::tuple<at::Tensor, at::Tensor> splitk_attention(
+    const at::Tensor& q, const at::Tensor& k, const c10::optional<at::Tensor>& v, int64_t v_head_dim,
+    const c10::optional<at::Tensor>& block_table, const at::Tensor& lo, const at::Tensor& hi,
+    const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& slopes,
+    const c10::optional<at::Tensor>& qpos, const c10::optional<at::Tensor>& sinks, double softcap,
+    int64_t num_kv_heads, bool return_lse) {
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.is_contiguous() && q.device().is_cpu(),
+              "q must be a contiguous fp32 CPU tensor (B, Hq, Sq, D)");
+  TORCH_CHECK(k.dim() == 4 && k.stride(3) == 1, "k must be 4-D with unit stride in its last dim");
+  const bool paged = block_table.has_value();
+  Args a{};
+  a.B = q.size(0);
+  a.Hq = q.size(1);
+  a.Sq = q.size(2);
+  a.D = q.size(3);
+  a.Hkv = num_kv_heads;
+  TORCH_CHECK(a.Hkv > 0 && a.Hq % a.Hkv == 0, "query heads must be a multiple of KV heads");
+  a.G = a.Hq / a.Hkv;
+  a.Dv = v_head_dim;
+  TORCH_CHECK(k.size(3) == a.D, "k's last dim must equal q's");
+  a.q = q.data_ptr<float>();
+  a.k = k.data_ptr();
+  a.ks0 = k.stride(0);
+  a.ks1 = k.stride(1);
+  a.ks2 = k.stride(2);
+  a.paged = paged;
+  if (paged) {
+    // pools (N, bs, Hkv, D): row of (block, slot, h)
+    a.ks0 = k.stride(0);
+    a.ks1 = k.stride(1);
+    a.ks2 = k.stride(2);
+    const at::Tensor& t = *block_table;
+    TORCH_CHECK(t.scalar_type() == at::kLong && t.dim() == 2 && t.stride(1) == 1, "block_table must be (B, W) int64");
+    a.table = t.data_ptr<int64_t>();
+    a.table_s0 = t.stride(0);
+    a.table_w = t.size(1);
+    a.block_size = k.size(1);
+    a.num_blocks = k.size(0);
+  }
+  if (v.has_value()) {
+    TORCH_CHECK(v->dim() == 4 && v->stride(3) == 1 && v->scalar_type() == k.scalar_type(), "v must match k");
+    TORCH_CHECK(v->size(3) == a.Dv, "v's last dim must equal v_head_dim");
+    a.v = v->data_ptr();
+    a.vs0 = v->stride(0);
+    a.vs1 = v->stride(1);
+    a.vs2 = v->stride(2);
+  } else {
+    TORCH_CHECK(a.Dv <= a.D, "v_head_dim must be <= D when V is read from K");
+    a.v = nullptr;
+  }
+  TORCH_CHECK(lo.scalar_type() == at::kLong && lo.is_contiguous() && lo.numel() == a.B * a.Sq, "lo must be (B, Sq) int64");
+  TORCH_CHECK(hi.scalar_type() == at::kLong && hi.is_contiguous() && hi.numel() == a.B * a.Sq, "hi must be (B, Sq) int64");
+  a.lo = lo.data_ptr<int64_t>();
+  a.hi = hi.data_ptr<int64_t>();
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 4, "bias must be a 4-D fp32 tensor");
+    a.bias = bias->data_ptr<float>();
+    a.bs0 = bias->stride(0);
+    a.bs1 = bias->stride(1);
+    a.bs2 = bias->stride(2);
+    a.bs3 = bias->stride(3);
+  }
+  if (slopes.has_value()) {
+    TORCH_CHECK(qpos.has_value(), "ALiBi slopes need qpos");
+    TORCH_CHECK(slopes->scalar_type() == at::kFloat && slopes->is_contiguous() && slopes->numel() == a.Hq,
+                "slopes must be (Hq,) fp32");
+    TORCH_CHECK(qpos->scalar_type() == at::kLong && qpos->is_contiguous() && qpos->numel() == a.B * a.Sq,
+                "qpos must be (B, Sq) int64");
+    a.slopes = slopes->data_ptr<float>();
+    a.qpos = qpos->data_ptr<int64_t>();
+  }
+  const float* sink_ptr = nullptr;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->numel() == a.Hq,
+                "sinks must be (Hq,) fp32");
+    sink_ptr = sinks->data_ptr<float>();
+  }
+  a.softcap = static_cast<float>(softcap);
+  at::Tensor out = at::empty({a.B, a.Hq, a.Sq, a.Dv}, q.options());
+  at::Tensor lse = at::empty({return_lse ? a.B : 0, a.Hq, a.Sq}, q.options());
+  float* lse_ptr = return_lse ? lse.data_ptr<float>() : nullptr;
+  switch (k.scalar_type()) {
+    case at::kFloat: run_all<float>(a, out.data_ptr<float>(), lse_ptr, sink_ptr); break;
+    case at::kBFloat16: run_all<c10::BFloat16>(a, out.data_ptr<float>(), lse_ptr, sink_ptr); break;
+    case at::kHalf: run_all<c10::Half>(a, out.data_ptr<float>(), lse_ptr, sink_ptr); break;
+    default: TORCH_CHECK(false, "k must be fp32, bf16 or fp16, got ", k.scalar_type());
+  }
+  return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(attnkit_cpu, m) {
+  m.def(
+      "splitk_attention(Tensor q, Tensor k, Tensor? v, int v_head_dim, Tensor? block_table, Tensor lo, "
+      "Tensor hi, Tensor? bias, Tensor? slopes, Tensor? qpos, Tensor? sinks, float softcap, int num_kv_heads, "
+      "bool return_lse) -> (Tensor, Tensor)");
+  m.impl("splitk_attention", c10::DispatchKey::CPU, TORCH_FN(splitk_attention));
+}

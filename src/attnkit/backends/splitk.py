@@ -1,0 +1,167 @@
+"""The CPU split-K engine: one implementation of few-query attention over contiguous or paged K/V,
+shared by the ``decode`` and ``paged`` backends; its merge rule is the ring's too.
+
+Notation: B batch, Hq / Hkv query / KV heads, G = Hq // Hkv, Sq queries per sequence, M = G * Sq
+query rows per KV head, Sk keys, D / Dv head dims.
+
+Two implementations with one semantics:
+
+* native (:mod:`attnkit.backends.native`): a C++ kernel compiled on first use for the CPU it runs
+  on, threads from torch's intra-op pool. Each unit (sequence, KV head, key slice) streams its
+  keys once for all M query rows, converting fp16/bf16 rows to fp32 in registers-sized tiles,
+  with an online softmax; slices merge by log-sum-exp.
+* torch: the same in torch ops, key chunk by key chunk, when no compiler is available.
+
+The mask reaches the engine as one interval of keys per query row (``Mask.key_range``: causal,
+windows, padding, the paged ``lengths``), so nothing of size (Sq, Sk) is built; a mask that is not
+an interval becomes an fp32 bias. Contract (as :func:`attnkit.attention`): a row with no visible
+key is exactly 0 (lse -inf); NaN in a visible score gives NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..masks import Mask, shifted_bias
+from . import native
+
+__all__ = ["splitk_attention", "merge_partials", "finite", "engine_name", "v_is_prefix_of_k"]
+
+#: fp32 bytes of K+V per chunk in the torch implementation: the converted chunk stays in cache.
+_TORCH_CHUNK_BYTES = 8 << 20
+
+
+def engine_name() -> str:
+    """"native" or "torch": the implementation the engine runs on this machine."""
+    return "native" if native.load() is not None else "torch"
+
+
+def finite(lse: Tensor) -> Tensor:
+    """``lse`` with -inf (a row with nothing visible) replaced by 0, to subtract safely."""
+    return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+
+
+def merge_partials(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> tuple[Tensor, Tensor]:
+    """Exact merge of two partial results over disjoint key sets (flash-decoding's rule).
+
+    ``out``/``block_out`` (..., Sq, Dv) each normalised over its own keys, ``lse``/``block_lse``
+    (..., Sq). Returns the (out, lse) of attending to both key sets. Rows where both lse are -inf
+    stay 0 / -inf, with zero (not NaN) gradients; NaN propagates."""
+    both_empty = torch.isneginf(lse) & torch.isneginf(block_lse)
+    # logaddexp(-inf, -inf)'s gradient is NaN: feed it zeros there and select -inf after.
+    zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
+    new = torch.logaddexp(torch.where(both_empty, zero, lse), torch.where(both_empty, zero, block_lse))
+    new = torch.where(both_empty, torch.full_like(new, float("-inf")), new)
+    ref = finite(new)
+    merged = out * torch.exp(lse - ref).unsqueeze(-1) + block_out * torch.exp(block_lse - ref).unsqueeze(-1)
+    return merged, new
+
+
+def v_is_prefix_of_k(k: Tensor, v: Tensor) -> bool:
+    """True when v is k[..., :Dv] in memory (MLA's latent cache: V = the first channels of K)."""
+    return (v.dtype == k.dtype and v.device == k.device and v.dim() == k.dim() and v.shape[:-1] == k.shape[:-1]
+            and v.shape[-1] <= k.shape[-1] and v.stride() == k.stride() and v.data_ptr() == k.data_ptr())
+
+
+def _bounds(mask: Mask | None, B: int, Hq: int, Sq: int, Sk: int, device) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(lo (B, Sq), hi (B, Sq)) int64 key intervals, and an fp32 bias (B|1, Hq|1, Sq, Sk) for a
+    mask that is not an interval (then the interval is everything)."""
+    rng = None if mask is None else mask.key_range(B, Sq, Sk, device)
+    bias = None
+    if rng is None:
+        lo = torch.zeros(1, 1, dtype=torch.long, device=device)
+        hi = torch.full((1, 1), Sk, dtype=torch.long, device=device)
+        if mask is not None:
+            allowed = mask.materialize(B, Sq, Sk, device)
+            b = shifted_bias(mask, B, Sq, Sk, device)
+            b = torch.zeros((), device=device) if b is None else b.float()
+            bias = b.masked_fill(~allowed, float("-inf"))
+            bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
+    else:
+        lo, hi = rng
+    lo = lo.to(device=device, dtype=torch.long).clamp(0, Sk).expand(B, Sq).contiguous()
+    hi = hi.to(device=device, dtype=torch.long).clamp(0, Sk).expand(B, Sq).contiguous()
+    return lo, hi, bias
+
+
+def splitk_attention(q: Tensor, k: Tensor, v: Tensor | None, *, scale: float, mask: Mask | None = None,
+                     block_table: Tensor | None = None, v_head_dim: int | None = None, kv_len: int | None = None,
+                     sinks: Tensor | None = None, softcap: float | None = None,
+                     return_lse: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Few-query attention on CPU without autograd.
+
+    Args:
+        q: (B, Hq, Sq, D).
+        k, v: dense (B, Hkv, Sk, D) / (B, Hkv, Sk, Dv), or with ``block_table`` the pools
+            (N, bs, Hkv, D) / (N, bs, Hkv, Dv). ``v=None``: V is K[..., :v_head_dim].
+        mask: an attnkit mask over (B, Hq, Sq, Sk) (the paged lengths already folded in).
+        block_table: (B, W) block ids for paged pools; ``kv_len`` is then the logical Sk.
+        sinks: (Hq,) logits joining each row's denominator; softcap: c of c * tanh(s / c).
+
+    Returns:
+        out (B, Hq, Sq, Dv) in q's dtype and, with ``return_lse``, lse (B, Hq, Sq) fp32 (without
+        the sinks).
+    """
+    B, Hq, Sq, D = q.shape
+    if v is not None and block_table is None and v_is_prefix_of_k(k, v):
+        v_head_dim, v = v.shape[-1], None
+    Dv = v.shape[-1] if v is not None else int(v_head_dim)
+    Hkv = k.shape[2] if block_table is not None else k.shape[1]
+    Sk = kv_len if block_table is not None else k.shape[2]
+    lo, hi, bias = _bounds(mask, B, Hq, Sq, Sk, q.device)
+    sinks32 = None if sinks is None else sinks.detach().float().contiguous()
+    ops = native.load()
+    if ops is not None:
+        q32 = (q.detach().float() * scale).contiguous()
+        if k.stride(-1) != 1:
+            k = k.contiguous()
+        if v is not None and v.stride(-1) != 1:
+            v = v.contiguous()
+        table = None if block_table is None else block_table.long().contiguous()
+        b32 = None if bias is None else bias.expand(B, Hq, Sq, Sk)
+        out, lse = ops.splitk_attention(q32, k.detach(), None if v is None else v.detach(), Dv, table, lo, hi, b32,
+                                        None, None, sinks32, float(softcap or 0.0), Hkv, return_lse)
+        return out.to(q.dtype), (lse if return_lse else None)
+    out, lse = _torch_splitk(q, k, v, Dv, Hkv, Sk, scale, lo, hi, bias, block_table, softcap)
+    if sinks32 is not None:
+        out = out / (1.0 + torch.exp(sinks32.view(1, Hq, 1, 1) - lse.unsqueeze(-1)))
+    return out.to(q.dtype), (lse if return_lse else None)
+
+
+def _torch_splitk(q, k, v, Dv, Hkv, Sk, scale, lo, hi, bias, block_table, softcap):
+    """The engine in torch ops: key chunks scored for all M rows of every KV head at once, each
+    chunk's (out, lse) merged into the running result by :func:`merge_partials`."""
+    B, Hq, Sq, D = q.shape
+    G, M = Hq // Hkv, (Hq // Hkv) * Sq
+    qg = (q.detach().float() * scale).reshape(B, Hkv, M, D)
+    row_lo = lo[:, None, None, :].expand(B, 1, G, Sq).reshape(B, 1, M, 1)
+    row_hi = hi[:, None, None, :].expand(B, 1, G, Sq).reshape(B, 1, M, 1)
+    start = int(lo.min()) if lo.numel() else 0
+    end = int(hi.max()) if hi.numel() else 0
+    C = max(64, _TORCH_CHUNK_BYTES // max(1, 4 * B * Hkv * (D + Dv)))
+    out = torch.zeros(B, Hkv, M, Dv, dtype=torch.float32, device=q.device)
+    lse = torch.full((B, Hkv, M), float("-inf"), dtype=torch.float32, device=q.device)
+    for a in range(start, end, C):
+        e = min(a + C, end)
+        if block_table is None:
+            kc = k[:, :, a:e]
+            vc = kc[..., :Dv] if v is None else v[:, :, a:e]
+        else:
+            pos = torch.arange(a, e, device=q.device)
+            bs = k.shape[1]
+            blk = block_table[:, pos // bs].long().clamp(0, k.shape[0] - 1)  # (B, c)
+            kc = k[blk, pos % bs].permute(0, 2, 1, 3)  # (B, Hkv, c, D)
+            vc = kc[..., :Dv] if v is None else v[blk, pos % bs].permute(0, 2, 1, 3)
+        s = torch.matmul(qg, kc.detach().float().transpose(-1, -2))  # (B, Hkv, M, c)
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
+        if bias is not None:
+            bc = bias[..., a:e].expand(B, Hq, Sq, e - a).reshape(B, Hkv, M, e - a)
+            s = s + bc
+        j = torch.arange(a, e, device=q.device)
+        s = s.masked_fill((j < row_lo) | (j >= row_hi), float("-inf"))
+        c_lse = torch.logsumexp(s, dim=-1)
+        c_out = torch.matmul(torch.exp(s - finite(c_lse).unsqueeze(-1)), vc.detach().float())
+        out, lse = merge_partials(out, lse, c_out, c_lse)
+    return out.reshape(B, Hq, Sq, Dv), lse.reshape(B, Hq, Sq)
