@@ -294,3 +294,18 @@ def test_copies_and_clones_keep_routing_through_attnkit(monkeypatch):
     with torch.no_grad():
         again(torch.randn(2, 3, E))
     assert len(calls) == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_precision_rule_r(dtype):
+    ref, ours, gold = _pair(5, batch_first=True)
+    ref, ours = ref.to(dtype), ours.to(dtype)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 9, E, generator=g, dtype=torch.float64)
+    kpm = torch.zeros(2, 9, dtype=torch.bool)
+    kpm[1, 6:] = True
+    am = torch.randn(9, 9, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        outs = [m(x.to(dt), x.to(dt), x.to(dt), key_padding_mask=kpm, attn_mask=am.to(dt), need_weights=False)[0]
+                for m, dt in ((ours, dtype), (ref, dtype), (gold, torch.float64))]
+    rule_r(*outs, n_terms=max(9, E))
