@@ -49,6 +49,7 @@ def _config(family: str, **over):
         return T.Gemma2Config(**c, head_dim=8, query_pre_attn_scalar=8, sliding_window=W,
                               attn_logit_softcapping=2.0, layer_types=["sliding_attention", "full_attention"])
     if family == "gpt_oss":
+        c["max_position_embeddings"] = 131072  # = its YaRN factor 32 x original 4096 (else transformers warns)
         return T.GptOssConfig(**c, head_dim=8, sliding_window=W, num_local_experts=4, num_experts_per_tok=2,
                               layer_types=["sliding_attention", "full_attention"])
     raise ValueError(family)
