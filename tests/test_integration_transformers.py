@@ -183,6 +183,35 @@ def test_masks_stay_typed_and_gqa_is_not_repeated(monkeypatch):
     window = next(p for p in _parts(decode["mask"]) if isinstance(p, M.SlidingWindow))
     assert window.left == W - 1
     assert all(not isinstance(p, (M.Dense, M.Additive)) for c in calls for p in _parts(c["mask"]))
+    pads = [p for c in calls for p in _parts(c["mask"]) if isinstance(p, M.KeyPadding)]
+    assert pads and all(p.side == "left" and p.lengths is not None for p in pads)  # intervals, not bool masks
+
+
+def test_static_cache_left_padding_is_an_interval(monkeypatch):
+    """A static cache hands every layer its whole buffer: unfilled slots are masked by the causal
+    offsets, so the padding mask stays one interval per row."""
+    model = _model("llama")
+    ids, am = _batch()
+    calls = _capture(monkeypatch)
+    with torch.no_grad():
+        model.generate(ids, attention_mask=am, max_new_tokens=3, do_sample=False, pad_token_id=0,
+                       cache_implementation="static")
+    for c in calls:
+        causal, pad = sorted(_parts(c["mask"]), key=lambda p: type(p).__name__)
+        assert isinstance(causal, M.Causal) and causal.offsets is not None
+        assert isinstance(pad, M.KeyPadding) and pad.side == "left" and pad.lengths.tolist()[1] == c["k"][2] - 3
+
+
+def test_key_padding_translation():
+    v = torch.tensor([[False, False, True, True, True], [True, True, True, True, True]])
+    p = hf._key_padding(v, 5)
+    assert p.side == "left" and p.lengths.tolist() == [3, 5]
+    p = hf._key_padding(torch.tensor([[True, True, False, False]]), 4)
+    assert p.side == "right" and p.lengths.tolist() == [2]
+    p = hf._key_padding(torch.tensor([[False, True, False, True]]), 4)  # a hole: no interval
+    assert p.valid is not None
+    p = hf._key_padding(torch.tensor([[False, True, True, False]]), 3)  # the tail is out of reach
+    assert p.side == "left" and p.lengths.tolist() == [3]
 
 
 def test_llama_prefill_without_padding_is_plain_causal(monkeypatch):

@@ -12,8 +12,9 @@ Every attention layer then runs :func:`attnkit.attention`:
 * GQA / MQA without ``repeat_kv``: k, v (B, Hkv, Sk, D) go in as they are.
 * Masks stay typed. The mask function recognises transformers' causal, sliding-window and
   bidirectional patterns and hands the layers an :class:`AttnkitMask` holding
-  ``Causal`` / ``SlidingWindow`` (with the cache's query offset) ``& KeyPadding`` (left or right
-  padding, from the 2-D ``attention_mask``); nothing (B, Sq, Sk)-sized is built for them. Any other
+  ``Causal`` / ``SlidingWindow`` (with the cache's query offset) ``& KeyPadding`` (from the 2-D
+  ``attention_mask``: per-row lengths when it is left or right padding, so the whole mask is one
+  key interval per query); nothing (B, Sq, Sk)-sized is built for them. Any other
   pattern (packed sequences, custom ``or``/``and`` mask functions, chunked attention) is
   materialized exactly as transformers' SDPA mask would be.
 * A dense 4-D mask a user passes is accepted: bool True = attend, float added to the scores
@@ -139,6 +140,7 @@ def make_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_off
                           use_vmap=use_vmap, device=device)
         return AttnkitMask(Dense(dense), batch_size, q_length, kv_length)
     parts: list[Mask] = []
+    reach = kv_length  # keys some query may see: padding beyond them does not matter
     if pattern != "bidirectional":
         # Query i sees key j iff kv_offset + j <= q_offset + i (and, windowed, > q_offset + i - W).
         offset = q_offset - kv_offset
@@ -149,16 +151,35 @@ def make_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_off
         else:
             offsets = {"offsets": torch.tensor(int(offset), device=device)}
         parts.append(Causal(**offsets) if pattern == "causal" else SlidingWindow(pattern[1] - 1, **offsets))
+        if not _is_tracing():
+            reach = min(kv_length, q_length + int(offset.max() if isinstance(offset, Tensor) else offset))
     if attention_mask is not None:
         valid = attention_mask.to(device=device, dtype=torch.bool)
         need = kv_offset + kv_length
         if valid.shape[-1] < need:  # positions not seen yet (static caches): padding
             valid = torch.nn.functional.pad(valid, (0, need - valid.shape[-1]), value=False)
         valid = valid[:, kv_offset:need]
-        if _is_tracing() or not bool(valid.all()):
+        if _is_tracing():
             parts.append(KeyPadding(valid=valid))
+        elif not bool(valid[:, :reach].all()):
+            parts.append(_key_padding(valid, reach))
     mask = None if not parts else (parts[0] if len(parts) == 1 else And(*parts))
     return AttnkitMask(mask, batch_size, q_length, kv_length)
+
+
+def _key_padding(valid: Tensor, reach: int) -> KeyPadding:
+    """(B, Sk) bool (True = real key) as lengths when it is left or right padding over the first
+    ``reach`` keys (the ones any query can see): ``KeyPadding(lengths, side=...)`` is one key
+    interval per row, which kernels walk without a materialized mask; else ``valid=``."""
+    B, Sk = valid.shape
+    j = torch.arange(Sk, device=valid.device)[None]
+    lead = (~valid).int().cumprod(-1).sum(-1)  # (B,) leading padding
+    if torch.equal(valid[:, :reach], (j >= lead[:, None])[:, :reach]):
+        return KeyPadding(Sk - lead, side="left")
+    n = valid.sum(-1)
+    if torch.equal(valid[:, :reach], (j < n[:, None])[:, :reach]):
+        return KeyPadding(n, side="right")
+    return KeyPadding(valid=valid)
 
 
 # ---------------------------------------------------------------------------- the attention function
