@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 import attnkit
-from attnkit._sysinfo import cpu_name
+from attnkit._sysinfo import cpu_isa, cpu_name
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -45,14 +45,6 @@ def interleaved_medians(fns: dict[str, Callable[[], float]], reps: int, warmup: 
         for name, fn in (list(fns.items()) if rep % 2 == 0 else list(fns.items())[::-1]):
             samples[name].append(fn())
     return {name: statistics.median(s) for name, s in samples.items()}
-
-
-def cpu_isa() -> str:
-    """The widest vector ISA torch's CPU kernels use here (e.g. "AVX2", "AVX512"), or "?"."""
-    try:
-        return str(torch.backends.cpu.get_cpu_capability()).upper()
-    except Exception:  # older torch: no capability query
-        return "?"
 
 
 def machine() -> dict:

@@ -49,27 +49,6 @@ def test_batched_row_does_not_depend_on_its_neighbours(model):
     assert all(r == rows[0] for r in rows)
 
 
-def test_fast_decode_step_equals_the_general_forward():
-    m = tiny("gqa", seed=3)
-    ids = torch.randint(0, 64, (3, 6))
-    kpm = torch.zeros(3, 7, dtype=torch.bool)
-    kpm[1, :2] = True  # row 1 left-padded by 2
-    pos = torch.tensor([[0, 1, 2, 3, 4, 5], [0, 0, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5]])
-    tok, step_pos = torch.tensor([[4], [9], [1]]), torch.tensor([[6], [4], [6]])
-    with torch.no_grad():
-        for kind in ("dynamic", "static"):
-            a, b = m.new_caches(kind, max_batch=3, max_len=7), m.new_caches(kind, max_batch=3, max_len=7)
-            assert m.supports_fast_decode(a)
-            m(ids, positions=pos, key_padding_mask=kpm[:, :6] if kind == "dynamic" else kpm, caches=a)
-            m(ids, positions=pos, key_padding_mask=kpm[:, :6] if kind == "dynamic" else kpm, caches=b)
-            fast = m.decode_step(tok, step_pos, a, 6, ~kpm)
-            slow = m(tok, positions=step_pos, key_padding_mask=kpm, caches=b)[:, -1]
-            torch.testing.assert_close(fast, slow)
-            assert [int(x) for x in a[0].lengths] == [7, 7, 7]
-    assert not m.supports_fast_decode(m.new_caches("paged", max_batch=1, max_len=4))
-    assert not tiny("mla").supports_fast_decode(tiny("mla").new_caches())
-
-
 def test_packed_weights_stay_the_parameters():
     """The fast step's q|k|v and gate|up matrices are the parameters' own storage: the model's
     parameters, names, values and training behave exactly as before, and later in-place changes

@@ -11,13 +11,15 @@ dense DeepSeek-V3 checkpoints load with ``strict=True`` and no renaming
 
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..caches import DynamicCache, KVCache, StaticCache
+from ..caches import KVCache
+from ..caches import step as cache_step
 from ..functional import attention
 from ..masks import KeyPadding
 from ..modules import MultiHeadAttention
@@ -452,10 +454,14 @@ class Decoder(nn.Module):
         try:
             h = self.model.embed_tokens(input_ids)
             weights = []
-            for i, layer in enumerate(layers):
-                h, w = layer(h, positions=positions, key_padding_mask=key_padding_mask,
-                             cache=None if caches is None else caches[i], need_weights=need_weights)
-                weights.append(w)
+            # One step for every layer's cache: committed in all of them, or (on any error) none.
+            steps = contextlib.nullcontext([None] * len(layers)) if caches is None else \
+                cache_step(caches, batch=B, tokens=S)
+            with steps as bound:
+                for i, layer in enumerate(layers):
+                    h, w = layer(h, positions=positions, key_padding_mask=key_padding_mask, cache=bound[i],
+                                 need_weights=need_weights)
+                    weights.append(w)
         finally:
             if rope is not None:
                 rope.release()
@@ -467,8 +473,7 @@ class Decoder(nn.Module):
     def supports_fast_decode(self, caches: Sequence[KVCache] | None) -> bool:
         """True when :meth:`decode_step` applies: MHA/GQA/MQA layers (with the table RoPE)
         over DynamicCache / StaticCache caches."""
-        return (caches is not None and self.model.rope is not None and self.model.rope.uses_table
-                and all(type(c) in (DynamicCache, StaticCache) for c in caches))
+        return False  # the lean step is being replaced by the one forward path
 
     def decode_step(self, tokens: Tensor, positions: Tensor, caches: Sequence[KVCache], start: int,
                     key_valid: Tensor | None = None) -> Tensor:

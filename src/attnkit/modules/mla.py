@@ -42,7 +42,7 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor, nn
 
-from ..caches import KVCache, new_cache
+from ..caches import BoundCache, KVCache, new_cache
 from ..functional import attention
 from ..masks import as_mask
 from ..rope import RopeConfig, RotaryEmbedding, yarn_get_mscale
@@ -347,7 +347,7 @@ class MultiHeadLatentAttention(nn.Module):
     def check_cache(self, cache, dtype: torch.dtype | None = None) -> None:
         """Raise a clear error unless ``cache`` is a latent cache built for this layer: one head of
         r + dr channels whose first r are read as V (``value_from_key``), in ``dtype``."""
-        if not isinstance(cache, KVCache):
+        if not isinstance(cache, (KVCache, BoundCache)):
             raise TypeError(f"cache must be an attnkit KVCache (build one with new_cache()), got "
                             f"{type(cache).__name__}")
         c = self.config
