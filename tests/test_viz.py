@@ -100,9 +100,11 @@ def test_plot_benchmark_every_table_kind(tmp_path):
            "quick": True, "shape": {"B": 1, "H": 8},
            "prefill": [{"shape": "B2 H8 S256 D64", "dtype": "bf16", "attnkit_ms": 1.0, "sdpa_flash_ms": None}],
            "paged_decode": [{"batch": 32, "context": 32768, "paged_ms": 2.0, "paged_GBps": 900.0}],
-           "rows": [{"S": 1024, "single_s": 0.08, "ring2_s": 0.07, "single_peak_MiB": 16.0, "ring4_s": None}]}
+           "rows": [{"S": 1024, "single_s": 0.08, "ring2_s": 0.07, "single_peak_MiB": 16.0, "ring4_s": None}],
+           "memory": {"n_seq": 8, "block_size": 16, "paged_bytes": 5603328, "contiguous_bytes": 7946240}}
     (tmp_path / "gpu_quick.json").write_text(json.dumps(res))
     _png(viz.plot_benchmark(tmp_path / "gpu_quick.json"))
+    assert [t for t, _ in viz._tables(res)] == ["prefill", "paged decode", "", "memory"]  # not machine / shape
     assert "Test CPU, AVX2" in viz._context_line(res, "gpu") and "--quick" in viz._context_line(res, "gpu")
 
 

@@ -277,7 +277,8 @@ def plot_lines(series: Mapping[str, Sequence[float]], path, *, xlabel: str = "",
 
 #: Integer fields that identify a row (shown in its label), with how to print them.
 _LABEL_INTS = {"batch": "batch {}", "B": "B={}", "S": "S={}", "context": "context {}", "prompt": "prompt {}",
-               "new_tokens": "{} new", "n_seq": "{} seqs", "heads": "{} heads", "head_dim": "D={}"}
+               "new_tokens": "{} new", "n_seq": "{} seqs", "heads": "{} heads", "head_dim": "D={}",
+               "block_size": "block {}"}
 #: Text fields that are results rather than what a row measures.
 _LABEL_SKIP = {"best_eager", "single_backend", "auto_kernel"}
 #: Metric families: (suffix, unit factor), one chart panel per family a table has.
@@ -314,7 +315,7 @@ def _re_sub(pattern: str, repl: str, text: str) -> str:
 
 
 #: Text fields printed with their name (their value alone would be ambiguous).
-_LABEL_NAMED = {"backend": "backend: {}", "latent": "latent {}"}
+_LABEL_NAMED = {"backend": "backend: {}", "latent": "latent {}", "engine": "engine: {}"}
 
 
 def _row_label(row: dict) -> str:
@@ -332,11 +333,15 @@ def _row_label(row: dict) -> str:
 
 
 def _tables(res: dict) -> list[tuple[str, list[dict]]]:
-    """Every list of row dicts in a result file: ``rows``, or named tables (gpu: prefill, ...)."""
+    """Every table of a result file: lists of row dicts (``rows``, or named tables such as the
+    gpu suite's), and single dicts holding metrics (paged's ``memory``) as one-row tables."""
     out = []
     for name, val in res.items():
+        title = "" if name == "rows" else name.replace("_", " ")
         if isinstance(val, list) and val and all(isinstance(r, dict) for r in val):
-            out.append(("" if name == "rows" else name.replace("_", " "), val))
+            out.append((title, val))
+        elif isinstance(val, dict) and any(_metric(k) for k in val):
+            out.append((title, [val]))
     return out
 
 
@@ -430,7 +435,7 @@ def plot_benchmark(json_path, path=None) -> Path:
             fams.setdefault(fam, {})[name] = [None if v is None else float(v) * factor for v in vals]
         for fam, series in sorted(fams.items()):
             kind, unit, _ = _FAMILIES[fam]
-            panels.append((labels, series, unit, f"{table}: {kind}" if table else kind))
+            panels.append((labels, series, unit, f"{table}: {kind}" if table and table != kind else kind))
     if not panels:
         raise ValueError(f"{json_path}: no numeric *_ms, *_s, *_tok_s, *_GBps or memory columns to plot")
     plt = require_matplotlib()
