@@ -83,10 +83,13 @@ def sdpa_mask(call: AttentionCall, dtype: torch.dtype, device) -> tuple[Tensor |
     allowed = m.materialize(call.batch, call.q_len, call.kv_len, device)
     bias = shifted_bias(m, call.batch, call.q_len, call.kv_len, device)
     if bias is not None:
-        if device.type == "cpu" and dtype != torch.float64:
+        if dtype == torch.float64:
+            bias = bias.double()  # an fp32 / fp16 mask with fp64 inputs: exact in fp64
+        elif device.type == "cpu":
             bias = bias.float()
         else:
             fin = torch.finfo(dtype)
+            bias = bias.float()
             bias = torch.where(torch.isneginf(bias), bias, bias.clamp(fin.min, fin.max)).to(dtype)
     row_ok = allowed.any(-1, keepdim=True)
     # Under torch.compile the fix-up is applied unconditionally (no data-dependent branch).
@@ -149,6 +152,9 @@ class SdpaBackend(BackendBase):
         why = []
         if call.return_weights:
             why.append("return_weights=True (SDPA does not return probabilities)")
+        for name in ("softcap", "sinks"):
+            if name in call.modifiers:
+                why.append(f"{name} (SDPA cannot express it)")
         return why
 
     def sdpa_args(self, q: Tensor, k: Tensor, v: Tensor, call: AttentionCall):

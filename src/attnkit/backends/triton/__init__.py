@@ -91,6 +91,8 @@ class TritonBackend(BackendBase):
             why.append("CPU tensors without TRITON_INTERPRET=1")
         elif call.device.type not in ("cpu", "cuda"):
             why.append(f"device {call.device.type}")
+        if call.modifiers:
+            why.append(f"{', '.join(call.modifiers)} (not in the Triton kernel yet)")
         if _limit_parts(call.mask) is None:
             why.append(f"mask {call.mask!r} (takes causal and right-side key padding only)")
         return why
