@@ -562,6 +562,7 @@ void run_all(const Args& a, float* out, float* lse, const float* sinks) {
             for (int64_t d = 0; d < Dv; ++d) o[d] += w * ar[d];
           }
         }
+        const float den_keys = den;  // the lse is over the keys alone (a ring merges it; sinks join once)
         if (sinks != nullptr && mx != kNegInf) den += exp_f32(sinks[hq] - mx);
         // den is >= 1 for a row with any visible key (its largest score gives exp(0)); 0 for an
         // empty row, whose output stays exactly 0; NaN propagates.
@@ -570,7 +571,7 @@ void run_all(const Args& a, float* out, float* lse, const float* sinks) {
 #pragma omp simd
           for (int64_t d = 0; d < Dv; ++d) o[d] *= inv;
         }
-        if (lse != nullptr) lse[(b * a.Hq + hq) * a.Sq + i] = den != 0.0f ? mx + std::log(den) : kNegInf;
+        if (lse != nullptr) lse[(b * a.Hq + hq) * a.Sq + i] = den_keys != 0.0f ? mx + std::log(den_keys) : kNegInf;
       }
     }
   });
