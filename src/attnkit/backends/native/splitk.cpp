@@ -124,18 +124,43 @@ struct Unit {
   __builtin_unreachable();
 }
 
-// Address of key / value row j of (sequence b, KV head h): dense by strides, paged through the
-// block table (entries are checked against the pool: a bad table raises, never reads outside).
+// Walks rows j, j + 1, ... of (sequence b, KV head h) with no division per row: a paged walk
+// reads the block table once per block.
 template <typename T>
-inline const T* row_ptr(const Args& a, const void* base, int64_t s0, int64_t s1, int64_t s2, int64_t b, int64_t h,
-                        int64_t j) {
-  const T* p = static_cast<const T*>(base);
-  if (!a.paged) return p + b * s0 + h * s1 + j * s2;
-  const int64_t slot = j / a.block_size;
-  const int64_t blk = slot < a.table_w ? a.table[b * a.table_s0 + slot] : -1;
-  if (__builtin_expect(blk < 0 || blk >= a.num_blocks, 0)) bad_block(b, slot, blk, a);
-  return p + blk * s0 + (j - slot * a.block_size) * s1 + h * s2;
-}
+struct Rows {
+  const Args& a;
+  const T* base;
+  int64_t s0, s1, s2, b, h, pos = 0, slot = 0, off = 0;
+  const T* blk = nullptr;
+
+  Rows(const Args& args, const void* p, int64_t t0, int64_t t1, int64_t t2, int64_t bb, int64_t hh)
+      : a(args), base(static_cast<const T*>(p)), s0(t0), s1(t1), s2(t2), b(bb), h(hh) {}
+
+  void seek(int64_t j) {
+    pos = j;
+    if (a.paged) {
+      slot = j / a.block_size;
+      off = j - slot * a.block_size;
+      blk = nullptr;
+    }
+  }
+
+  const T* next() {
+    if (!a.paged) return base + b * s0 + h * s1 + (pos++) * s2;
+    if (blk == nullptr) {
+      const int64_t id = slot < a.table_w ? a.table[b * a.table_s0 + slot] : -1;
+      if (__builtin_expect(id < 0 || id >= a.num_blocks, 0)) bad_block(b, slot, id, a);
+      blk = base + id * s0 + h * s2;
+    }
+    const T* r = blk + off * s1;
+    if (++off == a.block_size) {
+      off = 0;
+      ++slot;
+      blk = nullptr;
+    }
+    return r;
+  }
+};
 
 // fp32 SIMD vectors through the compilers' vector extensions (GCC, Clang): the width follows the
 // instruction set the library is compiled for (-march=native): 16 lanes with AVX-512, else 8.
@@ -311,19 +336,26 @@ void run_unit(const Args& a, const Unit& u, float* m, float* l, float* acc_out) 
     l[r] = 0.0f;
   }
 
+  Rows<T> kr_walk(a, a.k, a.ks0, a.ks1, a.ks2, u.b, u.h), kp_walk = kr_walk;
+  Rows<T> vr_walk(a, v_from_k ? a.k : a.v, a.vs0, a.vs1, a.vs2, u.b, u.h), vp_walk = vr_walk;
   for (int64_t t0 = start; t0 < end; t0 += TILE) {
     const int64_t n = std::min(TILE, end - t0);
+    kr_walk.seek(t0);
+    vr_walk.seek(t0);
+    const int64_t ahead = std::min(TILE, std::max<int64_t>(0, end - t0 - TILE));  // keys of the next tile
+    kp_walk.seek(t0 + TILE);
+    vp_walk.seek(t0 + TILE);
     for (int64_t j = 0; j < n; ++j) {
-      if (t0 + j + TILE < end) {  // the same key of the next tile
-        const char* pk = reinterpret_cast<const char*>(row_ptr<T>(a, a.k, a.ks0, a.ks1, a.ks2, u.b, u.h, t0 + j + TILE));
+      if (j < ahead) {  // the same key of the next tile, requested now (its latency overlaps this tile)
+        const char* pk = reinterpret_cast<const char*>(kp_walk.next());
         for (int64_t c = 0; c < D * static_cast<int64_t>(sizeof(T)); c += 64) __builtin_prefetch(pk + c, 0, 3);
         if (!v_from_k) {
-          const char* pv = reinterpret_cast<const char*>(row_ptr<T>(a, a.v, a.vs0, a.vs1, a.vs2, u.b, u.h, t0 + j + TILE));
+          const char* pv = reinterpret_cast<const char*>(vp_walk.next());
           for (int64_t c = 0; c < Dv * static_cast<int64_t>(sizeof(T)); c += 64) __builtin_prefetch(pv + c, 0, 3);
         }
       }
-      const T* kr = row_ptr<T>(a, a.k, a.ks0, a.ks1, a.ks2, u.b, u.h, t0 + j);
-      const T* vr = v_from_k ? kr : row_ptr<T>(a, a.v, a.vs0, a.vs1, a.vs2, u.b, u.h, t0 + j);
+      const T* kr = kr_walk.next();
+      const T* vr = v_from_k ? kr : vr_walk.next();
       if constexpr (in_place) {
         krow[j] = kr;
         vrow[j] = vr;  // V = K[:Dv] reads the K row
@@ -490,8 +522,18 @@ void run_unit(const Args& a, const Unit& u, float* m, float* l, float* acc_out) 
 }
 
 // Splits each (b, kv head)'s visible key range into slices of about equal length, enough of them
-// that torch's threads (static partition of the unit list) get balanced work.
-std::vector<Unit> plan_units(const Args& a, std::vector<int64_t>& first) {
+// that torch's threads (static partition of the unit list) get balanced work. Units of one
+// (b, kv head) are ``first[p] + i * stride[p]`` for i < count[p].
+//
+// Paged pools interleave the KV heads of a token (N, bs, Hkv, D): there the slices are short (a
+// slice of every head fits in L2) and ordered (sequence, slice, head), so one thread reads all
+// heads of a slice's blocks back to back and each block comes from DRAM once, not once per head.
+struct Plan {
+  std::vector<Unit> units;
+  std::vector<int64_t> first, stride, count;
+};
+
+Plan plan_units(const Args& a, int64_t elem_bytes) {
   const int64_t threads = at::get_num_threads();
   std::vector<int64_t> start(a.B), end(a.B);
   int64_t total = 0;
@@ -509,27 +551,38 @@ std::vector<Unit> plan_units(const Args& a, std::vector<int64_t>& first) {
     end[b] = e;
     total += (e - s) * a.Hkv;
   }
-  const int64_t per_unit = std::max<int64_t>(256, (total + 4 * threads - 1) / (4 * threads));
-  std::vector<Unit> units;
-  first.assign(a.B * a.Hkv + 1, 0);
+  int64_t per_unit = std::max<int64_t>(256, (total + 4 * threads - 1) / (4 * threads));
+  if (a.paged) {  // every head of a slice within ~256 KiB (L2)
+    const int64_t token_bytes = a.Hkv * (a.D + (a.v == nullptr ? 0 : a.Dv)) * elem_bytes;
+    per_unit = std::min(per_unit, std::max<int64_t>(a.block_size, (256 << 10) / std::max<int64_t>(1, token_bytes)));
+  }
+  Plan plan;
+  const int64_t P = a.B * a.Hkv;
+  plan.first.assign(P, 0);
+  plan.stride.assign(P, 1);
+  plan.count.assign(P, 0);
   for (int64_t b = 0; b < a.B; ++b) {
     const int64_t len = end[b] - start[b];
     const int64_t pieces = std::max<int64_t>(1, (len + per_unit - 1) / per_unit);
+    const int64_t base = static_cast<int64_t>(plan.units.size());
     for (int64_t h = 0; h < a.Hkv; ++h) {
-      first[b * a.Hkv + h] = static_cast<int64_t>(units.size());
-      for (int64_t p = 0; p < pieces; ++p)
-        units.push_back({b, h, start[b] + len * p / pieces, start[b] + len * (p + 1) / pieces});
+      plan.first[b * a.Hkv + h] = a.paged ? base + h : base + h * pieces;
+      plan.stride[b * a.Hkv + h] = a.paged ? a.Hkv : 1;
+      plan.count[b * a.Hkv + h] = pieces;
+    }
+    for (int64_t i = 0; i < pieces * a.Hkv; ++i) {
+      const int64_t p = a.paged ? i / a.Hkv : i % pieces, h = a.paged ? i % a.Hkv : i / pieces;
+      plan.units.push_back({b, h, start[b] + len * p / pieces, start[b] + len * (p + 1) / pieces});
     }
   }
-  first[a.B * a.Hkv] = static_cast<int64_t>(units.size());
-  return units;
+  return plan;
 }
 
 template <typename T>
 void run_all(const Args& a, float* out, float* lse, const float* sinks) {
   const int64_t M = a.G * a.Sq, Dv = a.Dv;
-  std::vector<int64_t> first;
-  const std::vector<Unit> units = plan_units(a, first);
+  const Plan plan = plan_units(a, sizeof(T));
+  const std::vector<Unit>& units = plan.units;
   const int64_t U = static_cast<int64_t>(units.size());
   std::vector<float> pm(U * M), pl(U * M), pacc(U * M * Dv);
   // Rows are read in place when whole vectors cover them (and the type widens in registers).
@@ -545,16 +598,17 @@ void run_all(const Args& a, float* out, float* lse, const float* sinks) {
   // Merge the slices of each (b, kv head): exact log-sum-exp rule; sinks join the denominator.
   at::parallel_for(0, a.B * a.Hkv, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
-      const int64_t b = p / a.Hkv, h = p % a.Hkv, u0 = first[p], u1 = first[p + 1];
+      const int64_t b = p / a.Hkv, h = p % a.Hkv, u0 = plan.first[p], us = plan.stride[p];
+      const int64_t u1 = u0 + plan.count[p] * us;
       for (int64_t r = 0; r < M; ++r) {
         const int64_t g = r / a.Sq, i = r % a.Sq, hq = h * a.G + g;
         float mx = kNegInf;
-        for (int64_t u = u0; u < u1; ++u) mx = nan_max(pm[u * M + r], mx);
+        for (int64_t u = u0; u < u1; u += us) mx = nan_max(pm[u * M + r], mx);
         float* o = out + ((b * a.Hq + hq) * a.Sq + i) * Dv;
         std::fill(o, o + Dv, 0.0f);
         float den = 0.0f;
         if (mx != kNegInf) {
-          for (int64_t u = u0; u < u1; ++u) {
+          for (int64_t u = u0; u < u1; u += us) {
             const float w = exp_f32(pm[u * M + r] - mx);  // a slice with nothing visible: 0
             den += w * pl[u * M + r];
             const float* ar = &pacc[(u * M + r) * Dv];
