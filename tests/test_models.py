@@ -390,3 +390,24 @@ def test_a_config_json_without_a_required_key_is_a_clear_error():
     cfg = {"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1, "intermediate_size": 16}
     with pytest.raises(ValueError, match="model_type 'llama'.*has no 'num_attention_heads'"):
         config_from_hf(cfg)
+
+
+# ---------------------------------------------------------------------------- explicit fusion
+
+
+def test_fused_and_separate_decoders_agree_and_load_each_others_state_dicts():
+    """fused_projections (qkv_proj, gate_up_proj) is a layout, not a different model: either
+    decoder loads the other's state dict with strict=True, and they compute the same logits."""
+    fused = tiny("gqa", seed=3, attention_bias=True, mlp_bias=True)
+    sep = Decoder(DecoderConfig(**{**TINY, **VARIANTS["gqa"], "attention": "gqa", "attention_bias": True,
+                                   "mlp_bias": True, "fused_projections": False}), init_std=None).eval()
+    assert "model.layers.0.self_attn.qkv_proj.weight" in fused.state_dict()
+    assert "model.layers.0.mlp.gate_up_proj.bias" in fused.state_dict()
+    assert "model.layers.0.self_attn.q_proj.weight" in sep.state_dict()
+    sep.load_state_dict(fused.state_dict(), strict=True)
+    ids = torch.randint(0, 96, (2, 11))
+    with torch.no_grad():
+        torch.testing.assert_close(sep(ids), fused(ids))
+    again = tiny("gqa", seed=4, attention_bias=True, mlp_bias=True)
+    again.load_state_dict(sep.state_dict(), strict=True)
+    assert all(torch.equal(v, fused.state_dict()[k]) for k, v in again.state_dict().items())

@@ -18,9 +18,11 @@ from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any, Mapping
 
-__all__ = ["DecoderConfig", "ATTENTION_VARIANTS"]
+__all__ = ["DecoderConfig", "ATTENTION_VARIANTS", "HIDDEN_ACTS"]
 
 ATTENTION_VARIANTS = ("mha", "gqa", "mqa", "mla")
+#: MLP activations (Hugging Face ``hidden_act`` names) of the gated MLP.
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "gelu")
 _MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
@@ -55,6 +57,10 @@ class DecoderConfig:
         attention_bias: bias on the q/k/v projections (Qwen2: True); ``attention_out_bias``
             on o_proj (default: ``attention_bias``, Llama's single flag).
         mlp_bias: bias on the MLP projections.
+        hidden_act: the gated MLP's activation, one of :data:`HIDDEN_ACTS` ("silu": SwiGLU).
+        fused_projections: one ``qkv_proj`` per attention (MHA/GQA/MQA) and one ``gate_up_proj``
+            per MLP (Phi-3's names) instead of separate Linears, for one matrix product each;
+            checkpoints of either layout load (see :mod:`attnkit.models.decoder`).
         kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim,
             rope_interleave: MLA only. Defaults: ``kv_lora_rank = 4 * head_dim``, no q
             compression, ``qk_nope_head_dim = v_head_dim = head_dim``, ``qk_rope_head_dim =
@@ -80,6 +86,8 @@ class DecoderConfig:
     attention_bias: bool = False
     attention_out_bias: bool | None = None
     mlp_bias: bool = False
+    hidden_act: str = "silu"
+    fused_projections: bool = True
     kv_lora_rank: int | None = None
     q_lora_rank: int | None = None
     qk_nope_head_dim: int | None = None
@@ -95,7 +103,9 @@ class DecoderConfig:
             _pos_int(name, getattr(self, name))
         for name in ("num_kv_heads", "head_dim", "intermediate_size", *_MLA_FIELDS):
             _pos_int(name, getattr(self, name), allow_none=True)
-        for name in ("tie_word_embeddings", "attention_bias", "mlp_bias"):
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"hidden_act must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}")
+        for name in ("tie_word_embeddings", "attention_bias", "mlp_bias", "fused_projections"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.attention_out_bias is None:

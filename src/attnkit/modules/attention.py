@@ -6,6 +6,13 @@ Notation: B batch, Sq / Sk query / key lengths, E embed dim, H query heads, Hkv 
 The module owns the projections and the wiring (RoPE, cache); the numbers come from
 :func:`attnkit.attention`. Parameter names are Hugging Face's (``q_proj``, ``k_proj``, ``v_proj``,
 ``o_proj``) so Llama / Mistral / Qwen2-family attention state dicts load with ``strict=True``.
+
+Fusion is explicit: ``fused_qkv=True`` holds one ``qkv_proj`` Linear (Phi-3's name) whose rows are
+q | k | v, so self-attention reads the weights in one matrix product and rotates q and k in one
+go. A ``load_state_dict`` pre-hook turns separate ``q_proj / k_proj / v_proj`` entries (weights
+and biases) into ``qkv_proj`` and, on an unfused module, a ``qkv_proj`` entry into the three, so
+both checkpoint layouts load with ``strict=True`` into either module. ``state_dict()`` emits the
+module's own names (see :mod:`attnkit.modules._fused` for why).
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ from torch import Tensor, nn
 from ..caches import KVCache, new_cache
 from ..functional import attention
 from ..masks import KeyPadding, Mask, as_mask
+from ..rope import RotaryEmbedding
+from ._fused import FusedLoadHook
 
 __all__ = ["MultiHeadAttention", "GroupedQueryAttention", "MultiQueryAttention"]
 
@@ -39,6 +48,9 @@ class MultiHeadAttention(nn.Module):
         out_dim: width of the output (default E).
         bias: bias on q/k/v projections (Qwen2 has them, Llama does not).
         out_bias: bias on o_proj (default: ``bias``).
+        fused_qkv: one ``qkv_proj`` Linear (rows q | k | v) instead of three; self-attention
+            only (kdim = vdim = embed_dim). Checkpoints in either layout load (see the module
+            docstring).
         dropout: attention-probability dropout, applied in training mode only.
         causal: bottom-right causal self-attention (decoders).
         rope: an :class:`attnkit.RotaryEmbedding` (or None), applied to q and k at ``positions``.
@@ -50,8 +62,8 @@ class MultiHeadAttention(nn.Module):
                  head_dim: int | None = None, kdim: int | None = None, vdim: int | None = None,
                  v_head_dim: int | None = None, out_dim: int | None = None, bias: bool = False,
                  out_bias: bool | None = None, dropout: float = 0.0, causal: bool = False,
-                 rope: nn.Module | None = None, batch_first: bool = True, backend: str = "auto",
-                 device=None, dtype=None):
+                 rope: RotaryEmbedding | None = None, batch_first: bool = True, backend: str = "auto",
+                 fused_qkv: bool = False, device=None, dtype=None):
         super().__init__()
         self.embed_dim = _positive("embed_dim", embed_dim)
         self.num_heads = _positive("num_heads", num_heads)
@@ -71,17 +83,30 @@ class MultiHeadAttention(nn.Module):
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
         self.dropout, self.causal, self.batch_first, self.backend = float(dropout), causal, batch_first, backend
+        if rope is not None and not isinstance(rope, RotaryEmbedding):
+            raise TypeError(f"rope must be an attnkit.RotaryEmbedding or None, got {type(rope).__name__}")
+        if rope is not None and rope.head_dim != self.head_dim:
+            raise ValueError(f"rope has head_dim={rope.head_dim} but this module's head_dim is {self.head_dim}")
         self.rope = rope
+        if not isinstance(fused_qkv, bool):
+            raise TypeError(f"fused_qkv must be a bool, got {fused_qkv!r}")
+        if fused_qkv and (self.kdim != embed_dim or self.vdim != embed_dim):
+            raise ValueError(f"fused_qkv=True projects one input (self-attention): kdim ({self.kdim}) and vdim "
+                             f"({self.vdim}) must equal embed_dim ({embed_dim})")
+        self.fused_qkv = fused_qkv
         kw = {"device": device, "dtype": dtype}
-        self.q_proj = nn.Linear(embed_dim, num_heads * self.head_dim, bias=bias, **kw)
-        self.k_proj = nn.Linear(self.kdim, self.num_kv_heads * self.head_dim, bias=bias, **kw)
-        self.v_proj = nn.Linear(self.vdim, self.num_kv_heads * self.v_head_dim, bias=bias, **kw)
+        sizes = (num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.v_head_dim)
+        self._qkv_sizes = sizes
+        if fused_qkv:
+            self.qkv_proj = nn.Linear(embed_dim, sum(sizes), bias=bias, **kw)
+        else:
+            self.q_proj = nn.Linear(embed_dim, sizes[0], bias=bias, **kw)
+            self.k_proj = nn.Linear(self.kdim, sizes[1], bias=bias, **kw)
+            self.v_proj = nn.Linear(self.vdim, sizes[2], bias=bias, **kw)
         self.o_proj = nn.Linear(num_heads * self.v_head_dim, self.out_dim,
                                 bias=bias if out_bias is None else out_bias, **kw)
-
-    def _heads(self, x: Tensor, heads: int, dim: int) -> Tensor:
-        """(B, S, heads * dim) -> (B, heads, S, dim)."""
-        return x.unflatten(-1, (heads, dim)).transpose(1, 2)
+        self.register_load_state_dict_pre_hook(
+            FusedLoadHook("qkv_proj", ("q_proj", "k_proj", "v_proj"), sizes, to_fused=fused_qkv))
 
     def _check_input(self, name: str, x: Tensor, width: int) -> None:
         if not isinstance(x, Tensor) or x.dim() != 3:
@@ -91,7 +116,7 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"{name} has width {x.shape[-1]} (shape {tuple(x.shape)}), expected {width}")
 
     def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None, *,
-                mask=None, key_padding_mask: Tensor | None = None, positions: Tensor | None = None,
+                mask=None, key_padding_mask: Tensor | None = None, positions=None,
                 cache: KVCache | None = None, need_weights: bool = False):
         """Self-attention ``forward(x)`` or cross-attention ``forward(query, key, value)``.
 
@@ -101,8 +126,9 @@ class MultiHeadAttention(nn.Module):
             mask: as in :func:`attnkit.attention` (True = attend), over (B, H, Sq, Sk_total).
             key_padding_mask: (B, Sk) with ``nn.MultiheadAttention``'s meaning: True (or -inf)
                 marks padding to ignore.
-            positions: (B, Sq) int positions for RoPE; default: the cache's next positions, or
-                0..Sq-1.
+            positions: (B, Sq) (or (1, Sq)) int positions for RoPE, or the
+                :class:`attnkit.rope.RotaryAngles` a model computed once for every layer
+                (``rope.angles(positions)``); default: the cache's next positions, or 0..Sq-1.
             cache: a :class:`attnkit.caches.KVCache`; this step's K/V are appended and the
                 attention runs over everything cached (causal modules only).
             need_weights: also return the per-head weights (B, H, Sq, Sk_total) in fp32.
@@ -110,7 +136,7 @@ class MultiHeadAttention(nn.Module):
         Returns:
             out (B, Sq, out_dim) (or (Sq, B, out_dim)), and the weights with ``need_weights``.
         """
-        self_attn = key is None and value is None
+        self_attn = (key is None and value is None) or (key is query and value is query)
         if self_attn:
             key = value = query
         elif key is None or value is None:
@@ -119,24 +145,27 @@ class MultiHeadAttention(nn.Module):
             query, key, value = (t.transpose(0, 1) if isinstance(t, Tensor) and t.dim() == 3 else t
                                  for t in (query, key, value))
         self._check_input("query", query, self.embed_dim)
-        self._check_input("key", key, self.kdim)
-        self._check_input("value", value, self.vdim)
+        if not self_attn:
+            self._check_input("key", key, self.kdim)
+            self._check_input("value", value, self.vdim)
         B, Sq, _ = query.shape
         if key.shape[:2] != value.shape[:2] or key.shape[0] != B:
             raise ValueError(f"query {tuple(query.shape)}, key {tuple(key.shape)} and value "
                              f"{tuple(value.shape)} must share the batch, and key/value the length")
-        q = self._heads(self.q_proj(query), self.num_heads, self.head_dim)
-        k = self._heads(self.k_proj(key), self.num_kv_heads, self.head_dim)
-        v = self._heads(self.v_proj(value), self.num_kv_heads, self.v_head_dim)
         if cache is not None and not self.causal:
             raise ValueError("cache= needs a causal module (causal=True): a cache attends to the past")
+        if self.rope is not None and not self_attn:
+            raise ValueError("rope applies to self-attention (query and key share positions)")
+        if self.fused_qkv and not self_attn:
+            raise ValueError("this module has a fused qkv_proj (fused_qkv=True): it runs self-attention only; "
+                             "call it with the query alone")
+        angles = None
         if self.rope is not None:
-            if not self_attn:
-                raise ValueError("rope applies to self-attention (query and key share positions)")
             if positions is None:
                 positions = cache.positions(Sq) if cache is not None else \
-                    torch.arange(Sq, device=query.device).expand(B, Sq)
-            q, k = self.rope(q, k, positions)
+                    torch.arange(Sq, device=query.device)[None]
+            angles = self.rope.angles(positions)  # validates once for q and k
+        q, k, v = self._project(query, key, value, angles)  # (B, H, Sq, hd), (B, Hkv, Sk, hd), (B, Hkv, Sk, hdv)
         user_mask = as_mask(mask)
         if key_padding_mask is not None:
             # With a cache, the key length is the cache's; the mask's own check names it.
@@ -154,6 +183,28 @@ class MultiHeadAttention(nn.Module):
             out = out.transpose(0, 1)
         return (out, weights) if need_weights else out
 
+    def _project(self, query: Tensor, key: Tensor, value: Tensor, angles) -> tuple[Tensor, Tensor, Tensor]:
+        """q (B, H, Sq, hd), k (B, Hkv, Sk, hd), v (B, Hkv, Sk, hdv), rotated at ``angles``.
+
+        Heads are split from the (B, S, heads * dim) projections as (B, S, heads, dim) views and
+        rotated there; fused, q and k sit side by side and rotate in one call."""
+        H, Hkv, hd, hdv = self.num_heads, self.num_kv_heads, self.head_dim, self.v_head_dim
+        if self.fused_qkv:
+            nq, nk, nv = self._qkv_sizes
+            qk, v = self.qkv_proj(query).split([nq + nk, nv], dim=-1)  # of (B, S, (H + Hkv) hd + Hkv hdv)
+            qk = qk.unflatten(-1, (H + Hkv, hd))  # (B, S, H + Hkv, hd)
+            if angles is not None:
+                qk = self.rope.rotate(qk, angles, layout="bshd")
+            q, k = qk.split([H, Hkv], dim=2)
+            v = v.unflatten(-1, (Hkv, hdv))
+        else:
+            q = self.q_proj(query).unflatten(-1, (H, hd))
+            k = self.k_proj(key).unflatten(-1, (Hkv, hd))
+            v = self.v_proj(value).unflatten(-1, (Hkv, hdv))
+            if angles is not None:
+                q = self.rope.rotate(q, angles, layout="bshd")
+                k = self.rope.rotate(k, angles, layout="bshd")
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def new_cache(self, kind: str = "dynamic", *, max_batch: int | None = None, max_len: int | None = None,
                   window: int | None = None, allocator=None, dtype: torch.dtype | None = None,
@@ -162,7 +213,7 @@ class MultiHeadAttention(nn.Module):
         device unless given: "dynamic", "static" (needs max_batch, max_len), "sliding" (needs
         window, max_batch) or "paged" (needs the :class:`~attnkit.caches.BlockAllocator` that
         all layers of a model share)."""
-        w = self.q_proj.weight
+        w = self.o_proj.weight
         return new_cache(kind, (self.num_kv_heads, self.head_dim, self.v_head_dim), max_batch=max_batch,
                          max_len=max_len, window=window, allocator=allocator, dtype=dtype or w.dtype,
                          device=device or w.device)

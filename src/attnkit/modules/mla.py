@@ -42,11 +42,12 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor, nn
 
-from ..caches import KVCache, new_cache
+from ..caches import BoundCache, KVCache, new_cache
 from ..functional import attention
 from ..masks import as_mask
 from ..rope import RopeConfig, RotaryEmbedding, yarn_get_mscale
 from .attention import _and, _torch_key_padding
+from .norm import RMSNorm
 
 __all__ = ["MLAConfig", "MultiHeadLatentAttention"]
 
@@ -227,23 +228,6 @@ class _RopeView:
 # --------------------------------------------------------------------------- module
 
 
-class _RMSNorm(nn.Module):
-    """RMSNorm as DeepSeek / Hugging Face compute it: normalise in fp32, cast back, then scale."""
-
-    def __init__(self, dim: int, eps: float, device=None, dtype=None):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-    def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}"
-
-
 def _cpu_half(x: Tensor) -> bool:
     """fp16/bf16 GEMMs on CPU have no fast kernel without AVX512-BF16/AMX (measured ~5x slower
     than fp32 on AVX2), so the matmuls MLA adds run in fp32 there and round once to the input
@@ -298,10 +282,10 @@ class MultiHeadLatentAttention(nn.Module):
             self.q_proj = nn.Linear(E, H * c.qk_head_dim, bias=False, **kw)
         else:
             self.q_a_proj = nn.Linear(E, c.q_lora_rank, bias=c.attention_bias, **kw)
-            self.q_a_layernorm = _RMSNorm(c.q_lora_rank, c.rms_norm_eps, **kw)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, **kw)
             self.q_b_proj = nn.Linear(c.q_lora_rank, H * c.qk_head_dim, bias=False, **kw)
         self.kv_a_proj_with_mqa = nn.Linear(E, r + c.qk_rope_head_dim, bias=c.attention_bias, **kw)
-        self.kv_a_layernorm = _RMSNorm(r, c.rms_norm_eps, **kw)
+        self.kv_a_layernorm = RMSNorm(r, c.rms_norm_eps, **kw)
         self.kv_b_proj = nn.Linear(r, H * (c.qk_nope_head_dim + c.v_head_dim), bias=False, **kw)
         self.o_proj = nn.Linear(H * c.v_head_dim, E, bias=c.attention_bias, **kw)
         self.rope = RotaryEmbedding.from_config(c.rope)
@@ -347,7 +331,7 @@ class MultiHeadLatentAttention(nn.Module):
     def check_cache(self, cache, dtype: torch.dtype | None = None) -> None:
         """Raise a clear error unless ``cache`` is a latent cache built for this layer: one head of
         r + dr channels whose first r are read as V (``value_from_key``), in ``dtype``."""
-        if not isinstance(cache, KVCache):
+        if not isinstance(cache, (KVCache, BoundCache)):
             raise TypeError(f"cache must be an attnkit KVCache (build one with new_cache()), got "
                             f"{type(cache).__name__}")
         c = self.config
@@ -445,7 +429,9 @@ class MultiHeadLatentAttention(nn.Module):
             mask: as in :func:`attnkit.attention` (True = attend), over (B, H, S, L), L = S without
                 a cache, else the key length the cache returns; ANDed with causality.
             key_padding_mask: (B, L), ``nn.MultiheadAttention``'s meaning: True (or -inf) = padding.
-            positions: (B, S) int RoPE positions; default the cache's next positions, or 0..S-1.
+            positions: (B, S) (or (1, S)) int RoPE positions, or the
+                :class:`attnkit.rope.RotaryAngles` of ``self.rope.angles(positions)`` (a model
+                computes them once for every layer); default the cache's next positions, or 0..S-1.
             cache: a latent cache (:meth:`new_cache`); this step's ``[c_kv | k_pe]`` is appended.
             need_weights: also return the attention weights (B, H, S, L) in fp32.
 
@@ -460,7 +446,7 @@ class MultiHeadLatentAttention(nn.Module):
         if cache is not None:  # before any work: a wrong cache is the likeliest mistake
             self.check_cache(cache)
         if positions is None:
-            positions = cache.positions(S) if cache is not None else torch.arange(S, device=x.device).expand(B, S)
+            positions = cache.positions(S) if cache is not None else torch.arange(S, device=x.device)[None]
         q_nope, q_pe, latent = self.project(x, positions)
         user_mask = as_mask(mask)
         if key_padding_mask is not None:
