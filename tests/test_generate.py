@@ -285,3 +285,60 @@ def test_generating_past_max_position_embeddings_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         m.generate([[1, 2, 3, 4, 5]], max_new_tokens=7)  # 12 positions: within the limit
+
+
+# ---------------------------------------------------------------------------- reliability (issue 13)
+
+
+@pytest.mark.filterwarnings("ignore:prompt .* exceeds the model's max_position_embeddings")
+@pytest.mark.parametrize("cache", ["dynamic", None])
+def test_resources_grow_with_the_tokens_generated(cache):
+    """max_new_tokens is a bound, not an allocation: 10**12 stops at the first EOS at once (the
+    old code allocated for every token up front: +3.5 GB for 4 million, an allocator crash at
+    10**9)."""
+    m = tiny("gqa", seed=1)
+    first = m.generate([[3, 4, 5]], 1, cache=cache).tokens[0][0]
+    out = m.generate([[3, 4, 5]], 10 ** 12, eos=first, cache=cache)
+    assert out.tokens == [[first]] and out.finish_reasons == ["eos"]
+    it = m.stream([[3, 4, 5], [6]], 10 ** 12, cache=cache)
+    assert len([next(it) for _ in range(3)]) == 3
+    it.close()
+
+
+@pytest.mark.filterwarnings("ignore:prompt .* exceeds the model's max_position_embeddings")
+@pytest.mark.parametrize("cache", ["static", "paged"])
+def test_fixed_capacity_caches_refuse_absurd_capacities(cache):
+    m = tiny("gqa", seed=1)
+    with pytest.raises(ValueError, match=rf"cache='{cache}' preallocates its whole capacity.*GiB.*cache='dynamic'"):
+        m.generate([[3, 4, 5]], 10 ** 12, cache=cache)
+
+
+def _nan_at(model, call: int, row: int):
+    """Make the lm_head's output NaN for ``row`` at its ``call``-th call (0-based)."""
+    seen = {"n": 0}
+
+    def hook(mod, args, out):
+        if seen["n"] == call:
+            out = out.clone()
+            out[row] = float("nan")
+        seen["n"] += 1
+        return out
+    return model.lm_head.register_forward_hook(hook)
+
+
+@pytest.mark.parametrize("sampling", [{}, dict(temperature=0.7, seed=0)], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("cache", ["dynamic", None])
+def test_nan_logits_raise_naming_the_step_and_sequence(sampling, cache):
+    """Greedy decoding used to return token 0 for NaN logits and sampling blamed the temperature."""
+    m = tiny("gqa", seed=2)
+    h = _nan_at(m, 2, 1)
+    with pytest.raises(FloatingPointError, match=r"step 2 .*sequence\(s\) \[1\] are NaN"):
+        m.generate(PROMPTS, 8, cache=cache, **sampling)
+    h.remove()
+    h = _nan_at(m, 0, 0)
+    steps = m.stream(PROMPTS, 8, cache=cache, **sampling)
+    with pytest.raises(FloatingPointError, match=r"step 0 .*sequence\(s\) \[0\]"):
+        next(steps)
+    h.remove()
+    with pytest.raises(FloatingPointError, match=r"rows \[1\] contain NaN"):
+        sample_next(torch.tensor([[0.0, 1.0], [float("nan"), 0.0]]))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import mmap
+import pickle
 import re
 import sys
 from pathlib import Path
@@ -99,10 +100,26 @@ def read_safetensors(path: str | Path) -> dict[str, Tensor]:
 
 
 def _load_bin(path: Path) -> dict[str, Tensor]:
-    sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    try:
+        sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError:
+        raise  # weights_only refused a global: torch's message says which
+    except (OSError, RuntimeError, EOFError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable PyTorch checkpoint (truncated or corrupt?): "
+                         f"{type(e).__name__}: {e}") from None
     if not isinstance(sd, dict):
         raise ValueError(f"{path}: expected a state dict, got {type(sd).__name__}")
     return sd
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
 
 
 def read_checkpoint(directory: str | Path) -> dict[str, Tensor]:
@@ -114,7 +131,7 @@ def read_checkpoint(directory: str | Path) -> dict[str, Tensor]:
         if (d / single).is_file():
             return reader(d / single)
         if (d / index).is_file():
-            weight_map = json.loads((d / index).read_text()).get("weight_map")
+            weight_map = _read_json(d / index).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise ValueError(f"{d / index} has no weight_map")
             sd: dict[str, Tensor] = {}
@@ -155,65 +172,121 @@ def _rope_fields(c: dict, head_dim: int | None) -> dict:
     return {"rope_theta": rc.base, "rope_scaling": scaling}
 
 
-class _ConfigDict(dict):
-    """config.json as a dict whose missing required keys are a ValueError naming them."""
+_REQUIRED = object()
 
-    def __missing__(self, key):
-        raise ValueError(f"config.json (model_type {self.get('model_type')!r}) has no {key!r}, which the "
-                         f"decoder needs")
+
+class _Fields:
+    """config.json read with types checked: a wrong type or a missing required key is a ValueError
+    naming the field, the value and the model type (JSON's ``"false"`` is a string, not a bool)."""
+
+    def __init__(self, c: dict):
+        self.c = c
+        self.where = f"config.json (model_type {c.get('model_type')!r})"
+
+    def _get(self, key, default):
+        if key in self.c and self.c[key] is not None:
+            return self.c[key], True
+        if default is _REQUIRED:
+            raise ValueError(f"{self.where} has no {key!r}, which the decoder needs")
+        return default, False
+
+    def _bad(self, key, val, what):
+        return ValueError(f"{self.where} field {key!r} must be {what}, got {val!r} ({type(val).__name__})")
+
+    def int(self, key, default=_REQUIRED, *, low: int = 1):
+        val, given = self._get(key, default)
+        if given and (isinstance(val, bool) or not isinstance(val, int) or val < low):
+            raise self._bad(key, val, f"an int >= {low}")
+        return val
+
+    def bool(self, key, default=_REQUIRED):
+        val, given = self._get(key, default)
+        if given and not isinstance(val, bool):
+            raise self._bad(key, val, "true or false")
+        return val
+
+    def float(self, key, default=_REQUIRED, *, positive: bool = True):
+        val, given = self._get(key, default)
+        if given and (isinstance(val, bool) or not isinstance(val, (int, float)) or not math.isfinite(val)
+                      or (positive and val <= 0)):
+            raise self._bad(key, val, "a finite number" + (" > 0" if positive else ""))
+        return None if val is None else float(val)
+
+    def str(self, key, default=_REQUIRED):
+        val, given = self._get(key, default)
+        if given and not isinstance(val, str):
+            raise self._bad(key, val, "a string")
+        return val
+
+    def dict(self, key, default=None):
+        val, given = self._get(key, default)
+        if given and not isinstance(val, Mapping):
+            raise self._bad(key, val, "an object")
+        return val
 
 
 def config_from_hf(cfg) -> DecoderConfig:
     """The :class:`DecoderConfig` of a Hugging Face config (``config.json`` as a dict, or a
-    ``PretrainedConfig``). Raises ValueError for architectures or options the decoder does not
-    implement (naming them), never silently approximates."""
+    ``PretrainedConfig``). Field types are checked (errors name the field); architectures or
+    options the decoder does not implement raise ValueError naming them, never silently
+    approximated."""
     c = _as_dict(cfg)
+    f = _Fields(c)
     mt = c.get("model_type")
     if mt not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model_type {mt!r} is not supported; attnkit.models loads {SUPPORTED_MODEL_TYPES}")
-    act = c.get("hidden_act", "silu")
+    act = f.str("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act {act!r} is not supported (the decoder's MLP is SwiGLU with silu)")
-    if c.get("quantization_config"):
-        raise ValueError(f"quantized checkpoints ({c['quantization_config'].get('quant_method', '?')}) are "
+    quant = f.dict("quantization_config")
+    if quant:
+        raise ValueError(f"quantized checkpoints ({quant.get('quant_method', '?')}) are "
                          "not supported; dequantize to bf16/fp32 first")
-    c = _ConfigDict(c)
-    H = c["num_attention_heads"]
-    common = dict(vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_layers=c["num_hidden_layers"],
-                  num_heads=H, intermediate_size=c["intermediate_size"],
-                  tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-                  rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-                  max_position_embeddings=c.get("max_position_embeddings", 2048))
+    H = f.int("num_attention_heads")
+    E = f.int("hidden_size")
+    common = dict(vocab_size=f.int("vocab_size"), hidden_size=E, num_layers=f.int("num_hidden_layers"),
+                  num_heads=H, intermediate_size=f.int("intermediate_size"),
+                  tie_word_embeddings=f.bool("tie_word_embeddings", False),
+                  rms_norm_eps=f.float("rms_norm_eps", 1e-6),
+                  max_position_embeddings=f.int("max_position_embeddings", 2048))
+    f.float("rope_theta", None)  # type-checked here; resolved with the rope dict below
+    f.dict("rope_scaling")
     if mt == "deepseek_v3":
-        L = c["num_hidden_layers"]
-        k_dense = c.get("first_k_dense_replace", 0)
-        if c.get("n_routed_experts") and k_dense < L:
+        L = common["num_layers"]
+        k_dense = f.int("first_k_dense_replace", 0, low=0)
+        experts = f.int("n_routed_experts", 0, low=0)
+        if experts and k_dense < L:
             raise ValueError(f"this DeepSeek-V3 config has mixture-of-experts layers (first_k_dense_replace="
-                             f"{k_dense} < num_hidden_layers={L}, n_routed_experts={c['n_routed_experts']}); "
+                             f"{k_dense} < num_hidden_layers={L}, n_routed_experts={experts}); "
                              "attnkit.models loads dense-MLP checkpoints only")
-        return DecoderConfig(**common, attention="mla", head_dim=c["v_head_dim"],
-                             kv_lora_rank=c["kv_lora_rank"], q_lora_rank=c.get("q_lora_rank"),
-                             qk_nope_head_dim=c["qk_nope_head_dim"], qk_rope_head_dim=c["qk_rope_head_dim"],
-                             v_head_dim=c["v_head_dim"], rope_interleave=bool(c.get("rope_interleave", True)),
-                             attention_bias=bool(c.get("attention_bias", False)),
-                             **_rope_fields(c, c["qk_rope_head_dim"]))
-    if mt == "mistral" and c.get("sliding_window") is not None:
+        rope_dim = f.int("qk_rope_head_dim")
+        return DecoderConfig(**common, attention="mla", head_dim=f.int("v_head_dim"),
+                             kv_lora_rank=f.int("kv_lora_rank"), q_lora_rank=f.int("q_lora_rank", None),
+                             qk_nope_head_dim=f.int("qk_nope_head_dim"), qk_rope_head_dim=rope_dim,
+                             v_head_dim=f.int("v_head_dim"), rope_interleave=f.bool("rope_interleave", True),
+                             attention_bias=f.bool("attention_bias", False), **_rope_fields(c, rope_dim))
+    if mt == "mistral" and f.int("sliding_window", None) is not None:
         raise ValueError(f"Mistral with sliding_window={c['sliding_window']} is not supported by the decoder "
                          "(full causal attention only); set sliding_window to null to load it as full attention")
-    if mt == "qwen2" and c.get("use_sliding_window"):
+    if mt == "qwen2" and f.bool("use_sliding_window", False):
         raise ValueError("Qwen2 with use_sliding_window=true is not supported (full causal attention only)")
-    kv = c.get("num_key_value_heads") or H
-    head_dim = c.get("head_dim") or c["hidden_size"] // H
+    kv = f.int("num_key_value_heads", H)
+    head_dim = f.int("head_dim", None)
+    if head_dim is None:
+        if E % H:
+            raise ValueError(f"{f.where}: hidden_size ({E}) is not divisible by num_attention_heads ({H}) and "
+                             "there is no head_dim")
+        head_dim = E // H
     attention = "mha" if kv == H else "mqa" if kv == 1 else "gqa"
     if mt == "qwen2":
         bias, out_bias = True, False
     elif mt == "mistral":
         bias = out_bias = False
     else:
-        bias = out_bias = bool(c.get("attention_bias", False))
+        bias = out_bias = f.bool("attention_bias", False)
     return DecoderConfig(**common, attention=attention, num_kv_heads=kv, head_dim=head_dim,
                          attention_bias=bias, attention_out_bias=out_bias,
-                         mlp_bias=bool(c.get("mlp_bias", False)), **_rope_fields(c, head_dim))
+                         mlp_bias=f.bool("mlp_bias", False), **_rope_fields(c, head_dim))
 
 
 def _config_dtype(c: dict) -> torch.dtype | None:
@@ -263,7 +336,7 @@ def load_pretrained(path: str | Path, *, dtype: torch.dtype | None = None, devic
         raise FileNotFoundError(f"{d} is not a directory (expected a save_pretrained checkpoint folder)")
     if not (d / "config.json").is_file():
         raise FileNotFoundError(f"{d} has no config.json")
-    c = json.loads((d / "config.json").read_text())
+    c = _read_json(d / "config.json")
     cfg = config_from_hf(c)
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise TypeError(f"dtype must be a torch floating dtype, got {dtype!r}")
