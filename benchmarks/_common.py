@@ -1,13 +1,17 @@
-"""Plumbing shared by the benchmark scripts: interleaved timing, the machine's description, and
-the command line that writes a result table (markdown + JSON)."""
+"""Plumbing shared by the benchmark scripts: interleaved timing, the machine's description (CPU
+model and vector ISA), skipping a suite that cannot run here, and the command line that writes a
+result table (markdown + JSON) and its chart (PNG)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -15,7 +19,7 @@ from typing import Callable
 import torch
 
 import attnkit
-from attnkit._sysinfo import cpu_name
+from attnkit._sysinfo import cpu_isa, cpu_name
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -44,13 +48,57 @@ def interleaved_medians(fns: dict[str, Callable[[], float]], reps: int, warmup: 
 
 
 def machine() -> dict:
-    return {"cpu": cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    return {"cpu": cpu_name(), "isa": cpu_isa(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "attnkit": attnkit.__version__, "python": platform.python_version(),
             "platform": platform.platform()}
 
 
+#: Exit status of a suite that cannot run here: ``attnkit bench`` reports it as skipped (the
+#: automake convention) and goes on.
+SKIPPED = 77
+
+
+def skip(reason: str) -> None:
+    """Stop this benchmark as skipped: print ``skipped: <reason>``, hand the reason to ``attnkit
+    bench`` (``$ATTNKIT_BENCH_SKIP_FILE``) and exit with :data:`SKIPPED`."""
+    print(f"skipped: {reason}", file=sys.stderr, flush=True)
+    note = os.environ.get("ATTNKIT_BENCH_SKIP_FILE")
+    if note:
+        Path(note).write_text(reason)
+    sys.exit(SKIPPED)
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a broken or blocked install counts as missing
+        return False
+
+
+def require(module: str, pip: str) -> None:
+    """Skip this benchmark unless ``module`` can be imported; the reason names ``pip install``."""
+    if not _installed(module):
+        skip(f"needs {module} (pip install {pip})")
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        skip(f"needs a working {module} (pip install {pip}): {e}")
+
+
+def plot(json_path: Path) -> str:
+    """Draw ``<stem>.png`` next to a result file (:func:`attnkit.viz.plot_benchmark`); returns
+    what happened, in one line (matplotlib is optional: without it the chart is skipped)."""
+    try:
+        from attnkit.viz import plot_benchmark
+        return f"wrote {plot_benchmark(json_path)}"
+    except ImportError as e:
+        return f"chart skipped: {e}"
+    except ValueError as e:
+        return f"no chart: {e}"
+
+
 def bench_main(argv, doc: str, name: str, run: Callable[[bool], dict], to_markdown: Callable[[dict], str]) -> int:
-    """``--quick`` / ``--out`` command line: run, print the table, write ``name[_quick].{md,json}``."""
+    """``--quick`` / ``--out`` command line: run, print the table, write ``name[_quick].{md,json,png}``."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
     p.add_argument("--out", type=Path, default=RESULTS, help="folder for the tables (default: benchmarks/results)")
@@ -63,4 +111,5 @@ def bench_main(argv, doc: str, name: str, run: Callable[[bool], dict], to_markdo
     (args.out / f"{stem}.md").write_text(md)
     print(md)
     print(f"wrote {args.out / (stem + '.md')} and .json")
+    print(plot(args.out / f"{stem}.json"))
     return 0

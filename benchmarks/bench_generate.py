@@ -16,14 +16,12 @@ step, so an upper bound on tokens/s (batch-1 decoding on a CPU is bound by it).
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from _common import RESULTS, bench_main, interleaved_medians, machine
+from _common import bench_main, interleaved_medians, machine, require
 from attnkit.models import Decoder, config_from_hf
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, INTER, VOCAB, PROMPT = 512, 4, 8, 2, 1376, 4096, 32
@@ -45,6 +43,7 @@ def build():
 
 
 def run(quick: bool) -> dict:
+    require("transformers", "'attnkit[bench]'")
     new, reps = (16, 2) if quick else (128, 5)
     hf, ours = build()
     rows = []
@@ -141,47 +140,9 @@ def to_markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(res: dict, path) -> str | None:
-    """Grouped bars of tokens/s per contender and batch size; None (and a message) without matplotlib."""
-    try:
-        from attnkit.viz import plot_bars
-    except ImportError as e:  # pragma: no cover - depends on the install
-        return f"plot skipped: {e}"
-    names = [n for n in ("hf", "attnkit_dynamic", "attnkit_static", "attnkit_compiled", "floor")
-             if any(f"{n}_tok_s" in r for r in res["rows"])]
-    labels = {"hf": "HF generate", "attnkit_dynamic": "attnkit dynamic", "attnkit_static": "attnkit static",
-              "attnkit_compiled": "attnkit compiled static", "floor": "weights only (upper bound)"}
-    groups = [f"batch {r['batch']}" for r in res["rows"]]
-    series = {labels[n]: [r.get(f"{n}_tok_s", 0.0) for r in res["rows"]] for n in names}
-    try:
-        plot_bars(groups, series, path, ylabel="tokens / s (end to end)",
-                  title=f"generate(): {res['rows'][0]['new_tokens']} new tokens, greedy, fp32, {res['machine']['cpu']}")
-    except ImportError as e:
-        return f"plot skipped: {e}"
-    return None
-
-
 def main(argv=None) -> int:
     """``--quick`` / ``--out``: run, print, write ``generate[_quick].{md,json,png}``."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    rc = bench_main(args, __doc__, "generate", _run_keep, to_markdown)  # validates the options
-    p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", type=Path, default=RESULTS)
-    known, _ = p.parse_known_args(args)
-    path = known.out / ("generate_quick.png" if known.quick else "generate.png")
-    msg = plot(_last[0], path)
-    print(msg or f"wrote {path}")
-    return rc
-
-
-_last: list[dict] = []
-
-
-def _run_keep(quick: bool) -> dict:
-    res = run(quick)
-    _last[:] = [res]
-    return res
+    return bench_main(argv, __doc__, "generate", run, to_markdown)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from _common import bench_main, interleaved_medians, machine, timed
+from _common import bench_main, interleaved_medians, machine, require, timed
 from attnkit import DynamicCache, MultiHeadAttention, RotaryEmbedding, StaticCache
 
 
@@ -59,6 +59,7 @@ def ours_decode(ours, x, prompt, steps, cache):
 
 
 def run(quick: bool) -> dict:
+    require("transformers", "'attnkit[bench]'")
     S, steps = (256, 16) if quick else (2048, 128)
     prompt = S  # decode continues the prefilled sequence
     rows = []

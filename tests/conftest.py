@@ -19,6 +19,8 @@ from attnkit.masks import as_mask
 from attnkit.reference import safe_softmax
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: Backends that run inference only (they refuse calls that need gradients): forward checks only.
+INFERENCE_ONLY = {"decode", "paged", "triton"}
 
 
 def base_attention(q, k, v, mask=None, *, causal=False, scale=None):
@@ -70,7 +72,9 @@ def rule_r(ours, base, gold, *, factor=2.0, what="out", n_terms=1):
 
 def check_against_oracle(q, k, v, mask=None, *, causal=False, scale=None, backend="auto", grad=True):
     """Run attnkit.attention, the eager base and the fp64 oracle on the same inputs and apply
-    rule R to the output and (with ``grad``) dq, dk, dv under a random upstream gradient."""
+    rule R to the output and (with ``grad``) dq, dk, dv under a random upstream gradient.
+    Inference-only backends (:data:`INFERENCE_ONLY`) are checked forward only."""
+    grad = grad and backend not in INFERENCE_ONLY
     leaves = [t.detach().clone().requires_grad_(grad) for t in (q, k, v)]
     gold_leaves = [t.detach().double().requires_grad_(grad) for t in (q, k, v)]
     base_leaves = [t.detach().clone().requires_grad_(grad) for t in (q, k, v)]

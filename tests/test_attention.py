@@ -12,7 +12,7 @@ from attnkit import masks as M
 from attnkit.backends import BackendNotSupported, explain, get_backend
 from attnkit.functional import _validate
 
-from conftest import DTYPES, check_against_oracle, make_qkv, stable_seed
+from conftest import DTYPES, INFERENCE_ONLY, check_against_oracle, make_qkv, stable_seed
 
 VARIANTS = {"mha": (4, 4), "gqa": (6, 2), "mqa": (4, 1)}
 # (D, Sq, Sk): odd head dims and lengths, Sq != Sk both ways, decode-sized Sq.
@@ -82,12 +82,15 @@ def test_fully_masked_rows_are_zero_with_zero_grads(backend, dtype):
     mask = torch.ones(B, 1, Sq, Sk, dtype=torch.bool)
     mask[0, :, 1] = False
     mask[1, :, 4] = False
-    q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+    trains = backend not in INFERENCE_ONLY
+    q.requires_grad_(trains), k.requires_grad_(trains), v.requires_grad_(trains)
     out = attnkit.attention(q, k, v, mask, backend=backend)
     assert (out[0, :, 1] == 0).all() and (out[1, :, 4] == 0).all()
     ref = attnkit.attention(q, k, v, backend="math")  # unmasked rows equal the unmasked call
     keep = mask.any(-1, keepdim=True).expand_as(out)
     torch.testing.assert_close(out[keep], ref[keep], atol=2e-2 if dtype != "fp32" else 1e-5, rtol=1e-2)
+    if not trains:
+        return
     out.square().sum().backward()  # non-trivial upstream gradient
     for t in (q, k, v):
         assert torch.isfinite(t.grad).all()
@@ -137,7 +140,9 @@ def test_fp64_math_matches_oracle_exactly_enough():
 def test_auto_never_copies_kv_per_head_and_picks_expected_backend():
     q, k, v = make_qkv(1, 8, 2, 1, 4096, 16, dtype=torch.bfloat16)
     assert attnkit.describe_call(q, k, v, causal=True) == "decode"
-    assert attnkit.describe_call(q.float(), k.float(), v.float(), causal=True) == "sdpa"  # small fp32 cache
+    assert attnkit.describe_call(q.float(), k.float(), v.float(), causal=True) == "decode"
+    tiny = make_qkv(1, 8, 2, 1, 17, 16)  # a tiny cache: SDPA's one fused call costs less
+    assert attnkit.describe_call(*tiny, causal=True) == "sdpa"
     q2, k, v = make_qkv(1, 8, 2, 64, 64, 16)
     assert attnkit.describe_call(q2, k, v, causal=True) == "sdpa"
     assert attnkit.describe_call(q2, k, v, causal=True, return_weights=True) == "math"
@@ -166,13 +171,15 @@ def test_explain_reports_reasons():
 def test_empty_inputs(B, Sq, Sk, backend):
     q, k, v = make_qkv(B, 4, 2, Sq, Sk, 8, Dv=5)
     for t in (q, k, v):
-        t.requires_grad_()
+        t.requires_grad_(backend != "decode")
     out, w = attnkit.attention(q, k, v, causal=True, backend=backend, return_weights=True) \
         if backend in ("auto", "math") else (attnkit.attention(q, k, v, causal=True, backend=backend), None)
     assert out.shape == (B, 4, Sq, 5)
     assert (out == 0).all()
     if w is not None:
         assert w.shape == (B, 4, Sq, Sk)
+    if backend == "decode":
+        return
     out.sum().backward()
     for t in (q, k, v):
         assert t.grad is not None and (t.grad == 0).all()

@@ -16,7 +16,8 @@ def test_info_lists_versions_and_backends(capsys):
     assert f"attnkit {attnkit.__version__}" in out and torch.__version__ in out
     for name in ("math", "sdpa", "decode", "flex"):
         assert f"  {name}" in out
-    assert "auto order: decode > triton > sdpa > math" in out
+    from attnkit.backends import auto_order
+    assert "auto order: " + " > ".join(auto_order()) in out
 
 
 def test_no_command_prints_help_and_fails(capsys):
@@ -38,7 +39,7 @@ import pytest  # noqa: E402
 HAS_MPL = importlib.util.find_spec("matplotlib") is not None
 
 
-@pytest.mark.parametrize("cmd", [["demo"], ["bench"], ["viz"], ["viz", "masks"], ["viz", "attention"], ["kv"]])
+@pytest.mark.parametrize("cmd", [["demo"], ["bench"], ["viz"], ["viz", "masks"], ["viz", "attention"], ["kv"], ["generate"]])
 def test_every_subcommand_has_help(cmd, capsys):
     with pytest.raises(SystemExit) as e:
         main([*cmd, "--help"])
@@ -147,3 +148,88 @@ def test_viz_attention_of_a_checkpoint(tmp_path, capsys):
     assert main(["viz", "attention", str(tmp_path / "ckpt"), "--ids", "1 2", "--layer", "5"]) == 2
     assert main(["viz", "attention", str(tmp_path / "nope"), "--ids", "1"]) == 2
     assert "not a directory" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- first contact
+
+import os  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import attnkit  # noqa: E402
+
+SRC = Path(attnkit.__file__).resolve().parents[1]
+BLOCKER = '''
+import sys
+BLOCKED = {names!r}
+
+class _Blocker:  # behaves as if these packages were not installed
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ModuleNotFoundError(f"No module named {{name!r}} (blocked by the test)", name=name)
+        return None
+
+sys.meta_path.insert(0, _Blocker())
+'''
+
+
+def _env_without(tmp_path, *names) -> dict:
+    """Environment whose Pythons (this one's children included) cannot import ``names``: a
+    sitecustomize on PYTHONPATH puts a blocking finder first on sys.meta_path."""
+    d = tmp_path / "blocker"
+    d.mkdir()
+    (d / "sitecustomize.py").write_text(BLOCKER.format(names=names))
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(d), str(SRC)])}
+
+
+def test_version_flag(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip().startswith(f"attnkit {attnkit.__version__}")
+
+
+def test_bench_in_a_venv_without_transformers_or_triton(tmp_path):
+    """`attnkit bench --quick` where transformers and triton are missing: the suites that need them
+    say what to install and are skipped; the run exits 0 (no NameError / ModuleNotFoundError)."""
+    env = _env_without(tmp_path, "transformers", "triton")
+    check = subprocess.run([sys.executable, "-c", "import attnkit, attnkit.nn, attnkit.integrations"], env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0, check.stderr
+    res = subprocess.run([sys.executable, "-m", "attnkit", "bench", "generate", "module", "integration", "gpu",
+                          "--quick", "--no-plots", "--out", str(tmp_path / "out")],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    for suite in ("generate", "module", "integration"):
+        assert f"== {suite}: skipped: needs transformers (pip install 'attnkit[bench]')" in res.stdout
+    assert "== gpu: skipped: needs triton (pip install triton)" in res.stdout
+    assert "Traceback" not in res.stderr and "NameError" not in res.stderr
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("*.json"))
+
+
+def test_bench_skip_reason_reaches_the_summary(tmp_path, capsys):
+    d = _fake_suites(tmp_path)
+    (d / "bench_needs.py").write_text(
+        '"""Needs a package."""\nimport os, sys, pathlib\n'
+        'pathlib.Path(os.environ["ATTNKIT_BENCH_SKIP_FILE"]).write_text("needs frobnicate (pip install frob)")\n'
+        'sys.exit(77)\n')
+    assert main(["bench", "needs", "--dir", str(d), "--out", str(tmp_path / "o")]) == 0
+    assert "== needs: skipped: needs frobnicate (pip install frob)" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not HAS_MPL, reason="matplotlib is not installed")
+def test_bench_plots_only_redraws_from_result_files(tmp_path, capsys):
+    d = _fake_suites(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "fake.json").write_text('{"rows": [{"case": "a", "x_ms": 1.0}]}')
+    assert main(["bench", "--dir", str(d), "--out", str(out), "--plots-only"]) == 0
+    assert (out / "fake.png").read_bytes().startswith(b"\x89PNG") and not (out / "fake.md").exists()
+    assert main(["bench", "--dir", str(d), "--out", str(tmp_path / "empty"), "--plots-only"]) == 1
+
+
+def test_generate_subcommand_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for opt in ("--prompt", "--max-new-tokens", "--temperature", "--top-p", "--top-k", "--cache", "--seed", "--chat"):
+        assert opt in out

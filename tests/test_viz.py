@@ -84,6 +84,30 @@ def test_plot_benchmark_from_a_result_table(tmp_path):
         viz.plot_benchmark(tmp_path / "bad.json")
 
 
+def test_benchmark_row_labels_name_what_is_measured():
+    """Context lengths and shapes are in the labels (MLA's groups used to read 'bf16, bf16, fp32')."""
+    assert viz._row_label({"dtype": "bf16", "context": 1024, "absorbed_layer_ms": 1.0}) == "bf16 · context 1024"
+    assert viz._row_label({"case": "prefill causal", "shape": "B1 H8 S512 D64", "dtype": "fp32", "backend": "sdpa",
+                           "best_eager": "x"}) == "prefill causal\nB1 H8 S512 D64 · fp32 · backend: sdpa"
+    assert viz._row_label({"S": 4096, "single_backend": "sdpa"}) == "S=4096"
+    assert viz._metric("ring2_s") == (0, 1e3, "ring P=2") and viz._metric("hf_tok_s")[0] == 1
+    assert viz._metric("ring2_cpu_s") is None and viz._metric("speedup") is None
+
+
+def test_plot_benchmark_every_table_kind(tmp_path):
+    """Named tables (the gpu suite), seconds and memory columns (ring), missing values (n/a)."""
+    res = {"machine": {"cpu": "Test CPU", "isa": "AVX2", "cores": 2, "torch_threads": 2, "torch": "2"},
+           "quick": True, "shape": {"B": 1, "H": 8},
+           "prefill": [{"shape": "B2 H8 S256 D64", "dtype": "bf16", "attnkit_ms": 1.0, "sdpa_flash_ms": None}],
+           "paged_decode": [{"batch": 32, "context": 32768, "paged_ms": 2.0, "paged_GBps": 900.0}],
+           "rows": [{"S": 1024, "single_s": 0.08, "ring2_s": 0.07, "single_peak_MiB": 16.0, "ring4_s": None}],
+           "memory": {"n_seq": 8, "block_size": 16, "paged_bytes": 5603328, "contiguous_bytes": 7946240}}
+    (tmp_path / "gpu_quick.json").write_text(json.dumps(res))
+    _png(viz.plot_benchmark(tmp_path / "gpu_quick.json"))
+    assert [t for t, _ in viz._tables(res)] == ["prefill", "paged decode", "", "memory"]  # not machine / shape
+    assert "Test CPU, AVX2" in viz._context_line(res, "gpu") and "--quick" in viz._context_line(res, "gpu")
+
+
 def test_without_matplotlib_the_error_says_how_to_install(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     with pytest.raises(ImportError, match=r"pip install 'attnkit\[viz\]'"):

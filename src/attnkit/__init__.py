@@ -1,10 +1,11 @@
 """attnkit: every mainstream attention mechanism for PyTorch, behind one functional core."""
 
-from . import caches, masks, models, sizing
+from . import caches, masks, models, nn, sizing
 from .backends import BackendNotSupported, backend_names, explain, register_backend
 from .caches import BlockAllocator, DynamicCache, OutOfBlocks, PagedKVCache, SlidingWindowCache, StaticCache
 from .functional import attention, describe_call, set_debug
 from .models import Decoder, DecoderConfig
+from .models.text import TextGenerator
 from .modules import GroupedQueryAttention, MLAConfig, MultiHeadAttention, MultiHeadLatentAttention, MultiQueryAttention
 from .reference import attention_reference
 from .sizing import kv_cache_bytes, kv_cache_table
@@ -14,4 +15,4 @@ __version__ = "0.1.0"
 
 __all__ = ["attention", "attention_reference", "describe_call", "set_debug", "masks", "caches", "BackendNotSupported",
            "backend_names", "explain", "register_backend", "MultiHeadAttention", "GroupedQueryAttention",
-           "MultiQueryAttention", "MLAConfig", "MultiHeadLatentAttention", "models", "Decoder", "DecoderConfig", "sizing", "kv_cache_bytes", "kv_cache_table", "DynamicCache", "StaticCache", "SlidingWindowCache", "PagedKVCache", "BlockAllocator", "OutOfBlocks", "RotaryEmbedding", "RopeConfig", "apply_rotary", "__version__"]
+           "MultiQueryAttention", "MLAConfig", "MultiHeadLatentAttention", "models", "Decoder", "DecoderConfig", "TextGenerator", "nn", "sizing", "kv_cache_bytes", "kv_cache_table", "DynamicCache", "StaticCache", "SlidingWindowCache", "PagedKVCache", "BlockAllocator", "OutOfBlocks", "RotaryEmbedding", "RopeConfig", "apply_rotary", "__version__"]

@@ -7,6 +7,7 @@
   write their tables and plots.
 * ``attnkit viz``: mask patterns and attention maps to PNG.
 * ``attnkit kv``: KV-cache bytes per token, per layer and per model, for attention variants.
+* ``attnkit generate``: text in, text out with a checkpoint folder's tokenizer (streamed).
 """
 
 from __future__ import annotations
@@ -134,7 +135,19 @@ def _first_doc_line(path: Path) -> str:
 SKIPPED = 77
 
 
+def _plot(table: Path, png: Path) -> str:
+    try:
+        from attnkit.viz import plot_benchmark
+        return f"chart: {plot_benchmark(table, png)}"
+    except ImportError as e:
+        return f"chart skipped: {e}"
+    except ValueError as e:
+        return f"no chart: {e}"
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    import os
+    import tempfile
     d = benchmarks_dir(args.dir)
     suites = bench_suites(d)
     if not suites:
@@ -148,29 +161,41 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if unknown:
         raise CLIError(f"unknown suite(s) {unknown}; available: {', '.join(suites)}")
     out = (args.out or d / "results").resolve()
-    failed = []
+    if args.plots_only:  # redraw charts from the result files already there; nothing is timed
+        drawn = 0
+        for name in chosen:
+            stem = f"{name}_quick" if args.quick else name
+            table = out / f"{stem}.json"
+            if table.is_file():
+                print(f"== {name}: {_plot(table, out / f'{stem}.png')}")
+                drawn += 1
+            else:
+                print(f"== {name}: no {table.name} in {out}")
+        return 0 if drawn else 1
+    failed, skipped = [], []
     for name in chosen:
         cmd = [sys.executable, str(suites[name]), "--out", str(out)] + (["--quick"] if args.quick else [])
         print(f"== {name}: {' '.join(cmd)}", flush=True)
         t0 = time.perf_counter()
-        rc = subprocess.run(cmd, cwd=d).returncode
-        verdict = {0: "ok", SKIPPED: "skipped (this machine lacks what it measures)"}.get(rc, f"FAILED (exit {rc})")
-        print(f"== {name}: {verdict} in {time.perf_counter() - t0:.0f} s", flush=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            note = Path(tmp) / "skip-reason"
+            rc = subprocess.run(cmd, cwd=d, env={**os.environ, "ATTNKIT_BENCH_SKIP_FILE": str(note)}).returncode
+            reason = note.read_text().strip() if note.is_file() else "this machine lacks what it measures"
         if rc == SKIPPED:
+            print(f"== {name}: skipped: {reason}", flush=True)
+            skipped.append(name)
             continue
+        print(f"== {name}: {'ok' if rc == 0 else f'FAILED (exit {rc})'} in {time.perf_counter() - t0:.0f} s", flush=True)
         if rc:
             failed.append(name)
             continue
         stem = f"{name}_quick" if args.quick else name
         table, png = out / f"{stem}.json", out / f"{stem}.png"
-        if not args.no_plots and table.is_file() and not png.is_file():
-            try:
-                from attnkit.viz import plot_benchmark
-                print(f"   plot: {plot_benchmark(table, png)}")
-            except ImportError as e:
-                print(f"   plot skipped: {e}")
-            except ValueError as e:
-                print(f"   no plot: {e}")
+        # Scripts draw their own chart; draw it here for one that did not (or left an older one).
+        if not args.no_plots and table.is_file() and (not png.is_file() or png.stat().st_mtime < table.stat().st_mtime):
+            print(f"   {_plot(table, png)}")
+    if skipped:
+        print(f"skipped suites: {', '.join(skipped)}")
     if failed:
         print(f"failed suites: {', '.join(failed)}", file=sys.stderr)
         return 1
@@ -261,6 +286,45 @@ def cmd_kv(args: argparse.Namespace) -> int:
         raise CLIError(str(e)) from None
 
 
+# ---------------------------------------------------------------------------- generate
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from attnkit.models.text import TextGenerator, TokenizerNotFound
+    if args.temperature < 0:
+        raise CLIError(f"--temperature must be >= 0, got {args.temperature}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise CLIError(f"--top-p must be in (0, 1], got {args.top_p}")
+    dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    try:
+        gen = TextGenerator(args.folder, dtype=dtype)
+        pieces = gen.stream(args.prompt, args.max_new_tokens, chat=args.chat, temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, cache=args.cache, seed=args.seed)
+        for piece in pieces:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    except (TokenizerNotFound, FileNotFoundError, ImportError, ValueError, TypeError) as e:
+        raise CLIError(str(e)) from None
+    except KeyboardInterrupt:
+        print("\nattnkit generate: interrupted", file=sys.stderr)
+        return 130
+    s = gen.stats
+    sys.stdout.write("\n")
+    print(f"[{s.new_tokens} new tokens ({s.finish_reason}) after a {s.prompt_tokens}-token prompt; "
+          f"first token {s.first_token_seconds * 1e3:.0f} ms, then {s.tokens_per_second:.1f} tokens/s; "
+          f"KV cache {_fmt_bytes(s.kv_cache_bytes)} ({gen.model.kv_bytes_per_token()} bytes/token, "
+          f"cache={args.cache})]", file=sys.stderr)
+    return 0
+
+
 # ---------------------------------------------------------------------------- parser
 
 
@@ -274,8 +338,20 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _nonneg_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
+    import attnkit
     p = argparse.ArgumentParser(prog="attnkit", description="attnkit: attention mechanisms for PyTorch")
+    p.add_argument("--version", action="version", version=f"attnkit {attnkit.__version__} (torch {torch.__version__})")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     info = sub.add_parser("info", help="print versions, device and which backends are available")
     info.set_defaults(func=cmd_info)
@@ -292,13 +368,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="run the benchmark suites of benchmarks/ and write their tables and plots",
                            description="Run benchmarks/bench_<suite>.py scripts of a source checkout (all by "
-                                       "default), each writing <suite>.md/.json; then plot each table to <suite>.png "
-                                       "(matplotlib) unless the script drew its own.")
+                                       "default), each writing <suite>.md/.json and its chart <suite>.png "
+                                       "(matplotlib). A suite this machine cannot run (no GPU, no transformers, "
+                                       "no triton) is reported as 'skipped: needs ...' and does not fail the run.")
     bench.add_argument("suites", nargs="*", metavar="SUITE", help="suites to run (default: all; see --list)")
     bench.add_argument("--quick", action="store_true", help="small sizes (seconds), as CI runs them")
     bench.add_argument("--out", type=Path, default=None, help="folder for tables and plots (default: benchmarks/results)")
     bench.add_argument("--list", action="store_true", help="list the suites and exit")
     bench.add_argument("--no-plots", action="store_true", help="tables only")
+    bench.add_argument("--plots-only", action="store_true",
+                       help="redraw <suite>.png from the result files in --out (with --quick: the _quick ones); "
+                            "runs nothing")
     bench.add_argument("--dir", type=Path, default=None, help="the benchmarks folder (default: the checkout's)")
     bench.set_defaults(func=cmd_bench)
 
@@ -326,6 +406,26 @@ def build_parser() -> argparse.ArgumentParser:
                                     "head_dim=128,layers=32 --context 128k`.")
     add_kv_arguments(kv)
     kv.set_defaults(func=cmd_kv)
+
+    gen = sub.add_parser("generate", help="generate text from a checkpoint folder with its own tokenizer (streamed)",
+                         description="Load FOLDER (a save_pretrained checkpoint: config.json, weights, tokenizer) "
+                                     "with attnkit.models.Decoder.from_pretrained and the folder's tokenizer "
+                                     "(transformers, or tokenizer.json with pip install 'attnkit[text]'); stream "
+                                     "the continuation of --prompt to stdout, then tokens/s and KV-cache bytes to "
+                                     "stderr. Nothing is downloaded.")
+    gen.add_argument("folder", type=Path, help="checkpoint folder (config.json + safetensors + tokenizer files)")
+    gen.add_argument("--prompt", required=True, help="the prompt text")
+    gen.add_argument("--max-new-tokens", type=_nonneg_int, default=64, help="new tokens at most (default 64)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    gen.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (with --temperature > 0)")
+    gen.add_argument("--top-k", type=_positive_int, default=None, help="sample among the k likeliest tokens")
+    gen.add_argument("--cache", choices=["dynamic", "static", "paged"], default="dynamic",
+                     help="KV cache kind (default dynamic)")
+    gen.add_argument("--seed", type=int, default=None, help="seed for sampling (same seed, same text)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the folder's chat template (one user turn)")
+    gen.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
+                     help="model dtype (default: the checkpoint's)")
+    gen.set_defaults(func=cmd_generate)
     return p
 
 

@@ -273,22 +273,178 @@ def plot_lines(series: Mapping[str, Sequence[float]], path, *, xlabel: str = "",
     return _save(fig, path)
 
 
+# ............................................................ benchmark result files
+
+#: Integer fields that identify a row (shown in its label), with how to print them.
+_LABEL_INTS = {"batch": "batch {}", "B": "B={}", "S": "S={}", "context": "context {}", "prompt": "prompt {}",
+               "new_tokens": "{} new", "n_seq": "{} seqs", "heads": "{} heads", "head_dim": "D={}",
+               "block_size": "block {}"}
+#: Text fields that are results rather than what a row measures.
+_LABEL_SKIP = {"best_eager", "single_backend", "auto_kernel"}
+#: Metric families: (suffix, unit factor), one chart panel per family a table has.
+_FAMILIES = [
+    ("time", "ms (lower is better)", (("_ms", 1.0), ("_s", 1e3))),
+    ("throughput", "tokens / s (higher is better)", (("_tok_s", 1.0),)),
+    ("bandwidth", "GB / s (higher is better)", (("_GBps", 1.0),)),
+    ("memory", "MiB (lower is better)", (("_MiB", 1.0), ("_mb", 1.0), ("_bytes", 2.0 ** -20))),
+]
+#: Series names spelled out where the column name is terse.
+_SERIES_NAMES = {"hf": "HF generate", "floor": "weights-only bound", "hf sdpa": "HF sdpa", "hf eager": "HF eager",
+                 "torch sdpa": "torch SDPA", "textbook": "textbook (eager matmul-softmax)"}
+#: Columns left off the charts (kept in the tables): CPU time beside wall time, one-off compile
+#: time, RSS and backward-only peaks beside the peak.
+_SKIP_SUFFIXES = ("_cpu_s", "compile_s", "_rss_MiB", "_backward_peak_MiB")
+
+
+def _metric(key: str):
+    """(family index, factor, series name) of a result column, or None if it is not plotted."""
+    if key.endswith(_SKIP_SUFFIXES):
+        return None
+    for i, (_, _, suffixes) in enumerate(_FAMILIES):
+        for suffix, factor in suffixes:
+            if key.endswith(suffix) and not (suffix == "_s" and key.endswith("_tok_s")):
+                name = key[: -len(suffix)].replace("_", " ")
+                name = _SERIES_NAMES.get(name, name)
+                return i, factor, _re_sub(r"^ring(\d+)", r"ring P=\1", name)
+    return None
+
+
+def _re_sub(pattern: str, repl: str, text: str) -> str:
+    import re
+    return re.sub(pattern, repl, text)
+
+
+#: Text fields printed with their name (their value alone would be ambiguous).
+_LABEL_NAMED = {"backend": "backend: {}", "latent": "latent {}", "engine": "engine: {}"}
+
+
+def _row_label(row: dict) -> str:
+    """What a row measures: its first text field on one line, the other text fields and the
+    identifying sizes on the next (``prefill causal`` / ``B1 H8 S512 D64 · fp32 · backend: sdpa``)."""
+    parts = []
+    for k, v in row.items():
+        if isinstance(v, str) and k not in _LABEL_SKIP:
+            parts.append(_LABEL_NAMED.get(k, "{}").format(v))
+        elif k in _LABEL_INTS and isinstance(v, (int, float)) and not isinstance(v, bool):
+            parts.append(_LABEL_INTS[k].format(int(v) if float(v).is_integer() else v))
+    if len(parts) <= 2:
+        return " · ".join(parts)
+    return parts[0] + "\n" + " · ".join(parts[1:])
+
+
+def _tables(res: dict) -> list[tuple[str, list[dict]]]:
+    """Every table of a result file: lists of row dicts (``rows``, or named tables such as the
+    gpu suite's), and single dicts holding metrics (paged's ``memory``) as one-row tables."""
+    out = []
+    for name, val in res.items():
+        title = "" if name == "rows" else name.replace("_", " ")
+        if isinstance(val, list) and val and all(isinstance(r, dict) for r in val):
+            out.append((title, val))
+        elif isinstance(val, dict) and any(_metric(k) for k in val):
+            out.append((title, [val]))
+    return out
+
+
+def _context_line(res: dict, suite: str) -> str:
+    """The chart's subtitle: fixed shapes and configuration, the machine, quick or full."""
+    import textwrap
+    bits = []
+    for key in ("config", "dims", "shape", "heads", "model"):
+        v = res.get(key)
+        if isinstance(v, dict):
+            bits.append(", ".join(str(x) if k == "arch" else f"{k} {x}" for k, x in v.items() if x is not None))
+        elif isinstance(v, (str, int)):
+            bits.append(f"{key} {v}")
+    if "block_size" in res:
+        bits.append(f"block size {res['block_size']}")
+    m = res.get("machine") or {}
+    if m:
+        cpu = m.get("gpu") or m.get("cpu", "?")
+        isa = f", {m['isa']}" if m.get("isa") else ""
+        bits.append(f"{cpu}{isa}, {m.get('cores', '?')} cores, {m.get('torch_threads', '?')} torch threads, "
+                    f"torch {m.get('torch', '?')}")
+    if res.get("quick"):
+        bits.append("--quick run (tiny sizes: a smoke test, not a measurement)")
+    return "\n".join(textwrap.fill(b, 120) for b in bits)
+
+
+def _fmt_value(v: float) -> str:
+    a = abs(v)
+    return f"{v:.0f}" if a >= 100 else (f"{v:.1f}" if a >= 10 else (f"{v:.2f}" if a >= 0.01 else f"{v:.2g}"))
+
+
+def _hbars(ax, labels: list[str], series: dict[str, list[float]], xlabel: str, title: str) -> None:
+    """Horizontal grouped bars: labels on the y axis (any length, never overprinted), one bar
+    per series in each group, each bar's value at its end; log x when values span > 50x."""
+    n, G = len(series), len(labels)
+    h = 0.8 / n
+    finite = [v for vals in series.values() for v in vals if v is not None and math.isfinite(v) and v > 0]
+    log = bool(finite) and max(finite) / min(finite) > 50
+    for i, (name, vals) in enumerate(series.items()):
+        ys = [g + (i - (n - 1) / 2) * h for g in range(G)]
+        shown = [v if v is not None and math.isfinite(v) and v > 0 else 0.0 for v in vals]
+        ax.barh(ys, shown, h, label=name)
+        for y, v in zip(ys, vals):
+            if v is not None and math.isfinite(v) and v > 0:
+                ax.annotate(_fmt_value(v), (v, y), xytext=(3, 0), textcoords="offset points", va="center",
+                            fontsize=7)
+            else:  # a contender that did not run (too slow at this size, or failed)
+                ax.annotate("n/a", (0.0, y), xycoords=("axes fraction", "data"), xytext=(3, 0),
+                            textcoords="offset points", va="center", fontsize=7, color="gray")
+    ax.set_yticks(range(G))
+    ax.set_yticklabels(labels, fontsize=8)
+    ax.set_ylim(G - 0.5, -0.5)  # first row on top
+    if log:
+        ax.set_xscale("log")
+    if finite:  # room for the value labels
+        ax.set_xlim(right=max(finite) * (4.0 if log else 1.22))
+    ax.set_xlabel(xlabel + (" (log scale)" if log else ""), fontsize=8)
+    ax.set_title(title, fontsize=9, loc="left")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    ax.grid(axis="x", alpha=0.3)
+
+
 def plot_benchmark(json_path, path=None) -> Path:
-    """Bar chart of a benchmark result file (``benchmarks/results/<name>.json``): one group per
-    row (labelled by its text fields), one bar per numeric column ending in ``_ms`` or
-    ``_tok_s``. Written next to the JSON unless ``path`` is given."""
+    """One chart for a benchmark result file (``benchmarks/results/<suite>.json``), written next
+    to it as ``<suite>.png`` unless ``path`` is given.
+
+    Each table of the file (``rows``, or named tables such as the gpu suite's) gets one panel
+    per kind of number it holds: times (``*_ms``, ``*_s``), rates (``*_tok_s``), bandwidth
+    (``*_GBps``), memory (``*_MiB``, ``*_mb``, ``*_bytes``). Bars are horizontal, one group per
+    row labelled by what it measures (its text fields and sizes: shape, dtype, context, batch),
+    so labels of any length never overprint; the title carries the suite, the fixed shapes and
+    the machine."""
     json_path = Path(json_path)
     res = json.loads(json_path.read_text())
-    rows = res.get("rows") if isinstance(res, dict) else None
-    if not rows:
-        raise ValueError(f"{json_path} has no 'rows' to plot")
-    cols = [k for k in rows[0] if k.endswith(("_ms", "_tok_s")) and all(isinstance(r.get(k), (int, float)) for r in rows)]
-    if not cols:
-        raise ValueError(f"{json_path}: no numeric *_ms or *_tok_s columns to plot")
-    labels = [" ".join(str(v) for k, v in r.items() if isinstance(v, str) or k in ("batch", "B", "S")) or f"row {i}"
-              for i, r in enumerate(rows)]
-    unit = "tokens / s" if cols[0].endswith("_tok_s") else "ms (lower is better)"
-    series = {c.removesuffix("_ms").removesuffix("_tok_s"): [float(r[c]) for r in rows] for c in cols}
-    spread = max(max(v) for v in series.values()) / max(min(x for v in series.values() for x in v if x > 0), 1e-12)
-    return plot_bars(labels, series, path or json_path.with_suffix(".png"), ylabel=unit, title=json_path.stem,
-                     log=spread > 50, fmt="{:.3g}")
+    if not isinstance(res, dict):
+        raise ValueError(f"{json_path} is not a benchmark result (a JSON object with 'rows')")
+    panels = []
+    for table, rows in _tables(res):
+        labels = [_row_label(r) or f"row {i}" for i, r in enumerate(rows)]
+        fams: dict[int, dict[str, list]] = {}
+        for key in rows[0]:
+            m = _metric(key)
+            if m is None:
+                continue
+            vals = [r.get(key) for r in rows]
+            if not all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in vals):
+                continue
+            if all(v is None for v in vals):
+                continue
+            fam, factor, name = m
+            fams.setdefault(fam, {})[name] = [None if v is None else float(v) * factor for v in vals]
+        for fam, series in sorted(fams.items()):
+            kind, unit, _ = _FAMILIES[fam]
+            panels.append((labels, series, unit, f"{table}: {kind}" if table and table != kind else kind))
+    if not panels:
+        raise ValueError(f"{json_path}: no numeric *_ms, *_s, *_tok_s, *_GBps or memory columns to plot")
+    plt = require_matplotlib()
+    heights = [len(lab) * (0.2 * len(ser) + 0.15 * max(1, max(x.count("\n") + 1 for x in lab))) + 0.8
+               for lab, ser, _, _ in panels]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10, sum(heights) + 0.9), layout="constrained",
+                             gridspec_kw={"height_ratios": heights}, squeeze=False)
+    for ax, (labels, series, unit, title) in zip(axes[:, 0], panels):
+        _hbars(ax, labels, series, unit, title)
+    suite = json_path.stem.removesuffix("_quick")
+    fig.suptitle(f"attnkit benchmark: {suite}\n{_context_line(res, suite)}", fontsize=9, x=0.01, ha="left")
+    return _save(fig, path or json_path.with_suffix(".png"))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .._sysinfo import cpu_flags
 from . import splitk
 from .registry import AttentionCall, BackendBase
 
@@ -29,6 +30,12 @@ def decode_refusals(call: AttentionCall, max_q_len: int = MAX_DECODE_Q_LEN) -> l
     if call.dropout_p > 0:
         why.append("dropout_p > 0")
     return why
+
+
+def _bf16_matrix_isa() -> bool:
+    """True when the CPU has bf16 matrix instructions (AVX-512-BF16 or AMX), which SDPA's CPU
+    kernels use for bf16/fp16."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def min_auto_kv_elems(engine: str) -> int:
@@ -61,9 +68,15 @@ class SplitKBackend(BackendBase):
         if torch.compiler.is_compiling():
             return "under torch.compile (an eager kernel; SDPA traces)"
         if call.kv_layout == "dense" and call.head_dim == call.v_head_dim:
+            engine = splitk.engine_name()
             kv_elems = call.batch * call.kv_heads * call.kv_len * (call.head_dim + call.v_head_dim)
-            if kv_elems < min_auto_kv_elems(splitk.engine_name()):
+            if kv_elems < min_auto_kv_elems(engine):
                 return f"tiny cache ({kv_elems} K/V elements): SDPA's one fused call costs less"
+            # The native kernel reads each KV head once for its query group at the memory limit on
+            # any ISA. The torch implementation converts bf16/fp16 chunks to fp32 for fp32 GEMMs,
+            # which loses to SDPA's bf16 kernels where the CPU has bf16 matrix instructions.
+            if engine == "torch" and call.dtype != torch.float32 and _bf16_matrix_isa():
+                return "no native kernel here, and SDPA's bf16 kernels use AVX-512-BF16/AMX on this CPU"
         return None
 
     def kernel_name(self, q, k, v, call: AttentionCall) -> str:

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from ..._sysinfo import cpu_flags, cpu_isa, cpu_name
+
 __all__ = ["load", "status", "cpu_description"]
 
 _SOURCE = Path(__file__).with_name("splitk.cpp")
@@ -36,31 +38,13 @@ _state: dict[str, object] = {}
 
 
 def cpu_description() -> str:
-    """The CPU's model name and the ISA torch detects (e.g. ``"AMD EPYC (AVX2)"``)."""
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{model} ({torch.backends.cpu.get_cpu_capability()})"
+    """The CPU's model name and ISA (e.g. ``"AMD EPYC (AVX2)"``)."""
+    return f"{cpu_name()} ({cpu_isa()})"
 
 
 def _cpu_key() -> str:
     """What the compiled code depends on: the CPU's model and flags (``-march=native``)."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    flags = line
-                    break
-    except OSError:
-        pass
-    return f"{cpu_description()}|{flags}|{platform.machine()}"
+    return f"{cpu_description()}|{' '.join(sorted(cpu_flags()))}|{platform.machine()}"
 
 
 def _compiler() -> str | None:

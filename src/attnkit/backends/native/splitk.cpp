@@ -28,6 +28,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -257,22 +258,23 @@ constexpr bool kHalfInRegisters = false;
 // One unit: all M rows of KV head h of sequence b over keys [s0, s1). Writes m (M), l (M) and the
 // unnormalised acc (M, Dv).
 //
-// R is how the loops read key and value rows: T itself, in place in the cache, widened to fp32 in
-// registers (when whole vectors cover D and Dv), or float from a tile buffer the rows are
-// converted into (other widths: q and the buffers are zero-padded to whole vectors, so padding
+// InPlace: the loops read key and value rows as T itself, in place in the cache, widened to fp32
+// in registers (when whole vectors cover D and Dv); else as floats from a tile buffer the rows are
+// copied (converted) into (other widths: q and the buffers are zero-padded to whole vectors, so padding
 // lanes add 0 to the dot products; V lanes past Dv are accumulated and dropped).
 //
 // Scores take two keys and four rows per pass over D (8 accumulators; every key and q vector is
 // loaded once per pass); P @ V keeps four rows x two vectors of accumulators in registers while
 // the tile's V rows stream by. The next tile's rows are prefetched a row per key, so their memory
 // latency overlaps this tile's arithmetic.
-template <typename T, typename R>
+template <typename T, bool InPlace>
 void run_unit(const Args& a, const Unit& u, float* m, float* l, float* acc_out) {
+  using R = typename std::conditional<InPlace, T, float>::type;
   const int64_t M = a.G * a.Sq, D = a.D, Dv = a.Dv;
   const int64_t Dp = round_up(D, VL), Dvp = round_up(Dv, VL);
   const int64_t TILE = round_up(std::max<int64_t>(8, std::min<int64_t>(64, 4096 / std::max(Dp, Dvp))), VL);
   const bool v_from_k = a.v == nullptr;
-  constexpr bool in_place = std::is_same<T, R>::value;
+  constexpr bool in_place = InPlace;
   // Scratch reused across units of a thread. Plain pointers from here on: every access to a
   // thread_local in the loops would go through the TLS lookup of a shared library.
   thread_local std::vector<float> scratch;
@@ -535,9 +537,9 @@ void run_all(const Args& a, float* out, float* lse, const float* sinks) {
   at::parallel_for(0, U, 1, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
       if (in_place)
-        run_unit<T, T>(a, units[u], &pm[u * M], &pl[u * M], &pacc[u * M * Dv]);
+        run_unit<T, true>(a, units[u], &pm[u * M], &pl[u * M], &pacc[u * M * Dv]);
       else
-        run_unit<T, float>(a, units[u], &pm[u * M], &pl[u * M], &pacc[u * M * Dv]);
+        run_unit<T, false>(a, units[u], &pm[u * M], &pl[u * M], &pacc[u * M * Dv]);
     }
   });
   // Merge the slices of each (b, kv head): exact log-sum-exp rule; sinks join the denominator.
