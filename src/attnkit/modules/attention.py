@@ -20,13 +20,70 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..caches import KVCache, new_cache
+import inspect
+import math
+
+from .. import masks as _masks
+from ..caches import BoundCache, KVCache, SlidingWindowCache, new_cache
 from ..functional import attention
-from ..masks import KeyPadding, Mask, as_mask
+from ..masks import KeyPadding, Mask, SlidingWindow, as_mask
 from ..rope import RotaryEmbedding
 from ._fused import FusedLoadHook
+from .norm import RMSNorm
 
 __all__ = ["MultiHeadAttention", "GroupedQueryAttention", "MultiQueryAttention"]
+
+
+#: Which core options this attnkit's :func:`attnkit.attention` takes (softcap / sinks and the
+#: ``ALiBi`` mask arrive with issue 14's core work); a module asking for a missing one fails at
+#: construction, naming it, instead of at its first call.
+_CORE_HAS = {"softcap": "softcap" in inspect.signature(attention).parameters,
+             "sinks": "sinks" in inspect.signature(attention).parameters,
+             "alibi": hasattr(_masks, "ALiBi") and hasattr(_masks, "alibi_slopes")}
+
+
+def _need_core(option: str) -> None:
+    if not _CORE_HAS[option]:
+        raise NotImplementedError(f"{option} needs attnkit.attention(..., {option}=) / attnkit.masks.ALiBi from issue "
+                                  f"14's core work, which this attnkit does not have yet" if option != "alibi" else
+                                  "alibi=True needs attnkit.masks.ALiBi and alibi_slopes (issue 14's core work), "
+                                  "which this attnkit does not have yet")
+
+
+def check_variant_options(num_heads: int, scale, softcap, window) -> None:
+    """Shared checks of the attention-variant options of the attention modules."""
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not math.isfinite(scale) or scale <= 0):
+        raise ValueError(f"scale must be a finite number > 0 or None (1 / sqrt(head_dim)), got {scale!r}")
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) \
+                or softcap <= 0:
+            raise ValueError(f"softcap must be a finite number > 0 or None, got {softcap!r}")
+        _need_core("softcap")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int (tokens each query sees, itself included) or None, "
+                         f"got {window!r}")
+
+
+def window_mask(window: int | None, cache, batch: int, device) -> Mask | None:
+    """The sliding-window mask of a module with ``window`` over ``cache`` (None: no cache): each
+    query sees itself and the ``window - 1`` keys before it, anchored at each row's own position
+    (the cache's lengths before this step). A sliding cache applies its window itself (it must be
+    the module's); None then."""
+    if window is None:
+        return None
+    if cache is None:
+        return SlidingWindow(window - 1)
+    base = cache.cache if isinstance(cache, BoundCache) else cache
+    if isinstance(base, SlidingWindowCache):
+        if base.window != window:
+            raise ValueError(f"this module attends over a window of {window} tokens but the sliding cache keeps "
+                             f"window={base.window}; build the cache with window={window}")
+        return None
+    old = cache.lengths
+    if old.numel() == 0:
+        old = torch.zeros(batch, dtype=torch.long, device=device)
+    return SlidingWindow(window - 1, offsets=old)
 
 
 def _positive(name: str, val) -> int:
@@ -51,6 +108,21 @@ class MultiHeadAttention(nn.Module):
         fused_qkv: one ``qkv_proj`` Linear (rows q | k | v) instead of three; self-attention
             only (kdim = vdim = embed_dim). Checkpoints in either layout load (see the module
             docstring).
+        scale: the softmax scale (default 1 / sqrt(hd); Gemma: ``query_pre_attn_scalar ** -0.5``).
+        softcap: scores become ``softcap * tanh(scores / softcap)`` after scaling (Gemma 2).
+        sinks: a learned ``sinks`` parameter (H,): per-head logits that join each row's softmax
+            denominator and carry no value (gpt-oss).
+        qk_norm: RMSNorm of q and k before RoPE, parameters ``q_norm`` / ``k_norm``: True or
+            "head" normalises each head's hd values (Qwen3, Gemma 3), "full" the whole projected
+            width, H * hd and Hkv * hd (OLMo 2).
+        qk_norm_kw: keyword arguments of those :class:`attnkit.modules.RMSNorm` (``eps``,
+            ``unit_offset`` for Gemma, ``scale_in_fp32`` for OLMo 2).
+        window: a sliding window of ``window`` tokens, the query itself included (Mistral's
+            ``sliding_window``; the mask ``SlidingWindow(window - 1)``), honoured with every
+            cache; with a sliding cache (``new_cache("sliding", window=window)``) only the
+            window is kept.
+        alibi: ALiBi position bias with the standard slopes of H heads (BLOOM), usually with
+            ``rope=None``.
         dropout: attention-probability dropout, applied in training mode only.
         causal: bottom-right causal self-attention (decoders).
         rope: an :class:`attnkit.RotaryEmbedding` (or None), applied to q and k at ``positions``.
@@ -63,7 +135,9 @@ class MultiHeadAttention(nn.Module):
                  v_head_dim: int | None = None, out_dim: int | None = None, bias: bool = False,
                  out_bias: bool | None = None, dropout: float = 0.0, causal: bool = False,
                  rope: RotaryEmbedding | None = None, batch_first: bool = True, backend: str = "auto",
-                 fused_qkv: bool = False, device=None, dtype=None):
+                 fused_qkv: bool = False, scale: float | None = None, softcap: float | None = None,
+                 sinks: bool = False, qk_norm: bool | str = False, qk_norm_kw: dict | None = None,
+                 window: int | None = None, alibi: bool = False, device=None, dtype=None):
         super().__init__()
         self.embed_dim = _positive("embed_dim", embed_dim)
         self.num_heads = _positive("num_heads", num_heads)
@@ -107,6 +181,44 @@ class MultiHeadAttention(nn.Module):
                                 bias=bias if out_bias is None else out_bias, **kw)
         self.register_load_state_dict_pre_hook(
             FusedLoadHook("qkv_proj", ("q_proj", "k_proj", "v_proj"), sizes, to_fused=fused_qkv))
+
+        check_variant_options(num_heads, scale, softcap, window)
+        for name, val in (("sinks", sinks), ("alibi", alibi)):
+            if not isinstance(val, bool):
+                raise TypeError(f"{name} must be a bool, got {val!r}")
+        if qk_norm not in (False, True, "head", "full"):
+            raise ValueError(f"qk_norm must be False, True / 'head' (per head) or 'full' (whole width), got {qk_norm!r}")
+        if window is not None and not causal:
+            raise ValueError("window= is a causal sliding window: it needs causal=True")
+        self.scale = None if scale is None else float(scale)
+        self.softcap = None if softcap is None else float(softcap)
+        self.window = window
+        self.qk_norm = {False: None, True: "head"}.get(qk_norm, qk_norm)
+        if self.qk_norm is not None:
+            widths = (self.head_dim, self.head_dim) if self.qk_norm == "head" else sizes[:2]
+            nkw = dict(qk_norm_kw or {})
+            self.q_norm = RMSNorm(widths[0], **nkw, **kw)
+            self.k_norm = RMSNorm(widths[1], **nkw, **kw)
+        elif qk_norm_kw is not None:
+            raise ValueError("qk_norm_kw applies with qk_norm")
+        if sinks:
+            _need_core("sinks")
+            self.sinks = nn.Parameter(torch.zeros(num_heads, **kw))
+        else:
+            self.sinks = None
+        self.alibi = alibi
+        if alibi:
+            _need_core("alibi")
+            self.register_buffer("alibi_slopes", _masks.alibi_slopes(num_heads).to(device=device, dtype=torch.float32),
+                                 persistent=False)
+
+    def extra_repr(self) -> str:
+        opts = [f"heads={self.num_heads}", f"kv_heads={self.num_kv_heads}", f"head_dim={self.head_dim}"]
+        for name in ("scale", "softcap", "window", "qk_norm"):
+            if getattr(self, name) is not None:
+                opts.append(f"{name}={getattr(self, name)!r}")
+        opts += [n for n in ("alibi",) if getattr(self, n)] + (["sinks"] if self.sinks is not None else [])
+        return ", ".join(opts)
 
     def _check_input(self, name: str, x: Tensor, width: int) -> None:
         if not isinstance(x, Tensor) or x.dim() != 3:
@@ -171,8 +283,17 @@ class MultiHeadAttention(nn.Module):
             # With a cache, the key length is the cache's; the mask's own check names it.
             kv_len = k.shape[2] if cache is None else None
             user_mask = _and(user_mask, _torch_key_padding(key_padding_mask, B, kv_len))
+        user_mask = _and(user_mask, window_mask(self.window, cache, B, q.device))
+        if self.alibi:
+            user_mask = _and(user_mask, self._alibi(cache, B, q.device))
         kw = dict(dropout_p=self.dropout if self.training else 0.0, backend=self.backend,
                   return_weights=need_weights)
+        if self.scale is not None:
+            kw["scale"] = self.scale
+        if self.softcap is not None:
+            kw["softcap"] = self.softcap
+        if self.sinks is not None:
+            kw["sinks"] = self.sinks
         if cache is None:
             res = attention(q, k, v, user_mask, causal=self.causal, **kw)
         else:  # the cache's own mask places each query after its sequence's past
@@ -183,27 +304,46 @@ class MultiHeadAttention(nn.Module):
             out = out.transpose(0, 1)
         return (out, weights) if need_weights else out
 
+    def _alibi(self, cache, batch: int, device) -> Mask:
+        """ALiBi bias ``slope_h * (j - i)`` in key coordinates, anchored like the causal mask
+        (each row's own position with a cache)."""
+        if cache is None:
+            return _masks.ALiBi(self.alibi_slopes)
+        old = cache.lengths
+        if old.numel() == 0:
+            old = torch.zeros(batch, dtype=torch.long, device=device)
+        return _masks.ALiBi(self.alibi_slopes, offsets=old)
+
     def _project(self, query: Tensor, key: Tensor, value: Tensor, angles) -> tuple[Tensor, Tensor, Tensor]:
-        """q (B, H, Sq, hd), k (B, Hkv, Sk, hd), v (B, Hkv, Sk, hdv), rotated at ``angles``.
+        """q (B, H, Sq, hd), k (B, Hkv, Sk, hd), v (B, Hkv, Sk, hdv), normalised (``qk_norm``) and
+        rotated at ``angles``.
 
         Heads are split from the (B, S, heads * dim) projections as (B, S, heads, dim) views and
-        rotated there; fused, q and k sit side by side and rotate in one call."""
+        normalised and rotated there; fused without QK-norm, q and k sit side by side and rotate
+        in one call."""
         H, Hkv, hd, hdv = self.num_heads, self.num_kv_heads, self.head_dim, self.v_head_dim
         if self.fused_qkv:
             nq, nk, nv = self._qkv_sizes
             qk, v = self.qkv_proj(query).split([nq + nk, nv], dim=-1)  # of (B, S, (H + Hkv) hd + Hkv hdv)
-            qk = qk.unflatten(-1, (H + Hkv, hd))  # (B, S, H + Hkv, hd)
-            if angles is not None:
-                qk = self.rope.rotate(qk, angles, layout="bshd")
-            q, k = qk.split([H, Hkv], dim=2)
             v = v.unflatten(-1, (Hkv, hdv))
+            if self.qk_norm is None:
+                qk = qk.unflatten(-1, (H + Hkv, hd))  # (B, S, H + Hkv, hd)
+                if angles is not None:
+                    qk = self.rope.rotate(qk, angles, layout="bshd")
+                q, k = qk.split([H, Hkv], dim=2)
+                return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            q, k = qk.split([nq, nk], dim=-1)
         else:
-            q = self.q_proj(query).unflatten(-1, (H, hd))
-            k = self.k_proj(key).unflatten(-1, (Hkv, hd))
+            q, k = self.q_proj(query), self.k_proj(key)
             v = self.v_proj(value).unflatten(-1, (Hkv, hdv))
-            if angles is not None:
-                q = self.rope.rotate(q, angles, layout="bshd")
-                k = self.rope.rotate(k, angles, layout="bshd")
+        if self.qk_norm == "full":  # OLMo 2: over the whole projected width
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.unflatten(-1, (H, hd)), k.unflatten(-1, (Hkv, hd))
+        if self.qk_norm == "head":  # Qwen3, Gemma 3: over each head
+            q, k = self.q_norm(q), self.k_norm(k)
+        if angles is not None:
+            q = self.rope.rotate(q, angles, layout="bshd")
+            k = self.rope.rotate(k, angles, layout="bshd")
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def new_cache(self, kind: str = "dynamic", *, max_batch: int | None = None, max_len: int | None = None,
@@ -211,9 +351,11 @@ class MultiHeadAttention(nn.Module):
                   device=None) -> KVCache:
         """An empty cache shaped for this module (Hkv heads, hd / hdv), in the weights' dtype and
         device unless given: "dynamic", "static" (needs max_batch, max_len), "sliding" (needs
-        window, max_batch) or "paged" (needs the :class:`~attnkit.caches.BlockAllocator` that
+        max_batch; window defaults to the module's) or "paged" (needs the :class:`~attnkit.caches.BlockAllocator` that
         all layers of a model share)."""
         w = self.o_proj.weight
+        if window is None and kind == "sliding":
+            window = self.window  # the module's own window
         return new_cache(kind, (self.num_kv_heads, self.head_dim, self.v_head_dim), max_batch=max_batch,
                          max_len=max_len, window=window, allocator=allocator, dtype=dtype or w.dtype,
                          device=device or w.device)
