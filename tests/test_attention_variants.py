@@ -237,3 +237,24 @@ def test_core_options_missing_from_the_core_fail_at_construction():
             continue
         with pytest.raises(NotImplementedError, match=opt):
             MultiHeadAttention(32, 4, causal=True, **kw)
+
+
+@pytest.mark.parametrize("kind", ["none", "dynamic", "static"])
+@pytest.mark.parametrize("mode", ["naive", "absorb"])
+def test_mla_window_and_scale(mode, kind):
+    """MultiHeadLatentAttention(window=, scale=) equals the windowed mask given by hand, through
+    each latent cache and both paths."""
+    from attnkit.modules import MLAConfig, MultiHeadLatentAttention
+    torch.manual_seed(0)
+    cfg = MLAConfig(hidden_size=32, num_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+    m = MultiHeadLatentAttention(cfg, mode=mode, window=3, scale=0.2).eval()
+    ref = MultiHeadLatentAttention(cfg, mode=mode, scale=0.2).eval()
+    ref.load_state_dict(m.state_dict())
+    x = torch.randn(2, 12, 32)
+    with torch.no_grad():
+        want = ref(x, mask=masks.SlidingWindow(2))
+        torch.testing.assert_close(m(x), want)
+        if kind != "none":
+            cache = m.new_cache(kind, max_batch=2, max_len=12)
+            got = torch.cat([m(x[:, a:b], cache=cache) for a, b in _chunks(12)], 1)
+            torch.testing.assert_close(got, want)

@@ -80,10 +80,16 @@ def window_mask(window: int | None, cache, batch: int, device) -> Mask | None:
             raise ValueError(f"this module attends over a window of {window} tokens but the sliding cache keeps "
                              f"window={base.window}; build the cache with window={window}")
         return None
+    return SlidingWindow(window - 1, offsets=_offsets(cache, batch, device))
+
+
+def _offsets(cache, batch: int, device) -> Tensor:
+    """(B,) tokens each row of ``cache`` holds before this step (a copy: a cache may advance its
+    lengths in place when it commits, before a mask built from them is read)."""
     old = cache.lengths
     if old.numel() == 0:
-        old = torch.zeros(batch, dtype=torch.long, device=device)
-    return SlidingWindow(window - 1, offsets=old)
+        return torch.zeros(batch, dtype=torch.long, device=device)
+    return old if isinstance(cache, BoundCache) else old.clone()
 
 
 def _positive(name: str, val) -> int:
@@ -309,10 +315,7 @@ class MultiHeadAttention(nn.Module):
         (each row's own position with a cache)."""
         if cache is None:
             return _masks.ALiBi(self.alibi_slopes)
-        old = cache.lengths
-        if old.numel() == 0:
-            old = torch.zeros(batch, dtype=torch.long, device=device)
-        return _masks.ALiBi(self.alibi_slopes, offsets=old)
+        return _masks.ALiBi(self.alibi_slopes, offsets=_offsets(cache, batch, device))
 
     def _project(self, query: Tensor, key: Tensor, value: Tensor, angles) -> tuple[Tensor, Tensor, Tensor]:
         """q (B, H, Sq, hd), k (B, Hkv, Sk, hd), v (B, Hkv, Sk, hdv), normalised (``qk_norm``) and

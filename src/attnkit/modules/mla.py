@@ -46,7 +46,7 @@ from ..caches import BoundCache, KVCache, new_cache
 from ..functional import attention
 from ..masks import as_mask
 from ..rope import RopeConfig, RotaryEmbedding, yarn_get_mscale
-from .attention import _and, _torch_key_padding
+from .attention import _and, _need_core, _torch_key_padding, check_variant_options, window_mask
 from .norm import RMSNorm
 
 __all__ = ["MLAConfig", "MultiHeadLatentAttention"]
@@ -256,6 +256,12 @@ class MultiHeadLatentAttention(nn.Module):
             (absorbed for cached steps of at most :attr:`absorb_max_len` tokens). All three give
             the same result up to rounding.
         backend: the :func:`attnkit.attention` backend.
+        scale: overrides the softmax scale (default ``config.softmax_scale``).
+        softcap: scores become ``softcap * tanh(scores / softcap)`` after scaling.
+        sinks: a learned ``sinks`` parameter (H,) of per-head logits joining the softmax
+            denominator.
+        window: a causal sliding window of ``window`` tokens (the query included), honoured with
+            every latent cache.
 
     Parameters (Hugging Face / DeepSeek names): ``q_a_proj, q_a_layernorm, q_b_proj`` (or
     ``q_proj`` when ``q_lora_rank`` is None), ``kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj,
@@ -268,7 +274,9 @@ class MultiHeadLatentAttention(nn.Module):
     :meth:`check_cache`, :meth:`resolve_mode`.
     """
 
-    def __init__(self, config: MLAConfig, mode: str = "auto", backend: str = "auto", device=None, dtype=None):
+    def __init__(self, config: MLAConfig, mode: str = "auto", backend: str = "auto", device=None, dtype=None, *,
+                 scale: float | None = None, softcap: float | None = None, sinks: bool = False,
+                 window: int | None = None):
         super().__init__()
         if not isinstance(config, MLAConfig):
             raise TypeError(f"config must be an MLAConfig, got {type(config).__name__}")
@@ -277,6 +285,15 @@ class MultiHeadLatentAttention(nn.Module):
         self.config, self.mode, self.backend = config, mode, backend
         c = config
         H, E, r = c.num_heads, c.hidden_size, c.kv_lora_rank
+        check_variant_options(H, scale, softcap, window)
+        if not isinstance(sinks, bool):
+            raise TypeError(f"sinks must be a bool, got {sinks!r}")
+        self.scale = c.softmax_scale if scale is None else float(scale)
+        self.softcap = None if softcap is None else float(softcap)
+        self.window = window
+        if sinks:
+            _need_core("sinks")
+        self.sinks = nn.Parameter(torch.zeros(H, device=device, dtype=dtype)) if sinks else None
         kw = {"device": device, "dtype": dtype}
         if c.q_lora_rank is None:
             self.q_proj = nn.Linear(E, H * c.qk_head_dim, bias=False, **kw)
@@ -396,9 +413,13 @@ class MultiHeadLatentAttention(nn.Module):
         mode = self.resolve_mode(S, cache is not None) if mode is None else mode
         if mode not in ("naive", "absorb"):
             raise ValueError(f"mode must be 'naive', 'absorb' or None, got {mode!r}")
-        user_mask = as_mask(mask)
-        kw = dict(scale=c.softmax_scale, dropout_p=c.attention_dropout if self.training else 0.0,
+        user_mask = _and(as_mask(mask), window_mask(self.window, cache, q_nope.shape[0], q_nope.device))
+        kw = dict(scale=self.scale, dropout_p=c.attention_dropout if self.training else 0.0,
                   backend=self.backend, return_weights=need_weights)
+        if self.softcap is not None:
+            kw["softcap"] = self.softcap
+        if self.sinks is not None:
+            kw["sinks"] = self.sinks
         if mode == "absorb":
             w_uk, w_uv = self.absorbed_weights()
             q_cat = torch.cat((_per_head_matmul(q_nope, w_uk), q_pe), dim=-1)  # (B, H, S, r + dr)
