@@ -257,10 +257,14 @@ def test_deepseek_v3_with_moe_layers_is_refused():
 
 @pytest.mark.parametrize("change,msg", [
     ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
-    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
-    ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window=4096"),
+    ({"hidden_act": "relu2"}, "hidden_act 'relu2' is not supported"),
+    ({"model_type": "gemma3"}, "gemma3_text"),
+    ({"model_type": "gpt_oss"}, "model_type 'gpt_oss' is not supported"),
     ({"quantization_config": {"quant_method": "fp8"}}, "quantized"),
-    ({"partial_rotary_factor": 0.5}, "partial rotary"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, r"unsupported RoPE.*'longrope'"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, "no sliding_window"),
+    ({"layer_types": ["full_attention"]}, "field 'layer_types' must list"),
 ])
 def test_unsupported_configs_are_named(change, msg):
     c = transformers.LlamaConfig(**LLAMA).to_dict()

@@ -102,7 +102,15 @@ def _mla_classes():
     return MLAConfig, MultiHeadLatentAttention
 
 
-def _build_attention(cfg: DecoderConfig, rope: RotaryEmbedding | None, device, dtype) -> nn.Module:
+def _norm(cfg: DecoderConfig, dim: int, device=None, dtype=None) -> RMSNorm:
+    """An RMSNorm in the config's ``norm_style``."""
+    return RMSNorm(dim, cfg.rms_norm_eps, unit_offset=cfg.norm_style == "gemma",
+                   scale_in_fp32=cfg.norm_style == "olmo2", device=device, dtype=dtype)
+
+
+def _build_attention(cfg: DecoderConfig, layer_type: str, rope: RotaryEmbedding | None, device, dtype) -> nn.Module:
+    window = cfg.sliding_window if layer_type == "sliding_attention" else None
+    variant = dict(scale=cfg.query_scale, softcap=cfg.attn_softcap, sinks=cfg.attention_sinks, window=window)
     if cfg.attention == "mla":
         MLAConfig, MultiHeadLatentAttention = _mla_classes()
         mla_cfg = MLAConfig(
@@ -112,10 +120,13 @@ def _build_attention(cfg: DecoderConfig, rope: RotaryEmbedding | None, device, d
             rope_scaling=None if cfg.rope_scaling is None else dict(cfg.rope_scaling),
             rope_interleave=cfg.rope_interleave, max_position_embeddings=cfg.max_position_embeddings,
             attention_bias=cfg.attention_bias)  # its norms keep eps 1e-6, as in HF and DeepSeek code
-        return MultiHeadLatentAttention(mla_cfg, device=device, dtype=dtype)
+        return MultiHeadLatentAttention(mla_cfg, device=device, dtype=dtype, **variant)
+    qk_norm_kw = None if cfg.qk_norm is None else dict(
+        eps=cfg.rms_norm_eps, unit_offset=cfg.norm_style == "gemma", scale_in_fp32=cfg.norm_style == "olmo2")
     return MultiHeadAttention(cfg.hidden_size, cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                               head_dim=cfg.head_dim, bias=cfg.attention_bias, out_bias=cfg.attention_out_bias,
-                              causal=True, rope=rope, fused_qkv=cfg.fused_projections, device=device, dtype=dtype)
+                              causal=True, rope=rope, fused_qkv=cfg.fused_projections, qk_norm=cfg.qk_norm or False,
+                              qk_norm_kw=qk_norm_kw, device=device, dtype=dtype, **variant)
 
 
 def paged_allocator(max_batch: int, max_len: int, block_size: int = 16):
@@ -131,34 +142,55 @@ def paged_allocator(max_batch: int, max_len: int, block_size: int = 16):
 def make_cache(attn: nn.Module, kind: str, *, max_batch: int | None = None, max_len: int | None = None,
                dtype: torch.dtype | None = None, device=None, allocator=None) -> KVCache:
     """One layer's empty cache of ``kind`` for the attention module ``attn`` (the one place the
-    decoder creates caches). "dynamic" grows; "static" preallocates (max_batch, max_len) and
-    compiles without recompiles; "paged" keeps blocks of a pool managed by ``allocator``
-    (shared by the layers of a model; default: a private one sized by max_batch and max_len)."""
+    decoder creates caches). "dynamic" grows (a layer with a sliding window keeps a ring of just
+    its window, :class:`attnkit.caches.SlidingWindowCache`, when ``max_batch`` is given);
+    "static" preallocates (max_batch, max_len) and compiles without recompiles; "paged" keeps
+    blocks of a pool managed by ``allocator`` (shared by the layers of a model; default: a
+    private one sized by max_batch and max_len). Static and paged layers with a window keep every
+    position and mask the window."""
     if kind not in CACHE_KINDS:
         raise ValueError(f"cache must be one of {CACHE_KINDS} (or None for no cache), got {kind!r}")
     if kind != "paged" and allocator is not None:
         raise TypeError(f"allocator= applies to paged caches, not to a {kind} cache")
     if kind == "paged" and allocator is None:
         allocator = paged_allocator(max_batch, max_len)
+    if kind == "dynamic" and max_batch is not None and isinstance(attn, MultiHeadAttention) and attn.window:
+        return attn.new_cache("sliding", max_batch=max_batch, dtype=dtype, device=device)
     return attn.new_cache(kind, max_batch=max_batch, max_len=max_len, allocator=allocator, dtype=dtype,
                           device=device)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: ``h = x + attn(input_layernorm(x))``, then ``h + mlp(post_attention_layernorm(h))``.
+    """One block; where its RMSNorms sit is ``cfg.norm_placement``:
 
+    * "pre" (Llama): ``h = x + attn(input_layernorm(x))``, ``h + mlp(post_attention_layernorm(h))``.
+    * "sandwich" (Gemma 2 / 3): ``h = x + post_attention_layernorm(attn(input_layernorm(x)))``,
+      ``h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))``.
+    * "post" (OLMo 2): ``h = x + post_attention_layernorm(attn(x))``,
+      ``h + post_feedforward_layernorm(mlp(h))``.
+
+    ``layer_type`` ("full_attention" / "sliding_attention") picks the attention's window.
     ``positions`` is what the attention module takes: (B, S) integer positions or the
     :class:`attnkit.rope.RotaryAngles` the decoder computed once for every layer.
     """
 
-    def __init__(self, cfg: DecoderConfig, rope: RotaryEmbedding | None, *, device=None, dtype=None):
+    def __init__(self, cfg: DecoderConfig, rope: RotaryEmbedding | None, *, layer_type: str = "full_attention",
+                 device=None, dtype=None):
         super().__init__()
         kw = {"device": device, "dtype": dtype}
-        self.self_attn = _build_attention(cfg, rope, device, dtype)
+        self.layer_type = layer_type
+        self.placement = cfg.norm_placement
+        self.self_attn = _build_attention(cfg, layer_type, rope, device, dtype)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, activation=cfg.hidden_act,
                             fused=cfg.fused_projections, **kw)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        E = cfg.hidden_size
+        if self.placement != "post":
+            self.input_layernorm = _norm(cfg, E, **kw)
+        self.post_attention_layernorm = _norm(cfg, E, **kw)
+        if self.placement == "sandwich":
+            self.pre_feedforward_layernorm = _norm(cfg, E, **kw)
+        if self.placement != "pre":
+            self.post_feedforward_layernorm = _norm(cfg, E, **kw)
 
     @property
     def rope(self) -> RotaryEmbedding | None:
@@ -167,30 +199,52 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: Tensor, *, positions, key_padding_mask: Tensor | None, cache, need_weights: bool):
         """x (B, S, E) -> (B, S, E), and the attention weights (B, H, S, Sk) or None."""
-        a = self.self_attn(self.input_layernorm(x), key_padding_mask=key_padding_mask, positions=positions,
-                           cache=cache, need_weights=need_weights)
+        pre = self.placement != "post"
+        a = self.self_attn(self.input_layernorm(x) if pre else x, key_padding_mask=key_padding_mask,
+                           positions=positions, cache=cache, need_weights=need_weights)
         a, w = a if need_weights else (a, None)
-        h = x + a
-        return h + self.mlp(self.post_attention_layernorm(h)), w
+        if self.placement == "pre":
+            h = x + a
+            return h + self.mlp(self.post_attention_layernorm(h)), w
+        h = x + self.post_attention_layernorm(a)
+        m = self.mlp(self.pre_feedforward_layernorm(h) if pre else h)
+        return h + self.post_feedforward_layernorm(m), w
 
 
 class _Backbone(nn.Module):
-    """Hugging Face's ``model.`` prefix: embeddings, layers, final norm."""
+    """Hugging Face's ``model.`` prefix: embeddings, layers, final norm. Holds the rotary
+    embeddings (``rope``; ``rope_local`` for sliding layers with their own RoPE), shared by the
+    layers' attention modules."""
 
     def __init__(self, cfg: DecoderConfig, *, device=None, dtype=None):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
-        self.rope = None
+        if cfg.embedding_multiplier is not None:  # rounded to the model's dtype, as Gemma does
+            self.register_buffer("embed_scale", torch.tensor(cfg.embedding_multiplier, device=device, dtype=dtype),
+                                 persistent=False)
+        else:
+            self.embed_scale = None
+        self.rope = self.rope_local = None
         if cfg.attention != "mla":  # MLA modules own their (decoupled) RoPE
-            self.rope = RotaryEmbedding(cfg.head_dim, base=cfg.rope_theta,
-                                        max_position_embeddings=cfg.max_position_embeddings,
-                                        scaling=None if cfg.rope_scaling is None else dict(cfg.rope_scaling),
-                                        interleaved=cfg.rope_interleave)
-            if device is not None:
-                self.rope.to(device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rope, device=device, dtype=dtype)
-                                    for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype)
+            self.rope = self._rope(cfg, cfg.rope_theta, cfg.rope_scaling, device)
+            if cfg.local_rope_theta is not None:
+                self.rope_local = self._rope(cfg, cfg.local_rope_theta, cfg.local_rope_scaling, device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, self.rope_local if t == "sliding_attention" and self.rope_local is not None else self.rope,
+                         layer_type=t, device=device, dtype=dtype)
+            for t in cfg.layer_types)
+        self.norm = _norm(cfg, cfg.hidden_size, device=device, dtype=dtype)
+
+    @staticmethod
+    def _rope(cfg: DecoderConfig, theta, scaling, device) -> RotaryEmbedding:
+        rope = RotaryEmbedding(cfg.head_dim, base=theta, max_position_embeddings=cfg.max_position_embeddings,
+                               scaling=None if scaling is None else dict(scaling), interleaved=cfg.rope_interleave)
+        return rope.to(device) if device is not None else rope
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """(B, S) ids -> (B, S, E) embeddings (times ``embedding_multiplier``)."""
+        h = self.embed_tokens(input_ids)
+        return h if self.embed_scale is None else h * self.embed_scale.to(h.dtype)
 
 
 def _key_length(cache, tokens: int) -> int | None:
@@ -301,7 +355,8 @@ class Decoder(nn.Module):
                    dtype: torch.dtype | None = None, device=None, block_size: int = 16) -> list[KVCache]:
         """One empty cache per layer (see :func:`make_cache`), in the weights' dtype and device.
         "static" and "paged" need ``max_batch`` and ``max_len``; paged layers share one block
-        allocator (one block table for the model) of ``block_size``-token blocks."""
+        allocator (one block table for the model) of ``block_size``-token blocks; with
+        ``max_batch``, "dynamic" gives sliding-window layers a cache of just their window."""
         dtype, device = dtype or self.dtype, device or self.device
         alloc = paged_allocator(max_batch, max_len, block_size) if kind == "paged" else None
         return [make_cache(layer.self_attn, kind, max_batch=max_batch, max_len=max_len, dtype=dtype,
@@ -351,10 +406,13 @@ class Decoder(nn.Module):
                 h, weights = self._layers(input_ids, angles, positions, key_padding_mask, bound, need_weights)
         h = self._keep(h, num_new, logits_to_keep)
         logits = self.lm_head(self.model.norm(h))
+        cap = self.config.final_softcap
+        if cap is not None:  # Gemma 2: c * tanh(logits / c)
+            logits = torch.tanh(logits / cap) * cap
         return (logits, weights) if need_weights else logits
 
     def _layers(self, input_ids, angles, positions, key_padding_mask, caches, need_weights):
-        h = self.model.embed_tokens(input_ids)
+        h = self.model.embed(input_ids)
         weights = []
         for layer, slot, cache in zip(self.model.layers, self._rope_of_layer, caches):
             h, w = layer(h, positions=positions if slot is None else angles[slot],

@@ -259,8 +259,8 @@ class _Session:
     def _caches(self):
         m = self.model
         if not self.compile:
-            if self.cache_kind == "dynamic":
-                return m.new_caches("dynamic")
+            if self.cache_kind == "dynamic":  # sliding-window layers: a ring of their window
+                return m.new_caches("dynamic", max_batch=self.B)
             return m.new_caches(self.cache_kind, max_batch=self.B, max_len=self.capacity)
         # One pool of static caches per shape: the compiled step sees the same cache objects
         # every call, so its guards hold and nothing recompiles.

@@ -9,11 +9,27 @@ Safetensors is parsed here (no ``safetensors`` package needed): an 8-byte little
 length, a JSON header ``{name: {dtype, shape, data_offsets}}``, then the raw little-endian data;
 tensors are zero-copy views of a copy-on-write memory map until they are copied into the model.
 
-Supported ``model_type``: "llama", "mistral" (without sliding window), "qwen2" (without sliding
-window) and "deepseek_v3" with dense MLPs only (``first_k_dense_replace >= num_hidden_layers``;
-routed-expert layers are refused). Names match with ``strict=True``; the only keys dropped are
-stale RoPE buffers (``*.rotary_emb.inv_freq``) and DeepSeek's multi-token-prediction layers
-(indices >= ``num_hidden_layers``), which the decoder does not run.
+Supported ``model_type`` (:data:`SUPPORTED_MODEL_TYPES`), each a set of :class:`DecoderConfig`
+parameters of the one decoder, not a class of its own:
+
+============  =================================================================================
+llama         Llama 2 / 3 (RoPE scalings, attention / MLP bias, explicit head_dim)
+mistral       + ``sliding_window`` on every layer
+qwen2         q/k/v bias; ``use_sliding_window`` layers past ``max_window_layers``
+qwen3         per-head QK-norm (``q_norm`` / ``k_norm``), sliding layers as Qwen2
+gemma2        Gemma norms (1 + weight) around both sublayers, GeGLU, embeddings times
+              sqrt(hidden), ``query_pre_attn_scalar``, soft-capped attention and final logits,
+              alternating sliding / full layers
+gemma3_text   Gemma 2's layout + per-head QK-norm and its own RoPE on the local (sliding) layers
+phi3          fused ``qkv_proj`` / ``gate_up_proj`` as stored, partial rotary, sliding window
+olmo2         QK-norm over the whole projected width, norms after each sublayer only
+deepseek_v3   multi-head latent attention, dense MLPs only (``first_k_dense_replace >=
+              num_hidden_layers``; routed-expert layers are refused)
+============  =================================================================================
+
+Names match with ``strict=True`` (separate or fused projections load into either layout); the
+only keys dropped are stale RoPE buffers (``*.rotary_emb.inv_freq``) and DeepSeek's
+multi-token-prediction layers (indices >= ``num_hidden_layers``), which the decoder does not run.
 """
 
 from __future__ import annotations
@@ -32,13 +48,26 @@ import torch
 from torch import Tensor
 
 from ..rope import RotaryEmbedding
-from .config import DecoderConfig
+from .config import HIDDEN_ACTS, DecoderConfig
 from .decoder import Decoder
 
-__all__ = ["load_pretrained", "config_from_hf", "read_safetensors", "read_checkpoint"]
+__all__ = ["load_pretrained", "config_from_hf", "read_safetensors", "read_checkpoint", "SUPPORTED_MODEL_TYPES"]
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2")
-SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "deepseek_v3")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2")
+GEMMA_FAMILY = ("gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, *GEMMA_FAMILY, "deepseek_v3")
+
+# transformers' class defaults for fields a config.json may leave out (v4-era files omit defaults).
+_FAMILY_DEFAULTS = {
+    "gemma2": dict(tie_word_embeddings=True, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
+                   attn_logit_softcapping=50.0, final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh"),
+    "gemma3_text": dict(tie_word_embeddings=True, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
+                        hidden_activation="gelu_pytorch_tanh", rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+                        sliding_window_pattern=6),
+    "phi3": dict(rms_norm_eps=1e-5),
+    "olmo2": dict(rms_norm_eps=1e-5),
+    "qwen3": dict(head_dim=128),
+}
 
 _ST_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -160,16 +189,57 @@ def _as_dict(cfg) -> dict[str, Any]:
     raise TypeError(f"config must be a dict (config.json) or a Hugging Face config, got {type(cfg).__name__}")
 
 
-def _rope_fields(c: dict, head_dim: int | None) -> dict:
+def _rope_fields(c: dict, head_dim: int | None, layer_type: str | None = None) -> dict:
     """rope_theta / rope_scaling of a config.json (v4 ``rope_scaling`` + ``rope_theta`` or v5
-    ``rope_parameters``), resolved exactly as :meth:`RotaryEmbedding.from_hf_config` does."""
+    ``rope_parameters``, per layer type where the config nests them), resolved exactly as
+    :meth:`RotaryEmbedding.from_hf_config` does; partial rotary kept as ``partial_rotary_factor``."""
     ns = SimpleNamespace(**{**c, "head_dim": head_dim})
-    rc = RotaryEmbedding.from_hf_config(ns, interleaved=False).config
-    if rc.rotary_dim != rc.head_dim:
-        raise ValueError(f"partial rotary embeddings (rotary_dim {rc.rotary_dim} of head_dim {rc.head_dim}) "
-                         "are not supported by attnkit.models")
+    try:
+        rope = RotaryEmbedding.from_hf_config(ns, interleaved=False, layer_type=layer_type)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"config.json (model_type {c.get('model_type')!r}): unsupported RoPE settings "
+                         f"(rope_parameters / rope_scaling / rope_theta): {e}") from None
+    rc = rope.config
     scaling = None if rc.rope_type == "default" else {k: v for k, v in rc.scaling.items() if k != "rope_theta"}
+    if rc.rotary_dim != rc.head_dim:
+        params = c.get("rope_parameters") or c.get("rope_scaling") or {}
+        if layer_type is not None and isinstance(params.get(layer_type), Mapping):
+            params = params[layer_type]
+        prf = params.get("partial_rotary_factor", c.get("partial_rotary_factor"))
+        scaling = {"rope_type": rc.rope_type, **(scaling or {}), "partial_rotary_factor": prf}
     return {"rope_theta": rc.base, "rope_scaling": scaling}
+
+
+def _layer_types(f: "_Fields", mt: str, L: int) -> tuple[list[str], int | None]:
+    """Per-layer attention kinds and the sliding window W (None: every layer full)."""
+    c = f.c
+    window = f.int("sliding_window", None)
+    given = c.get("layer_types")
+    if mt in ("qwen2", "qwen3") and not f.bool("use_sliding_window", False):
+        return ["full_attention"] * L, None  # transformers ignores sliding_window then
+    if given is not None:
+        if not isinstance(given, list) or len(given) != L or any(t not in ("full_attention", "sliding_attention")
+                                                                   for t in given):
+            raise ValueError(f"{f.where} field 'layer_types' must list 'full_attention' / 'sliding_attention' for "
+                             f"each of the {L} layers, got {given!r:.200}")
+        types = list(given)
+    elif window is None:
+        types = ["full_attention"] * L
+    elif mt == "gemma2":  # transformers' defaults when the file predates layer_types
+        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(L)]
+    elif mt == "gemma3_text":
+        pattern = f.int("sliding_window_pattern", f.int("_sliding_window_pattern", 6))
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(L)]
+    elif mt in ("qwen2", "qwen3"):
+        first = f.int("max_window_layers", L, low=0)
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(L)]
+    else:  # Mistral, Phi-3: every layer
+        types = ["sliding_attention"] * L
+    if "sliding_attention" not in types:
+        return types, None
+    if window is None:
+        raise ValueError(f"{f.where} has sliding_attention layers but no sliding_window")
+    return types, window
 
 
 _REQUIRED = object()
@@ -227,32 +297,40 @@ class _Fields:
 
 def config_from_hf(cfg) -> DecoderConfig:
     """The :class:`DecoderConfig` of a Hugging Face config (``config.json`` as a dict, or a
-    ``PretrainedConfig``). Field types are checked (errors name the field); architectures or
-    options the decoder does not implement raise ValueError naming them, never silently
-    approximated."""
+    ``PretrainedConfig``) of a supported family (:data:`SUPPORTED_MODEL_TYPES`). Field types
+    are checked (errors name the field); architectures or options the decoder does not implement
+    raise ValueError naming them, never silently approximated."""
     c = _as_dict(cfg)
-    f = _Fields(c)
     mt = c.get("model_type")
     if mt not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type {mt!r} is not supported; attnkit.models loads {SUPPORTED_MODEL_TYPES}")
-    act = f.str("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"hidden_act {act!r} is not supported (the decoder's MLP is SwiGLU with silu)")
+        hint = " (load the text model's checkpoint, model_type 'gemma3_text')" if mt == "gemma3" else ""
+        raise ValueError(f"model_type {mt!r} is not supported{hint}; attnkit.models loads {SUPPORTED_MODEL_TYPES}")
+    c = {**_FAMILY_DEFAULTS.get(mt, {}), **c}  # an explicit null stays null (e.g. no soft-capping)
+    f = _Fields(c)
+    gemma = mt in GEMMA_FAMILY
+    act_key = "hidden_activation" if gemma and "hidden_activation" in c else "hidden_act"
+    act = f.str(act_key, "silu")
+    if act not in HIDDEN_ACTS:
+        raise ValueError(f"{act_key} {act!r} is not supported (the decoder's gated MLP takes {HIDDEN_ACTS})")
     quant = f.dict("quantization_config")
     if quant:
         raise ValueError(f"quantized checkpoints ({quant.get('quant_method', '?')}) are "
                          "not supported; dequantize to bf16/fp32 first")
+    if f.bool("use_bidirectional_attention", False):
+        raise ValueError(f"{f.where}: use_bidirectional_attention=true (an encoder) is not supported; the decoder "
+                         "is causal")
     H = f.int("num_attention_heads")
     E = f.int("hidden_size")
-    common = dict(vocab_size=f.int("vocab_size"), hidden_size=E, num_layers=f.int("num_hidden_layers"),
+    L = f.int("num_hidden_layers")
+    common = dict(vocab_size=f.int("vocab_size"), hidden_size=E, num_layers=L,
                   num_heads=H, intermediate_size=f.int("intermediate_size"),
                   tie_word_embeddings=f.bool("tie_word_embeddings", False),
                   rms_norm_eps=f.float("rms_norm_eps", 1e-6),
-                  max_position_embeddings=f.int("max_position_embeddings", 2048))
+                  max_position_embeddings=f.int("max_position_embeddings", 2048), hidden_act=act)
     f.float("rope_theta", None)  # type-checked here; resolved with the rope dict below
     f.dict("rope_scaling")
+    f.dict("rope_parameters")
     if mt == "deepseek_v3":
-        L = common["num_layers"]
         k_dense = f.int("first_k_dense_replace", 0, low=0)
         experts = f.int("n_routed_experts", 0, low=0)
         if experts and k_dense < L:
@@ -265,11 +343,6 @@ def config_from_hf(cfg) -> DecoderConfig:
                              qk_nope_head_dim=f.int("qk_nope_head_dim"), qk_rope_head_dim=rope_dim,
                              v_head_dim=f.int("v_head_dim"), rope_interleave=f.bool("rope_interleave", True),
                              attention_bias=f.bool("attention_bias", False), **_rope_fields(c, rope_dim))
-    if mt == "mistral" and f.int("sliding_window", None) is not None:
-        raise ValueError(f"Mistral with sliding_window={c['sliding_window']} is not supported by the decoder "
-                         "(full causal attention only); set sliding_window to null to load it as full attention")
-    if mt == "qwen2" and f.bool("use_sliding_window", False):
-        raise ValueError("Qwen2 with use_sliding_window=true is not supported (full causal attention only)")
     kv = f.int("num_key_value_heads", H)
     head_dim = f.int("head_dim", None)
     if head_dim is None:
@@ -280,13 +353,39 @@ def config_from_hf(cfg) -> DecoderConfig:
     attention = "mha" if kv == H else "mqa" if kv == 1 else "gqa"
     if mt == "qwen2":
         bias, out_bias = True, False
-    elif mt == "mistral":
+    elif mt in ("mistral", "phi3"):
         bias = out_bias = False
     else:
         bias = out_bias = f.bool("attention_bias", False)
+    types, window = _layer_types(f, mt, L)
+    family: dict[str, Any] = {}
+    if gemma:
+        family = dict(norm_style="gemma", norm_placement="sandwich", embedding_multiplier=E ** 0.5,
+                      query_scale=f.float("query_pre_attn_scalar") ** -0.5,
+                      attn_softcap=f.float("attn_logit_softcapping", None),
+                      final_softcap=f.float("final_logit_softcapping", None))
+        if mt == "gemma3_text":
+            family["qk_norm"] = "head"
+    elif mt == "qwen3":
+        family = dict(qk_norm="head")
+    elif mt == "olmo2":
+        family = dict(qk_norm="full", norm_style="olmo2", norm_placement="post")
+    rope = _rope_fields(c, head_dim, "full_attention" if _nested_rope(c) else None)
+    if mt == "gemma3_text" and "sliding_attention" in types:
+        if _nested_rope(c):
+            local = _rope_fields(c, head_dim, "sliding_attention")
+        else:  # v4 files: rope_local_base_freq, default RoPE on the local layers
+            local = {"rope_theta": f.float("rope_local_base_freq"), "rope_scaling": None}
+        family.update(local_rope_theta=local["rope_theta"], local_rope_scaling=local["rope_scaling"])
     return DecoderConfig(**common, attention=attention, num_kv_heads=kv, head_dim=head_dim,
-                         attention_bias=bias, attention_out_bias=out_bias,
-                         mlp_bias=f.bool("mlp_bias", False), **_rope_fields(c, head_dim))
+                         attention_bias=bias, attention_out_bias=out_bias, mlp_bias=f.bool("mlp_bias", False),
+                         layer_types=tuple(types), sliding_window=window, **rope, **family)
+
+
+def _nested_rope(c: dict) -> bool:
+    """Whether the config's rope_parameters are per layer type (Gemma 3 in transformers v5)."""
+    params = c.get("rope_parameters")
+    return isinstance(params, Mapping) and any(k in params for k in ("full_attention", "sliding_attention"))
 
 
 def _config_dtype(c: dict) -> torch.dtype | None:
