@@ -23,21 +23,31 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 INFERENCE_ONLY = {"decode", "paged", "triton"}
 
 
-def base_attention(q, k, v, mask=None, *, causal=False, scale=None):
+def base_attention(q, k, v, mask=None, *, causal=False, scale=None, softcap=None, sinks=None):
     """The plain eager implementation everyone writes, in the input dtype: scores from a matmul
-    in q's dtype, softmax in fp32, probabilities cast back, K/V repeated per head."""
+    in q's dtype, softmax in fp32, probabilities cast back, K/V repeated per head (soft-capping
+    and sinks the way Gemma 2's and gpt-oss's eager code apply them)."""
     m = as_mask(mask, causal)
     B, Hq, Sq, D = q.shape
     G = Hq // k.shape[1]
     scale = 1 / math.sqrt(D) if scale is None else scale
     kk, vv = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
     s = (q @ kk.transpose(-1, -2)).float() * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    row_ok = None
     if m is not None:
         b = m.bias(B, Sq, k.shape[2], q.device)
         if b is not None:
             s = s + b.float()
-        s = s.masked_fill(~m.materialize(B, Sq, k.shape[2], q.device), float("-inf"))
-    p = safe_softmax(s).to(q.dtype)
+        allowed = m.materialize(B, Sq, k.shape[2], q.device)
+        s = s.masked_fill(~allowed, float("-inf"))
+        row_ok = allowed.any(-1, keepdim=True)
+    if sinks is not None:
+        sink = sinks.float().view(1, Hq, 1, 1).expand(*s.shape[:-1], 1)
+        p = safe_softmax(torch.cat([s, sink], -1), row_ok=row_ok)[..., :-1].to(q.dtype)
+    else:
+        p = safe_softmax(s, row_ok=row_ok).to(q.dtype)
     return p @ vv
 
 
@@ -70,17 +80,22 @@ def rule_r(ours, base, gold, *, factor=2.0, what="out", n_terms=1):
                              f"+ floor={floor:.3e}; ratio E(ours)/E(base)={e_ours / max(e_base, 1e-300):.2f}")
 
 
-def check_against_oracle(q, k, v, mask=None, *, causal=False, scale=None, backend="auto", grad=True):
+def check_against_oracle(q, k, v, mask=None, *, causal=False, scale=None, backend="auto", grad=True,
+                         softcap=None, sinks=None):
     """Run attnkit.attention, the eager base and the fp64 oracle on the same inputs and apply
     rule R to the output and (with ``grad``) dq, dk, dv under a random upstream gradient.
     Inference-only backends (:data:`INFERENCE_ONLY`) are checked forward only."""
     grad = grad and backend not in INFERENCE_ONLY
+    sink_sets = [None, None, None] if sinks is None else \
+        [sinks.detach().clone().float().requires_grad_(grad) for _ in range(2)] + [sinks.detach().double().requires_grad_(grad)]
     leaves = [t.detach().clone().requires_grad_(grad) for t in (q, k, v)]
     gold_leaves = [t.detach().double().requires_grad_(grad) for t in (q, k, v)]
     base_leaves = [t.detach().clone().requires_grad_(grad) for t in (q, k, v)]
-    out = attnkit.attention(*leaves, mask, causal=causal, scale=scale, backend=backend)
-    gold = attnkit.attention_reference(*gold_leaves, mask, causal=causal, scale=scale)
-    base = base_attention(*base_leaves, mask, causal=causal, scale=scale)
+    out = attnkit.attention(*leaves, mask, causal=causal, scale=scale, backend=backend, softcap=softcap,
+                            sinks=sink_sets[0])
+    gold = attnkit.attention_reference(*gold_leaves, mask, causal=causal, scale=scale, softcap=softcap,
+                                       sinks=sink_sets[2])
+    base = base_attention(*base_leaves, mask, causal=causal, scale=scale, softcap=softcap, sinks=sink_sets[1])
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     rule_r(out, base, gold, n_terms=max(Sk, D))
@@ -94,6 +109,9 @@ def check_against_oracle(q, k, v, mask=None, *, causal=False, scale=None, backen
     for name, i, factor in (("dq", 0, 3.0), ("dk", 1, 2.0), ("dv", 2, 2.0)):
         rule_r(leaves[i].grad, base_leaves[i].grad, gold_leaves[i].grad, factor=factor, what=name,
                n_terms=terms[name])
+    if sinks is not None:  # d(sinks) sums over every row of the head
+        rule_r(sink_sets[0].grad, sink_sets[1].grad, sink_sets[2].grad, factor=3.0, what="dsinks",
+               n_terms=B * Sq * Sk)
     return out
 
 

@@ -193,3 +193,13 @@ def test_non_contiguous_inputs():
     k, v = cache_k[:, :, :33], cache_v[:, :, :33]  # slice of a preallocated cache
     for backend in BACKENDS:
         check_against_oracle(q, k, v, causal=True, backend=backend)
+
+
+@pytest.mark.parametrize("D,Dv", [(192, 128), (48, 80)])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_unequal_widths_reach_sdpas_fused_kernel(D, Dv, dtype):
+    """K wider than V (MLA's prefill) or narrower: padded to equal widths so SDPA runs its fused
+    (flash) kernel instead of its math kernel; outputs and gradients unchanged (rule R)."""
+    q, k, v = make_qkv(1, 4, 2, 37, 37, D, Dv=Dv, dtype=DTYPES[dtype], seed=D)
+    assert attnkit.describe_call(q, k, v, causal=True, detail=True) == "sdpa[flash]"
+    check_against_oracle(q, k, v, causal=True, backend="sdpa")

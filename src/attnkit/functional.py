@@ -130,8 +130,33 @@ class _PagedShape:
         return 4
 
 
-def _validate(q, k, v, mask, causal, scale, dropout_p, return_weights, backend="auto") -> AttentionCall:
+def _check_softcap(softcap) -> float | None:
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap <= 0:
+        raise ValueError(f"softcap must be a positive finite float or None, got {softcap!r}")
+    return float(softcap)
+
+
+def _check_sinks(sinks, q: Tensor) -> Tensor | None:
+    if sinks is None:
+        return None
+    Hq = q.shape[1]
+    if not isinstance(sinks, Tensor):
+        raise TypeError(f"sinks must be a (Hq,) = ({Hq},) floating tensor or None, got {type(sinks).__name__}")
+    if not sinks.dtype.is_floating_point or sinks.shape != (Hq,):
+        raise ValueError(f"sinks must be a (Hq,) = ({Hq},) floating tensor (one logit per query head), got "
+                         f"{sinks.dtype} of shape {_shape(sinks)} for q {_shape(q)}")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}")
+    return sinks
+
+
+def _validate(q, k, v, mask, causal, scale, dropout_p, return_weights, backend="auto", softcap=None,
+              sinks=None) -> AttentionCall:
     scale = check_qkv(q, k, v, scale)
+    softcap = _check_softcap(softcap)
+    sinks = _check_sinks(sinks, q)
     paged = isinstance(k, PagedKV)
     B, Hq, Sq, D = q.shape
     _, Hkv, Sk, Dv = _PagedShape(k, "v").shape if paged else v.shape
@@ -151,11 +176,12 @@ def _validate(q, k, v, mask, causal, scale, dropout_p, return_weights, backend="
         if isinstance(mask, Tensor) and mask.device != q.device:
             raise ValueError(f"mask is on {mask.device} but q is on {q.device}")
     kv = (k.k_pool, k.v_pool) if paged else (k, v)
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, *kv))
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, *kv, sinks))
     return AttentionCall(
         batch=B, q_heads=Hq, kv_heads=Hkv, q_len=Sq, kv_len=Sk, head_dim=D, v_head_dim=Dv,
         dtype=q.dtype, device=q.device, mask=m, scale=float(scale), dropout_p=float(dropout_p),
         return_weights=return_weights, needs_grad=needs_grad, kv_layout="paged" if paged else "dense",
+        softcap=softcap, sinks=sinks,
     )
 
 
@@ -170,6 +196,8 @@ def attention(
     dropout_p: float = 0.0,
     backend: str = "auto",
     return_weights: bool = False,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ):
     """Scaled dot-product attention for MHA, GQA and MQA.
 
@@ -188,6 +216,11 @@ def attention(
             scaling, torch's RNG); 0 is a bitwise no-op.
         backend: "auto" or a registered backend name ("math", "sdpa", "decode", "flex", ...).
         return_weights: also return the probabilities (B, Hq, Sq, Sk) in fp32.
+        softcap: c > 0: scores become ``c * tanh(scores / c)`` after scaling, before masks and
+            biases (Gemma 2's attention soft-capping).
+        sinks: (Hq,) learned logits, one per query head, that join each row's softmax
+            denominator and carry no value (gpt-oss's attention sinks); differentiable. A row
+            with no allowed key still outputs exactly 0.
 
     Returns:
         out (B, Hq, Sq, Dv) in q's dtype, or (out, weights) with ``return_weights=True``.
@@ -199,7 +232,7 @@ def attention(
         s = s.masked_fill(~allowed, -inf); p = softmax(s.float(), -1) (all -inf rows -> 0)
         out = dropout(p) @ v.repeat_interleave(G, 1)
     """
-    call = _validate(q, k, v, mask, causal, scale, dropout_p, return_weights, backend)
+    call = _validate(q, k, v, mask, causal, scale, dropout_p, return_weights, backend, softcap, sinks)
     chosen = None if call.is_empty else select(call, backend)
     if call.kv_layout == "paged" and (chosen is None or not reads_in_place(chosen, call)):
         k, v = k.gather()  # a backend that reads dense K/V
@@ -208,7 +241,8 @@ def attention(
         _log_call(chosen, q, k, v, call)
     if chosen is None:
         # Nothing to attend to (Sk = 0) or nothing to compute: the contract's zeros, with grads.
-        out, weights = attention_math(q, k, v, call.mask, scale=call.scale, return_weights=return_weights)
+        out, weights = attention_math(q, k, v, call.mask, scale=call.scale, return_weights=return_weights,
+                                      softcap=call.softcap, sinks=call.sinks)
     else:
         out, weights = chosen.run(q, k, v, call)
     return (out, weights) if return_weights else out
@@ -216,6 +250,7 @@ def attention(
 
 def describe_call(q: Tensor, k: Tensor, v: Tensor, mask=None, *, causal: bool = False,
                   scale: float | None = None, dropout_p: float = 0.0, return_weights: bool = False,
+                  softcap: float | None = None, sinks: Tensor | None = None,
                   backend: str = "auto", detail: bool = False) -> str:
     """Name of the backend ``attention`` would run for these arguments (for tests and debugging).
 
@@ -223,7 +258,7 @@ def describe_call(q: Tensor, k: Tensor, v: Tensor, mask=None, *, causal: bool = 
     ``"sdpa[efficient]"``, ``"sdpa[cudnn]"``, ``"sdpa[math]"`` (torch's choice, see
     :func:`attnkit.backends.sdpa.sdpa_kernel_name`), ``"flash[varlen]"``; others stay plain.
     """
-    call = _validate(q, k, v, mask, causal, scale, dropout_p, return_weights, backend)
+    call = _validate(q, k, v, mask, causal, scale, dropout_p, return_weights, backend, softcap, sinks)
     if call.is_empty:
         return "math"
     chosen = select(call, backend)

@@ -36,10 +36,14 @@ __all__ = [
     "PrefixLM",
     "Dense",
     "Additive",
+    "ALiBi",
+    "alibi_slopes",
+    "split_alibi",
     "And",
     "Or",
     "as_mask",
     "has_bias",
+    "has_alibi",
     "shifted_bias",
 ]
 
@@ -544,6 +548,90 @@ class Additive(Mask):
         return f"Additive(shape={tuple(self.tensor.shape)})"
 
 
+class ALiBi(_Positional):
+    """ALiBi's per-head linear distance bias (Press et al.; BLOOM, MPT): ``slopes[h] * (j - p_i)``
+    added to the scores, where ``p_i`` is query i's position in key coordinates, measured like
+    :class:`Causal` (bottom-right ``i + Sk - Sq``, top-left ``i``, or ``i + offsets[b]``), so it
+    stays right with a cache. It allows every pair (a bias, not a restriction) and composes with
+    other masks by ``&`` (not ``|``). Fast kernels compute it on the fly from ``slopes`` and the
+    query positions; :meth:`bias` materializes it for the others.
+
+    ``slopes``: (H,) one slope per query head (H must equal the call's Hq); see :func:`alibi_slopes`.
+    """
+
+    def __init__(self, slopes, *, align: str = "bottom_right", offsets=None):
+        super().__init__(align, offsets)
+        t = torch.as_tensor(slopes)
+        if not t.dtype.is_floating_point or t.dim() != 1 or t.numel() == 0:
+            raise TypeError(f"ALiBi slopes must be a non-empty 1-D float tensor (H,), got "
+                            f"{t.dtype} of shape {tuple(t.shape)}")
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError("ALiBi slopes must be finite")
+        self.slopes = t.detach().float()
+        self.has_tensors = True
+
+    def check(self, batch, heads, q_len, kv_len):
+        super().check(batch, heads, q_len, kv_len)
+        if self.slopes.numel() != heads:
+            raise ValueError(f"ALiBi has {self.slopes.numel()} slopes (shape {tuple(self.slopes.shape)}) but the "
+                             f"call has {heads} query heads")
+
+    def tensors(self):
+        return (self.slopes, *super().tensors())
+
+    def positions(self, q_len: int, kv_len: int, device=None) -> Tensor:
+        """(B|1, Sq) int64 query positions the distances are measured from."""
+        return self._positions(q_len, kv_len, torch.device(device or "cpu"))
+
+    def _materialize(self, batch, q_len, kv_len, device):
+        return torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
+
+    def bias(self, batch, q_len, kv_len, device=None):
+        dev = torch.device(device or "cpu")
+        pos = self._positions(q_len, kv_len, dev)  # (B|1, Sq)
+        dist = torch.arange(kv_len, device=dev)[None, None, :] - pos[:, :, None]  # (B|1, Sq, Sk)
+        return self.slopes.to(dev)[None, :, None, None] * dist[:, None].float()
+
+    def mask_mod(self, q_len, kv_len, device=None):
+        return lambda b, h, q, kv: kv >= 0  # allows everything
+
+    def key_range(self, batch, q_len, kv_len, device=None):
+        z = torch.zeros(1, 1, dtype=torch.long, device=torch.device(device or "cpu"))
+        return z, z + kv_len
+
+    def __repr__(self):
+        return f"ALiBi(heads={self.slopes.numel()}, {self._describe_pos()})"
+
+
+def alibi_slopes(num_heads: int) -> Tensor:
+    """The standard ALiBi slopes of ``num_heads`` heads, (H,) fp32: a geometric sequence from
+    2^(-8/n) for a power of two n; otherwise those of the closest lower power of two followed by
+    every other slope of the next one (exactly BLOOM's ``build_alibi_tensor``)."""
+    if not isinstance(num_heads, int) or isinstance(num_heads, bool) or num_heads < 1:
+        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+    import math
+    closest = 2 ** math.floor(math.log2(num_heads))
+    base = 2.0 ** (-(2.0 ** -(math.log2(closest) - 3)))
+    slopes = [base ** p for p in range(1, closest + 1)]
+    if closest != num_heads:
+        extra = 2.0 ** (-(2.0 ** -(math.log2(2 * closest) - 3)))
+        slopes += [extra ** p for p in range(1, 1 + 2 * min(closest, num_heads - closest), 2)]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def split_alibi(mask: "Mask | None") -> tuple["Mask | None", "ALiBi | None"]:
+    """(the mask without its ALiBi part, the ALiBi) for kernels that apply ALiBi on the fly; an
+    ALiBi anywhere but at the top level of an AND stays in the mask (then materialized)."""
+    if isinstance(mask, ALiBi):
+        return None, mask
+    if isinstance(mask, And):
+        found = [m for m in mask.masks if isinstance(m, ALiBi)]
+        if len(found) == 1:
+            rest = [m for m in mask.masks if m is not found[0]]
+            return (rest[0] if len(rest) == 1 else And(*rest)), found[0]
+    return mask, None
+
+
 # --------------------------------------------------------------------------- composition
 
 
@@ -627,7 +715,7 @@ class Or(_Compose):
     def __init__(self, *masks: Mask):
         super().__init__(*masks)
         if any(has_bias(m) for m in self.masks):
-            raise TypeError("an Additive mask cannot be combined with '|'; use '&' or a bool mask")
+            raise TypeError("an Additive or ALiBi mask cannot be combined with '|' (a sum has no 'or'); use '&'")
 
     def _materialize(self, batch, q_len, kv_len, device):
         out = self.masks[0].materialize(batch, q_len, kv_len, device)
@@ -661,9 +749,16 @@ def shifted_bias(mask: Mask, batch: int, q_len: int, kv_len: int, device=None) -
     return b - torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
 
 
+def has_alibi(m: Mask | None) -> bool:
+    """True when ``m`` holds an :class:`ALiBi` anywhere inside."""
+    if isinstance(m, ALiBi):
+        return True
+    return isinstance(m, _Compose) and any(has_alibi(x) for x in m.masks)
+
+
 def has_bias(m: Mask) -> bool:
     """True when ``m`` carries an additive float bias (an :class:`Additive` anywhere inside)."""
-    if isinstance(m, Additive):
+    if isinstance(m, (Additive, ALiBi)):
         return True
     return isinstance(m, _Compose) and any(has_bias(x) for x in m.masks)
 

@@ -29,11 +29,16 @@ def group_heads(t: Tensor, kv_heads: int) -> Tensor:
     return t.unflatten(1, (kv_heads, t.shape[1] // kv_heads))
 
 
-def safe_softmax(scores: Tensor, dim: int = -1) -> Tensor:
-    """Softmax whose rows of all -inf are exactly 0, with zero (finite) gradients."""
+def safe_softmax(scores: Tensor, dim: int = -1, row_ok: Tensor | None = None) -> Tensor:
+    """Softmax whose empty rows are exactly 0, with zero (finite) gradients.
+
+    ``row_ok`` (broadcastable to scores with size 1 along ``dim``) says which rows have something
+    to attend to, decided by the mask alone; without it a row counts as empty when all its
+    scores are -inf (then a NaN score keeps its row non-empty: NaN in, NaN out)."""
     if scores.shape[dim] == 0:  # no keys at all: an empty row; P @ V then gives exact zeros
         return scores
-    row_ok = scores.amax(dim, keepdim=True) > float("-inf")
+    if row_ok is None:
+        row_ok = ~(scores.amax(dim, keepdim=True) == float("-inf"))
     probs = torch.softmax(scores.masked_fill(~row_ok, 0.0), dim=dim)
     return probs.masked_fill(~row_ok, 0.0)
 
@@ -48,12 +53,16 @@ def attention_math(
     dropout_p: float = 0.0,
     return_weights: bool = False,
     compute_dtype: torch.dtype | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Attention in torch ops. Returns (out (B, Hq, Sq, Dv) in q.dtype, weights (B, Hq, Sq, Sk) or None).
 
     ``compute_dtype`` defaults to fp32 (fp64 for fp64 inputs). ``weights`` are the probabilities
     actually applied to V (after dropout, as torch's MultiheadAttention returns them), in fp32
-    (fp64 for fp64 compute).
+    (fp64 for fp64 compute). ``softcap`` c: scores -> c * tanh(scores / c) after scaling, before
+    masks and biases. ``sinks`` (Hq,): one logit per query head joining each row's softmax
+    denominator (a column that carries no value). Empty rows (the mask allows no key) are 0.
     """
     if compute_dtype is None:
         compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -63,13 +72,23 @@ def attention_math(
     kc = k.to(compute_dtype).unsqueeze(2)  # (B, Hkv, 1, Sk, D)
     vc = v.to(compute_dtype).unsqueeze(2)  # (B, Hkv, 1, Sk, Dv)
     scores = torch.matmul(qg, kc.transpose(-1, -2)) * scale  # (B, Hkv, G, Sq, Sk)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    row_ok = None
     if mask is not None:
-        bias = shifted_bias(mask, B, Sq, Sk, q.device)
+        # The per-row shift of shifted_bias leaves a softmax unchanged, but not its ratio to a sink
+        # logit: with sinks the bias is added as given.
+        bias = mask.bias(B, Sq, Sk, q.device) if sinks is not None else shifted_bias(mask, B, Sq, Sk, q.device)
         if bias is not None:
             scores = scores + group_heads(bias.to(compute_dtype), Hkv)
         allowed = group_heads(mask.materialize(B, Sq, Sk, q.device), Hkv)
         scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = safe_softmax(scores)
+        row_ok = allowed.any(-1, keepdim=True)  # the mask alone decides which rows are empty
+    if sinks is not None:  # an extra column per row: the head's sink logit, no value
+        sink = group_heads(sinks.to(compute_dtype).view(1, Hq, 1, 1), Hkv).expand(*scores.shape[:-1], 1)
+        probs = safe_softmax(torch.cat([scores, sink], -1), row_ok=row_ok)[..., :Sk]
+    else:
+        probs = safe_softmax(scores, row_ok=row_ok)
     if dropout_p > 0.0:
         probs = F.dropout(probs, p=dropout_p, training=True)
     out = torch.matmul(probs, vc)  # (B, Hkv, G, Sq, Dv)
@@ -89,6 +108,8 @@ def attention_reference(
     causal: bool = False,
     scale: float | None = None,
     return_weights: bool = False,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ):
     """The fp64 oracle: ``attnkit.attention`` semantics, everything in fp64, masks materialized.
 
@@ -103,5 +124,7 @@ def attention_reference(
         m.check(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     out, w = attention_math(q.double(), k.double(), v.double(), m, scale=scale,
-                            return_weights=return_weights, compute_dtype=torch.float64)
+                            return_weights=return_weights, compute_dtype=torch.float64,
+                            softcap=None if softcap is None else float(softcap),
+                            sinks=None if sinks is None else sinks.double())
     return (out, w) if return_weights else out

@@ -83,9 +83,10 @@ class SplitKBackend(BackendBase):
         return splitk.engine_name()
 
     def run(self, q, k, v, call: AttentionCall):
+        mods = dict(scale=call.scale, mask=call.mask, softcap=call.softcap, sinks=call.sinks)
         if call.kv_layout == "paged":
-            out, _ = splitk.splitk_attention(q, k.k_pool, k.v_pool, scale=call.scale, mask=call.mask,
-                                             block_table=k.block_table, v_head_dim=k.value_dim, kv_len=call.kv_len)
+            out, _ = splitk.splitk_attention(q, k.k_pool, k.v_pool, block_table=k.block_table, v_head_dim=k.value_dim,
+                                             kv_len=call.kv_len, **mods)
         else:
-            out, _ = splitk.splitk_attention(q, k, v, scale=call.scale, mask=call.mask)
+            out, _ = splitk.splitk_attention(q, k, v, **mods)
         return out, None

@@ -313,6 +313,9 @@ class FlashBackend(BackendBase):
             why.append(f"D={call.head_dim} != Dv={call.v_head_dim} (flash_attn needs equal K and V widths)")
         if call.return_weights:
             why.append("return_weights=True (flash_attn does not return probabilities)")
+        if call.modifiers:
+            why.append(f"{', '.join(call.modifiers)} (not wired to flash_attn's arguments)")
+            return why
         plan = plan_call(call)
         if isinstance(plan, str):
             why.append(plan)

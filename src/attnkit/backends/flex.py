@@ -32,7 +32,7 @@ from collections import OrderedDict
 
 import torch
 
-from ..masks import shifted_bias
+from ..masks import shifted_bias, split_alibi
 from .registry import AttentionCall, BackendBase
 
 _COMPILED = None
@@ -74,6 +74,15 @@ def block_mask_for(call: AttentionCall, device):
     return bm
 
 
+def _compose(mods):
+    """One score_mod applying ``mods`` in order."""
+    def score_mod(score, b, h, q, kv):
+        for f in mods:
+            score = f(score, b, h, q, kv)
+        return score
+    return score_mod
+
+
 def _bias_score_mod(bias):
     """score_mod adding a (B|1, H|1, Sq|1, Sk|1) bias; size-1 dims broadcast."""
     pick = [(lambda i: 0) if n == 1 else (lambda i: i) for n in bias.shape]
@@ -101,6 +110,9 @@ class FlexBackend(BackendBase):
         if call.needs_grad and call.device.type in ("cpu", "mps"):
             why.append(f"backward on {call.device.type.upper()} (FlexAttention's {call.device.type.upper()} "
                        "kernel is forward-only)")
+        if call.sinks is not None and call.device.type in ("cpu", "mps"):
+            why.append(f"sinks on {call.device.type.upper()} (FlexAttention's compiled CPU kernel cannot return the "
+                       "log-sum-exp they need)")
         if call.dtype == torch.float64 and call.device.type == "cpu":
             why.append("fp64 on CPU")
         if call.device.type not in ("cpu", "mps") and min(call.head_dim, call.v_head_dim) < 16:
@@ -109,13 +121,31 @@ class FlexBackend(BackendBase):
         return why
 
     def run(self, q, k, v, call: AttentionCall):
-        kwargs = {}
+        kwargs, mods = {}, []
+        mask, alibi = split_alibi(call.mask)
+        if call.softcap is not None:  # on the scaled score, before any bias
+            c = call.softcap
+            mods.append(lambda s, b, h, qi, kv: torch.tanh(s / c) * c)
         if call.mask is not None:
             kwargs["block_mask"] = block_mask_for(call, q.device)
-            bias = shifted_bias(call.mask, call.batch, call.q_len, call.kv_len, q.device)
+            bias = None if mask is None else (  # a per-row shift would change the ratio to a sink
+                mask.bias(call.batch, call.q_len, call.kv_len, q.device) if call.sinks is not None
+                else shifted_bias(mask, call.batch, call.q_len, call.kv_len, q.device))
             if bias is not None:  # -inf entries are in the block mask; add the finite rest
-                kwargs["score_mod"] = _bias_score_mod(bias.masked_fill(torch.isneginf(bias), 0.0))
+                mods.append(_bias_score_mod(bias.masked_fill(torch.isneginf(bias), 0.0)))
+        if alibi is not None:  # computed per score, never materialized
+            slopes = alibi.slopes.to(q.device)
+            pos = alibi.positions(call.q_len, call.kv_len, q.device)
+            pb = (lambda b: 0) if pos.shape[0] == 1 else (lambda b: b)
+            mods.append(lambda s, b, h, qi, kv: s + (slopes[h] * (kv - pos[pb(b), qi])).to(s.dtype))
+        if mods:
+            kwargs["score_mod"] = _compose(mods)
         if not call.needs_grad:  # e.g. leaves that require grad under no_grad: FlexAttention
             q, k, v = q.detach(), k.detach(), v.detach()  # looks at .requires_grad alone (CPU refuses)
-        out = _compiled()(q, k, v, scale=call.scale, enable_gqa=call.q_heads != call.kv_heads, **kwargs)
-        return out, None
+        res = _compiled()(q, k, v, scale=call.scale, enable_gqa=call.q_heads != call.kv_heads,
+                          return_lse=call.sinks is not None, **kwargs)
+        if call.sinks is None:
+            return res, None
+        out, lse = res  # the sinks join each row's denominator once: out * e^lse / (e^lse + e^sink)
+        gate = torch.sigmoid(lse.float() - call.sinks.float().view(1, -1, 1))
+        return (out.float() * gate.unsqueeze(-1)).to(out.dtype), None

@@ -12,4 +12,4 @@ class MathBackend(BackendBase):
 
     def run(self, q, k, v, call: AttentionCall):
         return attention_math(q, k, v, call.mask, scale=call.scale, dropout_p=call.dropout_p,
-                              return_weights=call.return_weights)
+                              return_weights=call.return_weights, softcap=call.softcap, sinks=call.sinks)

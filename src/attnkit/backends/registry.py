@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from ..masks import Mask
+from ..masks import Mask, has_alibi
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,14 @@ class AttentionCall:
     return_weights: bool
     needs_grad: bool
     kv_layout: str = "dense"  # "dense" tensors or "paged" (attnkit.PagedKV)
+    softcap: float | None = None  # scores -> c * tanh(scores / c) after scaling
+    sinks: Tensor | None = None  # (Hq,) logits joining each row's denominator
+
+    @property
+    def modifiers(self) -> list[str]:
+        """The score modifiers this call uses ("softcap", "sinks", "ALiBi"), for refusals."""
+        out = [name for name, on in (("softcap", self.softcap is not None), ("sinks", self.sinks is not None)) if on]
+        return out + (["ALiBi"] if has_alibi(self.mask) else [])
 
     @property
     def groups(self) -> int:

@@ -83,10 +83,13 @@ def sdpa_mask(call: AttentionCall, dtype: torch.dtype, device) -> tuple[Tensor |
     allowed = m.materialize(call.batch, call.q_len, call.kv_len, device)
     bias = shifted_bias(m, call.batch, call.q_len, call.kv_len, device)
     if bias is not None:
-        if device.type == "cpu" and dtype != torch.float64:
+        if dtype == torch.float64:
+            bias = bias.double()  # an fp32 / fp16 mask with fp64 inputs: exact in fp64
+        elif device.type == "cpu":
             bias = bias.float()
         else:
             fin = torch.finfo(dtype)
+            bias = bias.float()
             bias = torch.where(torch.isneginf(bias), bias, bias.clamp(fin.min, fin.max)).to(dtype)
     row_ok = allowed.any(-1, keepdim=True)
     # Under torch.compile the fix-up is applied unconditionally (no data-dependent branch).
@@ -149,6 +152,9 @@ class SdpaBackend(BackendBase):
         why = []
         if call.return_weights:
             why.append("return_weights=True (SDPA does not return probabilities)")
+        for name in ("softcap", "sinks"):
+            if name in call.modifiers:
+                why.append(f"{name} (SDPA cannot express it)")
         return why
 
     def sdpa_args(self, q: Tensor, k: Tensor, v: Tensor, call: AttentionCall):
@@ -166,18 +172,35 @@ class SdpaBackend(BackendBase):
 
     def kernel_name(self, q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> str:
         """The SDPA kernel :meth:`run` reaches for ``call`` (see :func:`sdpa_kernel_name`)."""
+        q, k, v = _equal_widths(q, k, v)
         attn_mask, _, is_causal = self.sdpa_args(q, k, v, call)
         with _kernel_choice(call):
             return sdpa_kernel_name(q, k, v, attn_mask, call.dropout_p, is_causal, call.scale,
                                     call.q_heads != call.kv_heads)
 
     def run(self, q, k, v, call: AttentionCall):
+        Dv = v.shape[-1]
+        q, k, v = _equal_widths(q, k, v)
         attn_mask, row_ok, is_causal = self.sdpa_args(q, k, v, call)
         with _kernel_choice(call):
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=attn_mask, dropout_p=call.dropout_p, is_causal=is_causal,
                 scale=call.scale, enable_gqa=call.q_heads != call.kv_heads,
             )
+        if out.shape[-1] != Dv:
+            out = out[..., :Dv]
         if row_ok is not None:
             out = out.masked_fill(~row_ok, 0.0)
         return out, None
+
+
+def _equal_widths(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """SDPA's fused kernels need equal K and V widths (otherwise it runs its math kernel): K wider
+    than V (MLA's 192 / 128) pads V with zero channels, whose outputs are sliced off; V wider pads
+    q and k, whose zero channels add nothing to the scores (the scale is passed explicitly)."""
+    D, Dv = k.shape[-1], v.shape[-1]
+    if D > Dv:
+        return q, k, F.pad(v, (0, D - Dv))
+    if Dv > D:
+        return F.pad(q, (0, Dv - D)), F.pad(k, (0, Dv - D)), v
+    return q, k, v

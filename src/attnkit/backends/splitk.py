@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..masks import Mask, shifted_bias
+from ..masks import Mask, shifted_bias, split_alibi
 from . import native
 
 __all__ = ["splitk_attention", "merge_partials", "finite", "engine_name", "v_is_prefix_of_k"]
@@ -64,9 +64,11 @@ def v_is_prefix_of_k(k: Tensor, v: Tensor) -> bool:
             and v.shape[-1] <= k.shape[-1] and v.stride() == k.stride() and v.data_ptr() == k.data_ptr())
 
 
-def _bounds(mask: Mask | None, B: int, Hq: int, Sq: int, Sk: int, device) -> tuple[Tensor, Tensor, Tensor | None]:
+def _bounds(mask: Mask | None, B: int, Hq: int, Sq: int, Sk: int, device,
+            shift: bool = True) -> tuple[Tensor, Tensor, Tensor | None]:
     """(lo (B, Sq), hi (B, Sq)) int64 key intervals, and an fp32 bias (B|1, Hq|1, Sq, Sk) for a
-    mask that is not an interval (then the interval is everything)."""
+    mask that is not an interval (then the interval is everything). ``shift``: subtract each
+    row's largest bias (not with sinks, whose ratio to the scores a shift would change)."""
     rng = None if mask is None else mask.key_range(B, Sq, Sk, device)
     bias = None
     if rng is None:
@@ -74,7 +76,7 @@ def _bounds(mask: Mask | None, B: int, Hq: int, Sq: int, Sk: int, device) -> tup
         hi = torch.full((1, 1), Sk, dtype=torch.long, device=device)
         if mask is not None:
             allowed = mask.materialize(B, Sq, Sk, device)
-            b = shifted_bias(mask, B, Sq, Sk, device)
+            b = shifted_bias(mask, B, Sq, Sk, device) if shift else mask.bias(B, Sq, Sk, device)
             b = torch.zeros((), device=device) if b is None else b.float()
             bias = b.masked_fill(~allowed, float("-inf"))
             bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
@@ -97,7 +99,8 @@ def splitk_attention(q: Tensor, k: Tensor, v: Tensor | None, *, scale: float, ma
             (N, bs, Hkv, D) / (N, bs, Hkv, Dv). ``v=None``: V is K[..., :v_head_dim].
         mask: an attnkit mask over (B, Hq, Sq, Sk) (the paged lengths already folded in).
         block_table: (B, W) block ids for paged pools; ``kv_len`` is then the logical Sk.
-        sinks: (Hq,) logits joining each row's denominator; softcap: c of c * tanh(s / c).
+        sinks: (Hq,) logits joining each row's denominator; softcap: c of c * tanh(s / c);
+            an :class:`attnkit.masks.ALiBi` in ``mask`` is applied per score.
 
     Returns:
         out (B, Hq, Sq, Dv) in q's dtype and, with ``return_lse``, lse (B, Hq, Sq) fp32 (without
@@ -109,7 +112,12 @@ def splitk_attention(q: Tensor, k: Tensor, v: Tensor | None, *, scale: float, ma
     Dv = v.shape[-1] if v is not None else int(v_head_dim)
     Hkv = k.shape[2] if block_table is not None else k.shape[1]
     Sk = kv_len if block_table is not None else k.shape[2]
-    lo, hi, bias = _bounds(mask, B, Hq, Sq, Sk, q.device)
+    mask, alibi = split_alibi(mask)  # ALiBi is computed per score, never materialized
+    lo, hi, bias = _bounds(mask, B, Hq, Sq, Sk, q.device, shift=sinks is None)
+    slopes = qpos = None
+    if alibi is not None:
+        slopes = alibi.slopes.to(q.device).contiguous()
+        qpos = alibi.positions(Sq, Sk, q.device).expand(B, Sq).contiguous()
     sinks32 = None if sinks is None else sinks.detach().float().contiguous()
     ops = native.load()
     if ops is not None:
@@ -121,15 +129,15 @@ def splitk_attention(q: Tensor, k: Tensor, v: Tensor | None, *, scale: float, ma
         table = None if block_table is None else block_table.long().contiguous()
         b32 = None if bias is None else bias.expand(B, Hq, Sq, Sk)
         out, lse = ops.splitk_attention(q32, k.detach(), None if v is None else v.detach(), Dv, table, lo, hi, b32,
-                                        None, None, sinks32, float(softcap or 0.0), Hkv, return_lse)
+                                        slopes, qpos, sinks32, float(softcap or 0.0), Hkv, return_lse)
         return out.to(q.dtype), (lse if return_lse else None)
-    out, lse = _torch_splitk(q, k, v, Dv, Hkv, Sk, scale, lo, hi, bias, block_table, softcap)
+    out, lse = _torch_splitk(q, k, v, Dv, Hkv, Sk, scale, lo, hi, bias, block_table, softcap, slopes, qpos)
     if sinks32 is not None:
         out = out / (1.0 + torch.exp(sinks32.view(1, Hq, 1, 1) - lse.unsqueeze(-1)))
     return out.to(q.dtype), (lse if return_lse else None)
 
 
-def _torch_splitk(q, k, v, Dv, Hkv, Sk, scale, lo, hi, bias, block_table, softcap):
+def _torch_splitk(q, k, v, Dv, Hkv, Sk, scale, lo, hi, bias, block_table, softcap, slopes, qpos):
     """The engine in torch ops: key chunks scored for all M rows of every KV head at once, each
     chunk's (out, lse) merged into the running result by :func:`merge_partials`."""
     B, Hq, Sq, D = q.shape
@@ -160,6 +168,9 @@ def _torch_splitk(q, k, v, Dv, Hkv, Sk, scale, lo, hi, bias, block_table, softca
             bc = bias[..., a:e].expand(B, Hq, Sq, e - a).reshape(B, Hkv, M, e - a)
             s = s + bc
         j = torch.arange(a, e, device=q.device)
+        if slopes is not None:  # slope[h] * (j - qpos[b, i]) for row (h, i)
+            dist = (j[None, None, :] - qpos[:, :, None]).float()  # (B, Sq, c)
+            s = s + (slopes.view(1, Hq, 1, 1) * dist[:, None]).reshape(B, Hkv, M, e - a)
         s = s.masked_fill((j < row_lo) | (j >= row_hi), float("-inf"))
         c_lse = torch.logsumexp(s, dim=-1)
         c_out = torch.matmul(torch.exp(s - finite(c_lse).unsqueeze(-1)), vc.detach().float())

@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..backends.splitk import finite, merge_partials  # the engine's merge rule, written once
 from ..masks import Mask, has_bias
 from ..reference import group_heads
 
@@ -92,11 +93,6 @@ def _causal_allowed(q_len: int, kv_len: int, device) -> Tensor:
     return torch.ones(1, 1, q_len, kv_len, dtype=torch.bool, device=device).tril()
 
 
-def _finite(lse: Tensor) -> Tensor:
-    """lse with -inf (rows with nothing allowed) replaced by 0, so exp(-inf - lse) is 0, not NaN."""
-    return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-
-
 def block_forward(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None, scale: float, *,
                   causal: bool = False) -> tuple[Tensor, Tensor]:
     """Attention of ``q`` to this block of keys alone (no autograd: gradients come from
@@ -126,25 +122,9 @@ def block_forward(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None, scale
         allowed = _causal_allowed(Sq, Sk, q.device)
     s = _scores(q, k, allowed, scale)  # (B, Hkv, G, Sq, Sk)
     lse = torch.logsumexp(s, dim=-1)  # -inf for rows with nothing allowed
-    p = s.sub_(_finite(lse).unsqueeze(-1)).exp_()
+    p = s.sub_(finite(lse).unsqueeze(-1)).exp_()
     out = torch.matmul(p.view(B, Hkv, -1, Sk), v.to(ct))  # (B, Hkv, G * Sq, Dv)
     return out.view(B, Hq, Sq, Dv), lse.view(B, Hq, Sq)
-
-
-def merge_partials(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> tuple[Tensor, Tensor]:
-    """Exact merge of two partial results over disjoint key sets.
-
-    ``out``/``block_out`` (..., Sq, Dv) each normalised over its own keys, ``lse``/``block_lse``
-    (..., Sq). Returns the (out, lse) of attending to both key sets. Rows where both lse are -inf
-    stay 0 / -inf, with zero (not NaN) gradients."""
-    both_empty = torch.isneginf(lse) & torch.isneginf(block_lse)
-    # logaddexp(-inf, -inf)'s gradient is NaN: feed it zeros there and select -inf after.
-    zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
-    new = torch.logaddexp(torch.where(both_empty, zero, lse), torch.where(both_empty, zero, block_lse))
-    new = torch.where(both_empty, torch.full_like(new, float("-inf")), new)
-    ref = _finite(new)
-    merged = out * torch.exp(lse - ref).unsqueeze(-1) + block_out * torch.exp(block_lse - ref).unsqueeze(-1)
-    return merged, new
 
 
 def softmax_delta(out: Tensor, dout: Tensor) -> Tensor:
@@ -212,7 +192,7 @@ def block_backward(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, d
         allowed = _causal_allowed(Sq, Sk, q.device)
     kc, vc = k.to(ct), v.to(ct)
     s = _scores(q, kc, allowed, scale)  # (B, Hkv, G, Sq, Sk)
-    p = s.sub_(_finite(lse.to(ct)).reshape(B, Hkv, -1, Sq, 1)).exp_().view(B * Hkv, -1, Sk)  # (B*Hkv, G*Sq, Sk)
+    p = s.sub_(finite(lse.to(ct)).reshape(B, Hkv, -1, Sq, 1)).exp_().view(B * Hkv, -1, Sk)  # (B*Hkv, G*Sq, Sk)
     do = _flat_groups(dout.to(ct), Hkv).reshape(B * Hkv, -1, Dv)  # (B*Hkv, G*Sq, Dv)
     # dv += p^T dout, summed over the group by the matmul itself; accumulated in place.
     dv.view(B * Hkv, Sk, Dv).baddbmm_(p.transpose(-1, -2), do)

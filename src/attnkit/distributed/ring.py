@@ -292,7 +292,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, mas
     m = as_mask(mask, causal)
     if m is not None:
         if has_bias(m):
-            raise TypeError("ring_attention does not take additive (float) masks: use a bool tensor or an "
+            raise TypeError("ring_attention does not take additive (float) masks or ALiBi: use a bool tensor or an "
                             "attnkit.masks object (Causal, KeyPadding, Document, SlidingWindow, ...)")
         m.check(B, Hq, Sq_l * world, Sk_l * world)
         if m.allows_all(Sq_l * world, Sk_l * world):

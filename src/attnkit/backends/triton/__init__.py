@@ -19,7 +19,7 @@ import os
 import torch
 from torch import Tensor
 
-from ...masks import And, Causal, KeyPadding, Mask
+from ...masks import And, Causal, KeyPadding, Mask, split_alibi
 from ..splitk import v_is_prefix_of_k
 from ..decode import decode_refusals
 from ..registry import AttentionCall, BackendBase
@@ -91,7 +91,7 @@ class TritonBackend(BackendBase):
             why.append("CPU tensors without TRITON_INTERPRET=1")
         elif call.device.type not in ("cpu", "cuda"):
             why.append(f"device {call.device.type}")
-        if _limit_parts(call.mask) is None:
+        if _limit_parts(split_alibi(call.mask)[0]) is None:
             why.append(f"mask {call.mask!r} (takes causal and right-side key padding only)")
         return why
 
@@ -105,14 +105,19 @@ class TritonBackend(BackendBase):
     def run(self, q, k, v, call: AttentionCall):
         from . import decode as triton_decode
 
-        q_start, seq = decode_limits(call.mask, call.batch, call.q_len, call.kv_len, q.device)
+        mask, alibi = split_alibi(call.mask)
+        q_start, seq = decode_limits(mask, call.batch, call.q_len, call.kv_len, q.device)
+        mods = dict(softcap=call.softcap, sinks=call.sinks)
+        if alibi is not None:  # slopes and each sequence's first ALiBi query position
+            mods.update(alibi_slopes=alibi.slopes,
+                        alibi_start=alibi.positions(call.q_len, call.kv_len, q.device)[:, 0].expand(call.batch))
         if call.kv_layout == "paged":  # k is the PagedKV: read the pages in place
             out = triton_decode.paged_decode_attention(
                 q, k.k_pool, k.v_pool, k.block_table, seq, q_start=q_start, scale=call.scale,
-                v_head_dim=k.value_dim, max_len=call.kv_len, check=False)  # attention() validated the PagedKV
+                v_head_dim=k.value_dim, max_len=call.kv_len, check=False, **mods)  # attention() validated the PagedKV
             return out, None
         v_from_k = v_is_prefix_of_k(k, v)
         # seq_lens are clamped to Sk and the table is [[0], [1], ...]: nothing to check on the device.
         out = triton_decode.decode_attention(q, k, None if v_from_k else v, seq_lens=seq, q_start=q_start,
-                                             scale=call.scale, v_head_dim=call.v_head_dim, check=False)
+                                             scale=call.scale, v_head_dim=call.v_head_dim, check=False, **mods)
         return out, None

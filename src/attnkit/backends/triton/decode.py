@@ -62,14 +62,15 @@ if triton is not None:
 
     @triton.jit
     def _split_kernel(
-        Q, K, V, TABLE, QSTART, SEQLEN, OP, LSEP,
-        scale_log2,
+        Q, K, V, TABLE, QSTART, SEQLEN, OP, LSEP, SLOPES, APOS,
+        scale_log2, softcap,
         stride_qb, stride_qh, stride_qs,
         stride_kn, stride_kt, stride_kh,
         stride_vn, stride_vt, stride_vh,
         stride_tb,
         HKV, G, S, DK, DR, DV, PAGE, SPLIT_LEN, NSPLIT,
         V_FROM_K: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_DK: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
     ):
@@ -90,6 +91,9 @@ if triton is not None:
         h = kvh * G + rows // S
         seq_len = tl.load(SEQLEN + b)
         lim = tl.minimum(tl.load(QSTART + b) + j + 1, seq_len)  # keys < lim are visible
+        if HAS_ALIBI:  # slope of each row's head (log2 units), and the row's ALiBi query position
+            slope = tl.load(SLOPES + h, mask=row_ok, other=0.0) * 1.4426950408889634
+            apos = tl.load(APOS + b) + j
 
         dk = tl.arange(0, BLOCK_DK)
         q_base = Qb + h[:, None] * stride_qh + j[:, None] * stride_qs
@@ -125,7 +129,16 @@ if triton is not None:
                 if DOT_F32:
                     k_r = k_r.to(tl.float32)
                 s += tl.dot(q_r, tl.trans(k_r), input_precision=PRECISION)
-            s = tl.where((pos[None, :] < lim[:, None]) & pos_ok[None, :], s * scale_log2, float("-inf"))
+            if HAS_SOFTCAP:  # c * tanh(scaled score / c), in log2 units after
+                y = s * (scale_log2 * 0.6931471805599453 / softcap)
+                e = tl.exp2(-2.8853900817779268 * tl.abs(y))  # exp(-2|y|)
+                t = (1.0 - e) / (1.0 + e)
+                s = tl.where(y < 0, -t, t) * (softcap * 1.4426950408889634)
+            else:
+                s = s * scale_log2
+            if HAS_ALIBI:
+                s += slope[:, None] * (pos[None, :] - apos[:, None]).to(tl.float32)
+            s = tl.where((pos[None, :] < lim[:, None]) & pos_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
             alpha = tl.exp2(m_i - m_safe)
@@ -154,7 +167,8 @@ if triton is not None:
         tl.store(OP + prow[:, None] * DV + dv[None, :], out, mask=row_ok[:, None] & (dv[None, :] < DV))
 
     @triton.jit
-    def _merge_kernel(OP, LSEP, OUT, NSPLIT, DV, BLOCK_SPLIT: tl.constexpr, BLOCK_DV: tl.constexpr):
+    def _merge_kernel(OP, LSEP, OUT, SINKS, NSPLIT, DV, HQ, S, HAS_SINKS: tl.constexpr, BLOCK_SPLIT: tl.constexpr,
+                      BLOCK_DV: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)  # (b, h, j) flattened; OUT is contiguous (B, Hq, S, DV)
         sp = tl.arange(0, BLOCK_SPLIT)
         dv = tl.arange(0, BLOCK_DV)
@@ -162,6 +176,9 @@ if triton is not None:
         mx = tl.max(lse, 0)
         w = tl.exp2(lse - tl.where(mx == float("-inf"), 0.0, mx))  # splits that saw nothing: 0
         den = tl.sum(w, 0)
+        if HAS_SINKS:  # the head's sink joins the denominator once (a row that saw nothing stays 0)
+            sink = tl.load(SINKS + (row // S) % HQ) * 1.4426950408889634
+            den += tl.where(mx == float("-inf"), 0.0, tl.exp2(sink - mx))
         o = tl.load(OP + (row * NSPLIT + sp[:, None]) * DV + dv[None, :],
                     mask=(sp[:, None] < NSPLIT) & (dv[None, :] < DV), other=0.0)
         res = tl.sum(o * w[:, None], 0) / tl.where(den > 0.0, den, 1.0)
@@ -201,9 +218,12 @@ def _num_splits(device: torch.device, programs: int, max_len: int, block_n: int)
 
 
 def _launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tensor, seq_lens: Tensor,
-            scale: float, v_head_dim: int, max_len: int, num_splits: int) -> Tensor:
+            scale: float, v_head_dim: int, max_len: int, num_splits: int, softcap: float = 0.0,
+            slopes: Tensor | None = None, alibi_start: Tensor | None = None, sinks: Tensor | None = None) -> Tensor:
     """q (B, Hq, S, D); k (N, page, Hkv, D) and v (N, page, Hkv, Dv) | None (V = K[..., :Dv]),
-    last dims contiguous; table (B, nb) int; q_start, seq_lens (B,) int32. Returns (B, Hq, S, Dv)."""
+    last dims contiguous; table (B, nb) int; q_start, seq_lens (B,) int32; softcap (0: off);
+    slopes (Hq,) fp32 with alibi_start (B,) int32 (ALiBi query position of each sequence's first
+    query); sinks (Hq,) fp32. Returns (B, Hq, S, Dv)."""
     B, Hq, S, D = q.shape
     page, Hkv = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -225,7 +245,8 @@ def _launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tens
     vv = k if v_from_k else v
     _split_kernel[(B * Hkv, m_tiles, num_splits)](
         q, k, vv, table, q_start, seq_lens, op, lsep,
-        scale * _LOG2E,
+        seq_lens if slopes is None else slopes, seq_lens if alibi_start is None else alibi_start,  # unread if off
+        scale * _LOG2E, float(softcap),
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         vv.stride(0), vv.stride(1), vv.stride(2),
@@ -235,11 +256,12 @@ def _launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tens
         # Triton 3.9's interpreter computes bf16 dots wrongly: there, operands go up to fp32 (exact
         # products, fp32 sums: what the GPU's bf16 dot with fp32 accumulation gives).
         DOT_F32=q.dtype == torch.bfloat16 and interpreting(),
+        HAS_SOFTCAP=softcap > 0, HAS_ALIBI=slopes is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DK=cfg["BLOCK_DK"], BLOCK_DR=cfg["BLOCK_DR"],
         BLOCK_DV=cfg["BLOCK_DV"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    _merge_kernel[(B * Hq * S,)](op, lsep, out, num_splits, Dv,
-                                 BLOCK_SPLIT=_pow2(num_splits, 2), BLOCK_DV=_pow2(Dv))
+    _merge_kernel[(B * Hq * S,)](op, lsep, out, lsep if sinks is None else sinks, num_splits, Dv, Hq, S,
+                                 HAS_SINKS=sinks is not None, BLOCK_SPLIT=_pow2(num_splits, 2), BLOCK_DV=_pow2(Dv))
     return out
 
 
@@ -247,12 +269,19 @@ def _launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tens
 
 @torch.library.custom_op("attnkit::decode_attention", mutates_args=())
 def _decode_op(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tensor, seq_lens: Tensor,
-               scale: float, v_head_dim: int, max_len: int, num_splits: int) -> Tensor:
-    return _launch(q, k, v, table, q_start, seq_lens, scale, v_head_dim, max_len, num_splits)
+               scale: float, v_head_dim: int, max_len: int, num_splits: int, softcap: float = 0.0,
+               slopes: Tensor | None = None, alibi_start: Tensor | None = None,
+               sinks: Tensor | None = None) -> Tensor:
+    why = available(q.device)
+    if why:
+        raise RuntimeError(f"attnkit::decode_attention: {why}")
+    return _launch(q, k, v, table, q_start, seq_lens, scale, v_head_dim, max_len, num_splits, softcap, slopes,
+                   alibi_start, sinks)
 
 
 @_decode_op.register_fake
-def _(q, k, v, table, q_start, seq_lens, scale, v_head_dim, max_len, num_splits):
+def _(q, k, v, table, q_start, seq_lens, scale, v_head_dim, max_len, num_splits, softcap=0.0, slopes=None,
+      alibi_start=None, sinks=None):
     B, Hq, S, _ = q.shape
     return q.new_empty((B, Hq, S, v_head_dim))
 
@@ -274,7 +303,9 @@ def _lengths(x, name: str, B: int, device, default: Tensor | None = None) -> Ten
 
 def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor | None, block_table: Tensor, seq_lens,
                            *, q_start=None, scale: float | None = None, v_head_dim: int | None = None,
-                           max_len: int | None = None, num_splits: int = 0, check: bool = True) -> Tensor:
+                           max_len: int | None = None, num_splits: int = 0, check: bool = True,
+                           softcap: float | None = None, alibi_slopes: Tensor | None = None, alibi_start=None,
+                           sinks: Tensor | None = None) -> Tensor:
     """Attention of a few new queries per sequence over a paged KV cache, in one fused kernel.
 
     Args:
@@ -292,6 +323,10 @@ def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor | None, blo
         num_splits: context splits per sequence (0: chosen from the GPU's SM count).
         check: validate lengths and block table entries against the pool (a device sync); callers
             that built them on the host (the caches, the ``triton`` backend) pass False.
+        softcap: c of ``c * tanh(score / c)`` on the scaled scores (Gemma 2).
+        alibi_slopes: (Hq,) ALiBi slopes, with ``alibi_start`` (B,) or int: the ALiBi position of
+            each sequence's first query (default ``q_start``); adds ``slope * (key - query)``.
+        sinks: (Hq,) logits joining each row's softmax denominator (gpt-oss).
 
     Returns:
         (B, Hq, S, Dv) in q's dtype; a query that sees no key gets 0.
@@ -358,14 +393,20 @@ def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor | None, blo
     if v_pool is not None and v_pool.stride(-1) != 1:
         v_pool = v_pool.contiguous()
     # The kernel indexes these as contiguous int32 rows.
+    slopes = astart = None
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(device=q.device, dtype=torch.float32).contiguous()
+        astart = _lengths(alibi_start, "alibi_start", B, q.device, default=qs).to(torch.int32).contiguous()
+    sinks = None if sinks is None else sinks.detach().to(device=q.device, dtype=torch.float32).contiguous()
     return _decode_op(q, k_pool, v_pool, block_table.to(torch.int32).contiguous(),
                       qs.clamp(-NO_CAUSAL, NO_CAUSAL).to(torch.int32).contiguous(), seq.to(torch.int32).contiguous(),
-                      float(scale), int(Dv), int(max_len), int(num_splits))
+                      float(scale), int(Dv), int(max_len), int(num_splits), float(softcap or 0.0), slopes, astart,
+                      sinks)
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor | None, *, seq_lens=None, q_start=None,
                      scale: float | None = None, v_head_dim: int | None = None, num_splits: int = 0,
-                     check: bool = True) -> Tensor:
+                     check: bool = True, **modifiers) -> Tensor:
     """:func:`paged_decode_attention` over a contiguous cache: k (B, Hkv, L, D), v (B, Hkv, L, Dv)
     or None (V = ``k[..., :v_head_dim]``). ``seq_lens`` defaults to L and ``q_start`` to
     ``seq_lens - S`` (bottom-right causal); pass ``q_start=NO_CAUSAL`` for no causality."""
@@ -386,4 +427,4 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor | None, *, seq_lens=None, q
     return paged_decode_attention(q, k.transpose(1, 2), None if v is None else v.transpose(1, 2), table, seq,
                                   q_start=q_start, scale=scale, v_head_dim=v_head_dim,
                                   max_len=L if seq_lens is None or not check else None, num_splits=num_splits,
-                                  check=check)
+                                  check=check, **modifiers)

@@ -1,0 +1,244 @@
+"""Score modifiers of today's open models: soft-capping (Gemma 2), sinks (gpt-oss), ALiBi (BLOOM).
+
+Each is expressed once in the fp64 oracle; every backend that claims it is checked against the
+oracle with rule R (forward, and backward where the backend trains, d(sinks) included), and the
+oracle itself against transformers' own eager code with copied inputs."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+import attnkit
+from attnkit import masks as M
+from attnkit.backends import BackendNotSupported, native
+
+from conftest import DTYPES, check_against_oracle, make_qkv, stable_seed
+
+VARIANTS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}
+# (Sq, Sk): decode, speculative verification, prefill, Sq > Sk (rows with no key under causal)
+SHAPES = [(1, 77), (4, 300), (33, 33), (9, 5)]
+
+
+def _masks(B, Hq, Sq, Sk, g):
+    lens = torch.randint(0, Sk + 1, (B,), generator=g)
+    lens[0] = 0  # a sequence with no key at all
+    return {
+        "none": (None, False),
+        "causal": (None, True),
+        "window_padding": (M.SlidingWindow(3) & M.KeyPadding(lens), True),
+        "alibi": (M.ALiBi(M.alibi_slopes(Hq)), False),
+        "alibi_causal_padding": (M.ALiBi(M.alibi_slopes(Hq)) & M.KeyPadding(lens, side="left"), True),
+        "dense": (torch.rand(B, 1, Sq, Sk, generator=g) > 0.3, False),
+    }
+
+
+MODS = {"softcap": dict(softcap=4.0), "sinks": "sinks", "both": "both", "plain": {}}
+
+
+def _mods(name, Hq, g):
+    if name == "sinks":
+        return dict(sinks=torch.randn(Hq, generator=g))
+    if name == "both":
+        return dict(softcap=2.5, sinks=torch.randn(Hq, generator=g) + 2)
+    return dict(MODS[name])
+
+
+@pytest.mark.parametrize("mod", list(MODS))
+@pytest.mark.parametrize("mask_name", ["none", "causal", "window_padding", "alibi", "alibi_causal_padding", "dense"])
+@pytest.mark.parametrize("Sq,Sk", SHAPES, ids=[f"Sq{a}-Sk{b}" for a, b in SHAPES])
+@pytest.mark.parametrize("backend", ["math", "decode", "sdpa"])
+def test_modifiers_match_the_oracle(backend, Sq, Sk, mask_name, mod):
+    variant = ["mha", "gqa", "mqa"][stable_seed(Sq, Sk, mask_name, mod) % 3]
+    dtype = ["fp32", "bf16", "fp16"][stable_seed(mod, mask_name, Sk) % 3]
+    Hq, Hkv = VARIANTS[variant]
+    seed = stable_seed(backend, Sq, Sk, mask_name, mod)
+    g = torch.Generator().manual_seed(seed)
+    mask, causal = _masks(2, Hq, Sq, Sk, g)[mask_name]
+    kw = _mods(mod, Hq, g)
+    q, k, v = make_qkv(2, Hq, Hkv, Sq, Sk, 16, dtype=DTYPES[dtype], seed=seed)
+    if backend == "decode" and Sq > 16:
+        with pytest.raises(BackendNotSupported):
+            attnkit.attention(q, k, v, mask, causal=causal, backend=backend, **kw)
+        return
+    if backend == "sdpa" and ("softcap" in kw or "sinks" in kw):
+        with pytest.raises(BackendNotSupported, match="SDPA cannot express"):
+            attnkit.attention(q, k, v, mask, causal=causal, backend=backend, **kw)
+        return
+    out = check_against_oracle(q, k, v, mask, causal=causal, backend=backend, **kw)
+    if mask_name in ("window_padding", "alibi_causal_padding"):
+        assert (out[0] == 0).all()  # the sequence with no key outputs exactly 0, sinks or not
+
+
+@pytest.fixture(params=["native", "torch"])
+def engine(request, monkeypatch):
+    if request.param == "torch":
+        monkeypatch.setattr(native, "load", lambda: None)
+    elif native.status() != "native":
+        pytest.skip(f"no native kernel here: {native.status()}")
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_both_engines_and_paged_kv_apply_every_modifier(engine, dtype):
+    g = torch.Generator().manual_seed(3)
+    Hq, Hkv, Sk, D = 8, 2, 200, 24
+    q, k, v = make_qkv(3, Hq, Hkv, 2, Sk, D, dtype=DTYPES[dtype], seed=4)
+    lens = torch.tensor([200, 0, 57])
+    mask = M.ALiBi(M.alibi_slopes(Hq)) & M.Causal(offsets=lens - 2) & M.KeyPadding(lens)
+    kw = dict(softcap=3.0, sinks=torch.randn(Hq, generator=g))
+    check_against_oracle(q, k, v, mask, backend="decode", **kw)
+    bs = 16
+    pool_k = torch.zeros(3 * 13 + 2, bs, Hkv, D, dtype=q.dtype)
+    pool_v = torch.zeros_like(pool_k)
+    table = torch.randperm(pool_k.shape[0], generator=g)[:3 * 13].view(3, 13)
+    for b in range(3):  # the dense K/V, scattered over the pool
+        rows = torch.arange(Sk)
+        pool_k[table[b, rows // bs], rows % bs] = k[b].transpose(0, 1)
+        pool_v[table[b, rows // bs], rows % bs] = v[b].transpose(0, 1)
+    paged = attnkit.PagedKV(pool_k, pool_v, table, lens)
+    mask_p = M.ALiBi(M.alibi_slopes(Hq)) & M.Causal(offsets=lens - 2)
+    got = attnkit.attention(q, paged, None, mask_p, backend="paged", **kw)
+    want = attnkit.attention(q, k, v, mask, backend="decode", **kw)
+    torch.testing.assert_close(got, want, rtol=0, atol=0 if dtype == "fp32" else 1e-2)
+    assert attnkit.describe_call(q, paged, None, mask_p, detail=True, **kw) == f"paged[{engine}]"
+
+
+@pytest.mark.slow
+def test_flex_applies_modifiers_as_score_mods():
+    Hq, Hkv = 4, 2
+    q, k, v = make_qkv(1, Hq, Hkv, 16, 16, 16, seed=9)
+    sinks = torch.randn(Hq, generator=torch.Generator().manual_seed(1))
+    mask = M.ALiBi(M.alibi_slopes(Hq))
+    check_against_oracle(q, k, v, mask, causal=True, backend="flex", grad=False, softcap=3.0)
+    with pytest.raises(BackendNotSupported, match="log-sum-exp"):  # on CUDA flex takes sinks too
+        attnkit.attention(q, k, v, mask, backend="flex", sinks=sinks)
+
+
+def test_sinks_gradient_and_rows_with_nothing_to_attend():
+    Hq = 4
+    q, k, v = make_qkv(2, Hq, 2, 3, 6, 8, seed=2)
+    sinks = torch.randn(Hq, generator=torch.Generator().manual_seed(5)).requires_grad_()
+    mask = torch.ones(2, 1, 3, 6, dtype=torch.bool)
+    mask[1, :, 2] = False  # row (1, 2) sees no key
+    out = attnkit.attention(q, k, v, mask, sinks=sinks)
+    assert (out[1, :, 2] == 0).all()
+    out.square().sum().backward()
+    assert torch.isfinite(sinks.grad).all() and (sinks.grad != 0).all()
+    # a huge sink takes all the mass: the output goes to 0, not NaN
+    out = attnkit.attention(q, k, v, sinks=torch.full((Hq,), 80.0))
+    assert torch.isfinite(out).all() and out.abs().max() < 1e-20
+
+
+def test_softcap_bounds_the_scores():
+    q, k, v = make_qkv(1, 2, 2, 1, 5, 4, seed=1)
+    out, w = attnkit.attention(q * 1e4, k, v, softcap=1.0, return_weights=True)
+    # every score is in (-1, 1) after capping: the weights cannot be more peaked than e^2 : 1
+    assert (w.max(-1).values / w.min(-1).values <= torch.e ** 2 + 1e-3).all()
+
+
+# --------------------------------------------------------------------------- against transformers
+
+def test_gemma2_softcap_equals_transformers_eager():
+    gemma = pytest.importorskip("transformers.models.gemma2.modeling_gemma2")
+    q, k, v = make_qkv(2, 8, 2, 7, 7, 16, seed=6)
+    mod = types.SimpleNamespace(num_key_value_groups=4, training=False, config=types.SimpleNamespace())
+    causal = torch.full((7, 7), float("-inf")).triu(1)[None, None]
+    want, _ = gemma.eager_attention_forward(mod, q, k, v, causal, dropout=0.0, scaling=0.3, softcap=20.0)
+    got = attnkit.attention(q, k, v, causal=True, scale=0.3, softcap=20.0)
+    torch.testing.assert_close(got.transpose(1, 2), want, atol=1e-5, rtol=1e-5)
+
+
+def test_gpt_oss_sinks_equal_transformers_eager():
+    gpt = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+    q, k, v = make_qkv(2, 8, 2, 6, 6, 16, seed=7)
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(8))
+    mod = types.SimpleNamespace(num_key_value_groups=4, training=False, sinks=sinks)
+    causal = torch.full((6, 6), float("-inf")).triu(1)[None, None]
+    want, _ = gpt.eager_attention_forward(mod, q, k, v, causal, scaling=0.25)
+    for backend in ("math", "decode"):
+        got = attnkit.attention(q, k, v, causal=True, scale=0.25, sinks=sinks, backend=backend)
+        torch.testing.assert_close(got.transpose(1, 2), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("heads", [1, 6, 8, 12, 16, 30])
+def test_alibi_slopes_and_bias_equal_bloom(heads):
+    bloom = pytest.importorskip("transformers.models.bloom.modeling_bloom")
+    pad = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    want = bloom.build_alibi_tensor(pad, heads, torch.float32).view(2, heads, 1, 6)
+    torch.testing.assert_close(M.alibi_slopes(heads), want[1, :, 0, 1])
+    q, k, v = make_qkv(2, heads, heads, 6, 6, 8, seed=heads)
+    # BLOOM adds slope * key index; ALiBi's slope * (key - query) differs per row by a constant
+    scores = (q @ k.transpose(-1, -2)) * 8 ** -0.5 + want
+    scores = scores.masked_fill(~pad.bool()[:, None, None, :] | torch.ones(6, 6, dtype=torch.bool).triu(1), float("-inf"))
+    ref = torch.softmax(scores, -1) @ v
+    got = attnkit.attention(q, k, v, M.ALiBi(M.alibi_slopes(heads)) & M.KeyPadding(pad.sum(1), side="left"),
+                            causal=True)
+    torch.testing.assert_close(got[1], ref[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[0, :, 1:], ref[0, :, 1:], atol=1e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("kw,err,text", [
+    (dict(softcap=0.0), ValueError, "softcap"),
+    (dict(softcap=-1.0), ValueError, "softcap"),
+    (dict(softcap=float("nan")), ValueError, "softcap"),
+    (dict(softcap=True), ValueError, "softcap"),
+    (dict(sinks=[1.0, 2.0]), TypeError, "sinks"),
+    (dict(sinks=torch.zeros(3)), ValueError, r"sinks.*\(4,\)"),
+    (dict(sinks=torch.zeros(4, dtype=torch.long)), ValueError, "sinks"),
+    (dict(sinks=torch.zeros(1, 4)), ValueError, "sinks"),
+])
+def test_bad_modifiers_name_the_argument(kw, err, text):
+    q, k, v = make_qkv(1, 4, 2, 2, 3, 8)
+    with pytest.raises(err, match=text):
+        attnkit.attention(q, k, v, **kw)
+
+
+def test_bad_alibi_names_the_slopes_and_heads():
+    q, k, v = make_qkv(1, 4, 2, 2, 3, 8)
+    with pytest.raises(ValueError, match=r"3 slopes.*4 query heads"):
+        attnkit.attention(q, k, v, M.ALiBi(torch.ones(3)))
+    with pytest.raises(TypeError, match="slopes"):
+        M.ALiBi(torch.ones(2, 2))
+    with pytest.raises(ValueError, match="finite"):
+        M.ALiBi(torch.tensor([1.0, float("nan")]))
+    with pytest.raises(TypeError, match="'\\|'"):
+        M.ALiBi(torch.ones(4)) | M.Causal()
+    with pytest.raises(ValueError, match="num_heads"):
+        M.alibi_slopes(0)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_triton_kernel_applies_every_modifier(dtype, paged):
+    """The Triton split-K kernel (in Triton's interpreter on CPU): softcap on the scaled scores,
+    ALiBi per score from the slopes and each sequence's query positions, sinks once in the merge."""
+    from attnkit.backends import get_backend
+    if get_backend("triton").available() is not None:
+        pytest.skip(get_backend("triton").available())
+    g = torch.Generator().manual_seed(11)
+    Hq, Hkv, Sk, D = 8, 2, 70, 16
+    q, k, v = make_qkv(2, Hq, Hkv, 2, Sk, D, dtype=DTYPES[dtype], seed=12)
+    lens = torch.tensor([70, 23])
+    kw = dict(softcap=2.0, sinks=torch.randn(Hq, generator=g))
+    alibi = M.ALiBi(M.alibi_slopes(Hq), offsets=lens - 2)
+    mask = alibi & M.Causal(offsets=lens - 2) & M.KeyPadding(lens)
+    if not paged:
+        check_against_oracle(q, k, v, mask, backend="triton", **kw)
+        return
+    bs, W = 16, 5
+    table = torch.randperm(12, generator=g)[:2 * W].view(2, W)
+    pool_k = torch.zeros(12, bs, Hkv, D, dtype=q.dtype)
+    pool_v = torch.zeros_like(pool_k)
+    pos = torch.arange(Sk)
+    for b in range(2):
+        pool_k[table[b, pos // bs], pos % bs] = k[b].transpose(0, 1)
+        pool_v[table[b, pos // bs], pos % bs] = v[b].transpose(0, 1)
+    got = attnkit.attention(q, attnkit.PagedKV(pool_k, pool_v, table, lens), None,
+                            alibi & M.Causal(offsets=lens - 2), backend="triton", **kw)
+    want = attnkit.attention(q, k, v, mask, backend="math", **kw)
+    torch.testing.assert_close(got, want, atol=1e-5 if dtype == "fp32" else 2e-2, rtol=1e-3)
