@@ -258,3 +258,63 @@ def test_mla_window_and_scale(mode, kind):
             cache = m.new_cache(kind, max_batch=2, max_len=12)
             got = torch.cat([m(x[:, a:b], cache=cache) for a, b in _chunks(12)], 1)
             torch.testing.assert_close(got, want)
+
+
+# ---------------------------------------------------------------------------- sinks and ALiBi
+
+
+@pytest.mark.parametrize("layer", [0, 1], ids=["sliding-banded", "full"])
+def test_gpt_oss_attention_sinks_and_banded_window(layer):
+    """gpt-oss: learned per-head sinks (HF's name ``sinks``), biases, YaRN, a 4-token window on
+    alternating layers; strict load, prefill and cached decode (the window evicts)."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention, GptOssRotaryEmbedding
+    cfg = transformers.GptOssConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+                                    sliding_window=4, max_position_embeddings=64, num_hidden_layers=2,
+                                    layer_types=["sliding_attention", "full_attention"],
+                                    rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                                     "beta_slow": 1.0, "truncate": False,
+                                                     "original_max_position_embeddings": 16, "rope_theta": 1000.0})
+    cfg._attn_implementation = "eager"
+    hf = GptOssAttention(cfg, layer_idx=layer).eval()
+    _randomise(hf)
+    with torch.no_grad():
+        hf.sinks.copy_(torch.linspace(-2.0, 3.0, 8))
+    window = 4 if layer == 0 else None
+    ours = MultiHeadAttention(64, 8, num_kv_heads=2, head_dim=16, bias=True, causal=True, fused_qkv=True,
+                              rope=RotaryEmbedding.from_hf_config(cfg), sinks=True, window=window).eval()
+    ours.load_state_dict(hf.state_dict(), strict=True)
+    assert torch.equal(ours.sinks, hf.sinks)
+    extra = [lambda m: m.new_cache("sliding", max_batch=2)] if window else []
+    _check(hf, GptOssRotaryEmbedding(cfg), cfg, ours, window, CACHES + extra)
+
+
+@pytest.mark.parametrize("heads", [8, 6], ids=["pow2-heads", "other-heads"])
+def test_bloom_attention_alibi(heads):
+    """BLOOM: ALiBi instead of RoPE, biases, its per-head fused query_key_value and dense names
+    (strict load into either layout); prefill, and chunked prefill + cached decode through dynamic
+    and static caches (ALiBi anchored at each row's offset) against transformers' full forward."""
+    from transformers.models.bloom.modeling_bloom import BloomAttention, build_alibi_tensor
+    cfg = transformers.BloomConfig(hidden_size=8 * heads, n_head=heads)
+    cfg._attn_implementation = "eager"
+    hf = BloomAttention(cfg, layer_idx=0).eval()
+    _randomise(hf)
+    E = cfg.hidden_size
+
+    def hf_run(x, cache=None, past=0):
+        B, S, _ = x.shape
+        total = past + S
+        alibi = build_alibi_tensor(torch.ones(B, total), heads, torch.float32)
+        allowed = torch.arange(total)[None] <= (past + torch.arange(S))[:, None]
+        mask = torch.zeros(S, total).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
+        return hf(x, torch.zeros_like(x), alibi, mask, layer_past=cache, use_cache=cache is not None)[0]
+
+    torch.manual_seed(1)
+    x = torch.randn(2, 11, E)
+    for fused in (True, False):
+        ours = MultiHeadAttention(E, heads, bias=True, causal=True, alibi=True, fused_qkv=fused).eval()
+        ours.load_state_dict(hf.state_dict(), strict=True)
+        with torch.no_grad():
+            torch.testing.assert_close(ours(x), hf_run(x))
+            for cache in (ours.new_cache("dynamic"), ours.new_cache("static", max_batch=2, max_len=11)):
+                got = torch.cat([ours(x[:, a:b], cache=cache) for a, b in [(0, 5)] + [(t, t + 1) for t in range(5, 11)]], 1)
+                torch.testing.assert_close(got, hf_run(x))

@@ -59,3 +59,39 @@ class FusedLoadHook:
                 del state_dict[fused]
                 for p, chunk in zip(parts, t.split(list(self.sizes))):
                     state_dict[p] = chunk
+
+
+class HeadInterleavedLoadHook:
+    """``load_state_dict`` pre-hook for BLOOM / GPT-NeoX attention names: ``query_key_value``, a
+    fused Linear whose output rows are ordered per head (H, 3, hd: head 0's q, k, v, then head
+    1's, ...), becomes separate ``q_proj / k_proj / v_proj`` entries (which :class:`FusedLoadHook`
+    then fuses when the module is fused), and ``dense`` becomes ``o_proj``. Weights and biases;
+    only when the state dict has those names and not the module's own.
+
+    Args:
+        heads: H (those layouts have as many K/V heads as query heads).
+        head_dim: hd.
+    """
+
+    def __init__(self, heads: int, head_dim: int):
+        self.heads, self.head_dim = heads, head_dim
+
+    def __call__(self, module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                 error_msgs) -> None:
+        H, hd = self.heads, self.head_dim
+        for suffix in ("weight", "bias"):
+            src = f"{prefix}query_key_value.{suffix}"
+            if src in state_dict and f"{prefix}q_proj.{suffix}" not in state_dict \
+                    and f"{prefix}qkv_proj.{suffix}" not in state_dict:
+                t = state_dict[src]
+                if t.dim() < 1 or t.shape[0] != 3 * H * hd:
+                    error_msgs.append(f"size mismatch for {src}: {tuple(t.shape)} has {t.shape[0] if t.dim() else 0} "
+                                      f"rows, expected 3 x {H} heads x {hd} = {3 * H * hd}")
+                    continue
+                del state_dict[src]
+                parts = t.unflatten(0, (H, 3, hd)).transpose(0, 1)  # (3, H, hd, ...)
+                for name, part in zip(("q_proj", "k_proj", "v_proj"), parts):
+                    state_dict[f"{prefix}{name}.{suffix}"] = part.flatten(0, 1)
+            dense = f"{prefix}dense.{suffix}"
+            if dense in state_dict and f"{prefix}o_proj.{suffix}" not in state_dict:
+                state_dict[f"{prefix}o_proj.{suffix}"] = state_dict.pop(dense)

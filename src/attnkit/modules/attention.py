@@ -11,8 +11,9 @@ Fusion is explicit: ``fused_qkv=True`` holds one ``qkv_proj`` Linear (Phi-3's na
 q | k | v, so self-attention reads the weights in one matrix product and rotates q and k in one
 go. A ``load_state_dict`` pre-hook turns separate ``q_proj / k_proj / v_proj`` entries (weights
 and biases) into ``qkv_proj`` and, on an unfused module, a ``qkv_proj`` entry into the three, so
-both checkpoint layouts load with ``strict=True`` into either module. ``state_dict()`` emits the
-module's own names (see :mod:`attnkit.modules._fused` for why).
+both checkpoint layouts load with ``strict=True`` into either module; so do BLOOM / GPT-NeoX
+attention state dicts (``query_key_value`` with rows ordered per head, ``dense``). ``state_dict()``
+emits the module's own names (see :mod:`attnkit.modules._fused` for why).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from ..caches import BoundCache, KVCache, SlidingWindowCache, new_cache
 from ..functional import attention
 from ..masks import KeyPadding, Mask, SlidingWindow, as_mask
 from ..rope import RotaryEmbedding
-from ._fused import FusedLoadHook
+from ._fused import FusedLoadHook, HeadInterleavedLoadHook
 from .norm import RMSNorm
 
 __all__ = ["MultiHeadAttention", "GroupedQueryAttention", "MultiQueryAttention"]
@@ -185,6 +186,8 @@ class MultiHeadAttention(nn.Module):
             self.v_proj = nn.Linear(self.vdim, sizes[2], bias=bias, **kw)
         self.o_proj = nn.Linear(num_heads * self.v_head_dim, self.out_dim,
                                 bias=bias if out_bias is None else out_bias, **kw)
+        if self.num_kv_heads == num_heads and self.v_head_dim == self.head_dim:  # BLOOM / GPT-NeoX names
+            self.register_load_state_dict_pre_hook(HeadInterleavedLoadHook(num_heads, self.head_dim))
         self.register_load_state_dict_pre_hook(
             FusedLoadHook("qkv_proj", ("q_proj", "k_proj", "v_proj"), sizes, to_fused=fused_qkv))
 
