@@ -318,3 +318,24 @@ def test_bloom_attention_alibi(heads):
             for cache in (ours.new_cache("dynamic"), ours.new_cache("static", max_batch=2, max_len=11)):
                 got = torch.cat([ours(x[:, a:b], cache=cache) for a, b in [(0, 5)] + [(t, t + 1) for t in range(5, 11)]], 1)
                 torch.testing.assert_close(got, hf_run(x))
+
+
+def test_mla_softcap_and_sinks_same_on_both_paths_and_through_caches():
+    from attnkit.modules import MLAConfig, MultiHeadLatentAttention
+    torch.manual_seed(0)
+    cfg = MLAConfig(hidden_size=32, num_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+    naive = MultiHeadLatentAttention(cfg, mode="naive", softcap=2.0, sinks=True, window=5).eval()
+    with torch.no_grad():
+        naive.sinks.copy_(torch.tensor([-1.0, 0.0, 1.0, 2.0]))
+    absorb = MultiHeadLatentAttention(cfg, mode="absorb", softcap=2.0, sinks=True, window=5).eval()
+    absorb.load_state_dict(naive.state_dict(), strict=True)
+    plain = MultiHeadLatentAttention(cfg, mode="naive").eval()
+    plain.load_state_dict({k: v for k, v in naive.state_dict().items() if k != "sinks"}, strict=True)
+    x = torch.randn(2, 12, 32)
+    with torch.no_grad():
+        want = naive(x)
+        assert (want - plain(x)).abs().max() > 1e-3  # the options change the result
+        torch.testing.assert_close(absorb(x), want)
+        for m in (naive, absorb):
+            cache = m.new_cache("dynamic")
+            torch.testing.assert_close(torch.cat([m(x[:, a:b], cache=cache) for a, b in _chunks(12)], 1), want)
