@@ -257,10 +257,14 @@ def test_deepseek_v3_with_moe_layers_is_refused():
 
 @pytest.mark.parametrize("change,msg", [
     ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
-    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
-    ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window=4096"),
+    ({"hidden_act": "relu2"}, "hidden_act 'relu2' is not supported"),
+    ({"model_type": "gemma3"}, "gemma3_text"),
+    ({"model_type": "gpt_oss"}, "model_type 'gpt_oss' is not supported"),
     ({"quantization_config": {"quant_method": "fp8"}}, "quantized"),
-    ({"partial_rotary_factor": 0.5}, "partial rotary"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, r"unsupported RoPE.*'longrope'"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, "no sliding_window"),
+    ({"layer_types": ["full_attention"]}, "field 'layer_types' must list"),
 ])
 def test_unsupported_configs_are_named(change, msg):
     c = transformers.LlamaConfig(**LLAMA).to_dict()
@@ -390,3 +394,109 @@ def test_a_config_json_without_a_required_key_is_a_clear_error():
     cfg = {"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1, "intermediate_size": 16}
     with pytest.raises(ValueError, match="model_type 'llama'.*has no 'num_attention_heads'"):
         config_from_hf(cfg)
+
+
+# ---------------------------------------------------------------------------- explicit fusion
+
+
+def test_fused_and_separate_decoders_agree_and_load_each_others_state_dicts():
+    """fused_projections (qkv_proj, gate_up_proj) is a layout, not a different model: either
+    decoder loads the other's state dict with strict=True, and they compute the same logits."""
+    fused = tiny("gqa", seed=3, attention_bias=True, mlp_bias=True)
+    sep = Decoder(DecoderConfig(**{**TINY, **VARIANTS["gqa"], "attention": "gqa", "attention_bias": True,
+                                   "mlp_bias": True, "fused_projections": False}), init_std=None).eval()
+    assert "model.layers.0.self_attn.qkv_proj.weight" in fused.state_dict()
+    assert "model.layers.0.mlp.gate_up_proj.bias" in fused.state_dict()
+    assert "model.layers.0.self_attn.q_proj.weight" in sep.state_dict()
+    sep.load_state_dict(fused.state_dict(), strict=True)
+    ids = torch.randint(0, 96, (2, 11))
+    with torch.no_grad():
+        torch.testing.assert_close(sep(ids), fused(ids))
+    again = tiny("gqa", seed=4, attention_bias=True, mlp_bias=True)
+    again.load_state_dict(sep.state_dict(), strict=True)
+    assert all(torch.equal(v, fused.state_dict()[k]) for k, v in again.state_dict().items())
+
+
+# ---------------------------------------------------------------------------- reliability (issue 13)
+
+
+@pytest.mark.parametrize("change,msg", [
+    ({"tie_word_embeddings": "false"}, r"field 'tie_word_embeddings' must be true or false, got 'false' \(str\)"),
+    ({"hidden_size": "32"}, r"field 'hidden_size' must be an int >= 1, got '32' \(str\)"),
+    ({"num_hidden_layers": 2.0}, r"field 'num_hidden_layers' must be an int >= 1, got 2.0 \(float\)"),
+    ({"rms_norm_eps": "1e-6"}, r"field 'rms_norm_eps' must be a finite number > 0"),
+    ({"rope_theta": -1}, r"field 'rope_theta' must be a finite number > 0, got -1"),
+    ({"attention_bias": 1}, r"field 'attention_bias' must be true or false, got 1 \(int\)"),
+    ({"num_key_value_heads": True}, r"field 'num_key_value_heads' must be an int"),
+    ({"rope_scaling": "linear"}, r"field 'rope_scaling' must be an object"),
+])
+def test_config_json_values_are_type_checked(change, msg):
+    c = transformers.LlamaConfig(**LLAMA).to_dict()
+    c.update(change)
+    with pytest.raises(ValueError, match=msg):
+        config_from_hf(c)
+
+
+def test_broken_files_are_value_errors_naming_the_file(tmp_path):
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA, num_key_value_heads=2))
+    _save(hf, tmp_path)
+    cfg = tmp_path / "config.json"
+    good = cfg.read_text()
+    cfg.write_text(good[:-10])
+    with pytest.raises(ValueError, match=r"config.json is not valid JSON"):
+        load_pretrained(tmp_path)
+    cfg.write_text(good)
+    st = tmp_path / "model.safetensors"
+    st.write_bytes(st.read_bytes()[: st.stat().st_size // 2])  # truncated mid-data
+    with pytest.raises(ValueError, match=r"model.safetensors.*do not fit"):
+        load_pretrained(tmp_path)
+    st.unlink()
+    torch.save(hf.state_dict(), tmp_path / "pytorch_model.bin")
+    b = tmp_path / "pytorch_model.bin"
+    b.write_bytes(b.read_bytes()[: b.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"pytorch_model.bin: not a readable PyTorch checkpoint"):
+        load_pretrained(tmp_path)
+
+
+def _lengths(caches):
+    return [c.lengths.tolist() for c in caches]
+
+
+@pytest.mark.parametrize("attention", ["gqa", "mla"])
+@pytest.mark.parametrize("kind", ["dynamic", "static", "paged"])
+def test_a_failing_forward_leaves_every_layers_cache_unchanged(attention, kind):
+    """Issue 13: a bad key_padding_mask / positions / ids / num_new / logits_to_keep raises before
+    any layer touches a cache, and an error inside a later layer aborts the step in every layer:
+    all layers keep their lengths, and the next valid call equals an untouched twin's."""
+    m = tiny(attention, seed=5)
+    ids = torch.randint(0, 96, (2, 3))
+    with torch.no_grad():
+        caches, twin = m.new_caches(kind, max_batch=2, max_len=16), m.new_caches(kind, max_batch=2, max_len=16)
+        m(ids, caches=caches)
+        m(ids, caches=twin)
+        before = _lengths(caches)
+        tok = torch.tensor([[4], [5]])
+        bad_calls = [
+            dict(key_padding_mask=torch.zeros(2, 3, dtype=torch.bool)),  # wrong key length
+            dict(key_padding_mask=torch.zeros(3, 16, dtype=torch.bool)),  # wrong batch
+            dict(key_padding_mask=torch.zeros(2, 16, dtype=torch.long)),  # wrong dtype
+            dict(positions=torch.tensor([[-1], [3]])),
+            dict(positions=torch.tensor([[3, 4]])),
+            dict(num_new=torch.tensor([2, 0])),
+            dict(logits_to_keep=-1),
+            dict(input_ids=torch.tensor([[4], [96]])),
+        ]
+        for kw in bad_calls:
+            with pytest.raises((ValueError, TypeError)):
+                m(kw.pop("input_ids", tok), caches=caches, **kw)
+            assert _lengths(caches) == before, kw
+        boom = m.model.layers[1].mlp  # a failure after layer 0 has attended
+
+        def fail(*a):
+            raise RuntimeError("boom")
+        handle = boom.register_forward_hook(fail)
+        with pytest.raises(RuntimeError, match="boom"):
+            m(tok, caches=caches)
+        handle.remove()
+        assert _lengths(caches) == before
+        torch.testing.assert_close(m(tok, caches=caches), m(tok, caches=twin), rtol=0, atol=0)

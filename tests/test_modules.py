@@ -209,3 +209,48 @@ def test_key_padding_mask_of_the_wrong_length_with_a_cache_is_a_clear_error():
     m(torch.randn(2, 5, 32), cache=cache)
     with pytest.raises(ValueError, match=r"valid has shape \(2, 3\), expected \(2, 6\)"):
         m(torch.randn(2, 1, 32), cache=cache, key_padding_mask=torch.zeros(2, 3, dtype=torch.bool))
+
+
+# ---------------------------------------------------------------------------- explicit fusion
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_fused_qkv_equals_separate_projections_and_loads_both_ways(kv_heads, bias):
+    """fused_qkv=True holds one qkv_proj (Phi-3's name); state dicts convert both ways on load
+    (strict=True), and the fused module computes what the separate one does."""
+    torch.manual_seed(0)
+    rope = attnkit.RotaryEmbedding(8, scaling={"rope_type": "default", "partial_rotary_factor": 0.5})
+    sep = MultiHeadAttention(32, 4, num_kv_heads=kv_heads, bias=bias, causal=True, rope=rope).eval()
+    fused = MultiHeadAttention(32, 4, num_kv_heads=kv_heads, bias=bias, causal=True, rope=rope, fused_qkv=True).eval()
+    assert {n for n, _ in fused.named_parameters()} == {"qkv_proj.weight", "o_proj.weight"} | (
+        {"qkv_proj.bias", "o_proj.bias"} if bias else set())
+    fused.load_state_dict(sep.state_dict(), strict=True)  # q_proj / k_proj / v_proj -> qkv_proj
+    assert set(fused.state_dict()) == {n for n, _ in fused.named_parameters()}  # its own names
+    x = torch.randn(2, 9, 32)
+    torch.testing.assert_close(fused(x), sep(x))
+    torch.testing.assert_close(fused(x, x, x), sep(x))  # the xformers-style self-attention call
+    back = MultiHeadAttention(32, 4, num_kv_heads=kv_heads, bias=bias, causal=True, rope=rope).eval()
+    back.load_state_dict(fused.state_dict(), strict=True)  # qkv_proj -> q_proj / k_proj / v_proj
+    assert all(torch.equal(v, sep.state_dict()[k]) for k, v in back.state_dict().items())
+    c1, c2 = DynamicCache(kv_heads, 8), DynamicCache(kv_heads, 8)
+    for sl in (slice(0, 5), slice(5, 6), slice(6, 9)):
+        torch.testing.assert_close(fused(x[:, sl], cache=c1), sep(x[:, sl], cache=c2))
+
+
+def test_fused_qkv_bad_loads_and_arguments_are_named():
+    sep = MultiHeadAttention(32, 4, num_kv_heads=2)
+    fused = MultiHeadAttention(32, 4, num_kv_heads=2, fused_qkv=True)
+    sd = sep.state_dict()
+    sd["k_proj.weight"] = torch.zeros(8, 32)
+    with pytest.raises(RuntimeError, match=r"fusing into qkv_proj.weight: k_proj.weight has 8 rows, expected 16"):
+        fused.load_state_dict(sd)
+    partial = {k: v for k, v in sep.state_dict().items() if not k.startswith("v_proj")}
+    with pytest.raises(RuntimeError, match=r"(?s)Missing key.*qkv_proj.weight.*Unexpected key.*q_proj.weight"):
+        fused.load_state_dict(partial)
+    with pytest.raises(ValueError, match=r"kdim \(10\) and vdim \(32\) must equal embed_dim \(32\)"):
+        MultiHeadAttention(32, 4, kdim=10, fused_qkv=True)
+    with pytest.raises(ValueError, match="self-attention only"):
+        fused(torch.randn(1, 3, 32), torch.randn(1, 4, 32), torch.randn(1, 4, 32))
+    with pytest.raises(TypeError, match="rope must be an attnkit.RotaryEmbedding"):
+        MultiHeadAttention(32, 4, rope=nn.Identity())

@@ -404,7 +404,8 @@ def test_fp64_inputs_stay_fp64():
 
 def test_module_state_and_casts():
     rope = ours("yarn")
-    assert rope.state_dict() == {} and [n for n, _ in rope.named_buffers()] == ["inv_freq"]
+    assert rope.state_dict() == {}
+    assert [n for n, _ in rope.named_buffers()] == ["inv_freq", "cos_table", "sin_table"]
     cos, sin = rope.cos_sin(make_positions("scattered"))
     rope.to(torch.bfloat16)  # the buffer is rounded by the cast, cos/sin are not
     assert rope.inv_freq.dtype == torch.bfloat16
@@ -412,6 +413,36 @@ def test_module_state_and_casts():
     assert torch.equal(cos, cos_b) and torch.equal(sin, sin_b)
     m = torch.nn.Sequential(ours("default"))
     m.apply(lambda mod: None)  # nn.Module.apply still works (no `apply` override)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize("case", TYPE_CASES)
+def test_table_angles_equal_direct_computation(case, interleaved):
+    """The cos/sin table (grown on demand) gives the bits of the direct computation; angles
+    computed once serve every call; bshd layout rotates like bhsd; a cast rebuilds it in fp32."""
+    rope = ours(case, interleaved=interleaved, rotary_dim=HEAD_DIM // 2)
+    assert rope.cos_table.shape[0] == 0  # nothing until used
+    pos = make_positions("offsets-long", B=2)
+    q, k = rand(2, 4, 7, HEAD_DIM, seed=21), rand(2, 2, 7, HEAD_DIM, seed=22)
+    cos, sin = rope.cos_sin(pos)
+    a = rope.angles(pos)
+    torch.testing.assert_close(a.cos, cos, rtol=0, atol=0)
+    torch.testing.assert_close(a.sin_signed.abs(), sin.abs(), rtol=0, atol=0)
+    want = (apply_rotary(q, cos, sin, interleaved=interleaved), apply_rotary(k, cos, sin, interleaved=interleaved))
+    for got in (rope(q, k, pos), rope(q, k, a)):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    if rope.uses_table:
+        assert rope.cos_table.shape[0] >= int(pos.max()) + 1
+    bshd = rope.rotate(q.transpose(1, 2), a, layout="bshd").transpose(1, 2)
+    assert torch.equal(bshd, want[0])
+    rope.to(torch.bfloat16)
+    assert torch.equal(rope(q, k, pos)[0], want[0])
+    assert rope.cos_table.dtype == torch.float32 or not rope.uses_table
+    other = ours("linear" if case != "linear" else "default")
+    with pytest.raises(ValueError, match="another rotary config"):
+        other(q, k, a)
+    with pytest.raises(ValueError, match=r"positions of shape \(2, 7\) do not match \(B, S\) = \(2, 3\)"):
+        rope(q[:, :, :3], k[:, :, :3], a)
 
 
 def test_shared_positions_broadcast_and_empty():

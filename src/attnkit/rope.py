@@ -60,6 +60,7 @@ from torch import Tensor, nn
 __all__ = [
     "ROPE_TYPES",
     "RopeConfig",
+    "RotaryAngles",
     "RotaryEmbedding",
     "apply_rotary",
     "rope_inv_freq",
@@ -440,6 +441,79 @@ def _apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Ten
     return out if R == D else torch.cat((out, x[..., R:]), dim=-1)
 
 
+def _sign(rotary_dim: int, interleaved: bool, device=None) -> Tensor:
+    """(R,) fp32: -1 where the rotation's partner enters negated (first half, or the first of each
+    pair), +1 elsewhere; ``sin * sign`` is :class:`RotaryAngles`' ``sin_signed``."""
+    sign = torch.ones(rotary_dim, device=device)
+    if interleaved:
+        sign[0::2] = -1.0
+    else:
+        sign[: rotary_dim // 2] = -1.0
+    return sign
+
+
+def _rotate_signed(x: Tensor, cos: Tensor, sin_signed: Tensor, interleaved: bool) -> Tensor:
+    """RoPE as ``x * cos + partner(x) * sin_signed`` on the first R dims of x (any layout whose
+    last dim is D; cos / sin_signed broadcast against ``x[..., :R]``), in fp32 (fp64 for fp64 x)
+    and cast back; the last D - R dims pass through.
+
+    ``partner`` swaps the two halves (rotate-half) or the two members of each pair (interleaved);
+    the rotation's minus sign lives in ``sin_signed``. The products are the same floats as
+    :func:`_apply_rotary`'s (``-a * b == a * -b`` exactly), with one op fewer."""
+    R, D = cos.shape[-1], x.shape[-1]
+    ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xr = x if R == D else x[..., :R]
+    if xr.dtype != ct:
+        xr = xr.to(ct)
+    if cos.dtype != ct:
+        cos, sin_signed = cos.to(ct), sin_signed.to(ct)
+    partner = xr.unflatten(-1, (-1, 2)).flip(-1).flatten(-2) if interleaved else xr.roll(R // 2, -1)
+    out = xr * cos + partner * sin_signed
+    if out.dtype != x.dtype:
+        out = out.to(x.dtype)
+    return out if R == D else torch.cat((out, x[..., R:]), dim=-1)
+
+
+class RotaryAngles:
+    """cos and sin of one call's positions for one rotary embedding, computed once per forward by
+    :meth:`RotaryEmbedding.angles` and passed as ``positions`` to every layer that uses an
+    embedding of the same config (the positions are then validated and looked up once).
+
+    Attributes:
+        cos: (B, S, R) or (1, S, R) fp32, the layout of :meth:`RotaryEmbedding.cos_sin`.
+        sin_signed: the same shape: ``sin`` with the rotation's minus sign folded in (negated on
+            the first half for rotate-half, on the first of each pair for interleaved), so that
+            ``x_rot = x * cos + partner(x) * sin_signed``.
+        config: the :class:`RopeConfig` they were computed for.
+    """
+
+    __slots__ = ("cos", "sin_signed", "config", "_views")
+
+    def __init__(self, cos: Tensor, sin_signed: Tensor, config: "RopeConfig"):
+        self.cos, self.sin_signed, self.config = cos, sin_signed, config
+        self._views: dict = {}
+
+    def broadcast(self, layout: str, device: torch.device) -> tuple[Tensor, Tensor]:
+        """(cos, sin_signed) shaped to broadcast against x of ``layout`` ("bhsd": (B, 1, S, R),
+        "bshd": (B, S, 1, R)) on ``device``; computed once per angles object and reused by every
+        layer."""
+        key = (layout, device)
+        hit = self._views.get(key)
+        if hit is None:
+            dim = 1 if layout == "bhsd" else 2
+            hit = tuple(t.to(device).unsqueeze(dim) for t in (self.cos, self.sin_signed))
+            self._views[key] = hit
+        return hit
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(B or 1, S) of the positions."""
+        return tuple(self.cos.shape[:2])
+
+    def __repr__(self) -> str:
+        return f"RotaryAngles(shape={self.shape}, rope_type={self.config.rope_type!r})"
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding for q and k at explicit per-sequence positions.
 
@@ -447,18 +521,25 @@ class RotaryEmbedding(nn.Module):
         head_dim, rotary_dim, base, max_position_embeddings, scaling, interleaved: see
             :class:`RopeConfig` (built and validated here, kept as ``self.config``).
 
-    Buffers: ``inv_freq`` (F,) fp32, non-persistent: ``.to()`` moves it and the state dict stays
-    empty (Hugging Face checkpoints load with ``strict=True``). If a cast such as
-    ``model.to(torch.bfloat16)`` changes the buffer's dtype, :meth:`cos_sin` ignores the rounded
-    copy and rebuilds the fp32 frequencies from the config, so cos/sin never lose precision.
+    Buffers, all non-persistent (``.to()`` moves them; the state dict stays empty, so Hugging
+    Face checkpoints load with ``strict=True``): ``inv_freq`` (F,) fp32, and the cos/sin table
+    ``cos_table`` / ``sin_table`` (N, R) fp32 of positions ``0 .. N - 1`` (``sin_table`` holds
+    :class:`RotaryAngles`' ``sin_signed``). The table starts empty and grows (doubling) to the
+    largest position an eager call has used, so it costs what the work needs; every rope type
+    reads it except ``"dynamic"``, whose frequencies depend on the call and are recomputed. A
+    traced (``torch.compile``) call computes cos/sin from ``inv_freq`` instead (a graph cannot
+    grow a table). If a cast such as ``model.to(torch.bfloat16)`` changes the buffers' dtype,
+    they are rebuilt in fp32 from the config on next use, so cos/sin never lose precision.
 
-    Use ``rope(q, k, positions)`` (``forward``) per layer, or compute ``cos, sin =
-    rope.cos_sin(positions)`` once per model step and call :func:`apply_rotary` in every layer
-    (the position checks then run once). There is no ``apply`` method: ``nn.Module.apply(fn)`` is
-    the recursive initialiser every parent module relies on.
+    Use ``rope(q, k, positions)`` (``forward``) per layer; a model computes ``angles =
+    rope.angles(positions)`` once per forward and passes ``angles`` as every layer's
+    ``positions`` (the checks and the table lookup then run once). There is no ``apply`` method:
+    ``nn.Module.apply(fn)`` is the recursive initialiser every parent module relies on.
     """
 
     inv_freq: Tensor
+    cos_table: Tensor
+    sin_table: Tensor
 
     def __init__(self, head_dim: int, *, rotary_dim: int | None = None, base: float | None = None,
                  max_position_embeddings: int | None = None, scaling: Mapping[str, Any] | None = None,
@@ -468,6 +549,9 @@ class RotaryEmbedding(nn.Module):
                                  max_position_embeddings=max_position_embeddings, scaling=scaling,
                                  interleaved=interleaved)
         self.register_buffer("inv_freq", rope_inv_freq(self.config), persistent=False)
+        R = self.config.rotary_dim
+        self.register_buffer("cos_table", torch.zeros(0, R), persistent=False)
+        self.register_buffer("sin_table", torch.zeros(0, R), persistent=False)
 
     # .................................................................. construction
 
@@ -561,6 +645,11 @@ class RotaryEmbedding(nn.Module):
     # .................................................................. compute
 
     def _check_positions(self, positions) -> Tensor:
+        self._positions_range(positions)
+        return positions
+
+    def _positions_range(self, positions) -> tuple[int, int] | None:
+        """Validate ``positions``; their (min, max) (one host sync), None while compiling or empty."""
         if not isinstance(positions, Tensor):
             raise TypeError(f"positions must be an integer tensor (B, S), got {type(positions).__name__}")
         if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:
@@ -568,9 +657,12 @@ class RotaryEmbedding(nn.Module):
         if positions.dim() != 2:
             raise ValueError(f"positions must be (B, S), got shape {tuple(positions.shape)}")
         # A data-dependent check (a host sync on GPU); skipped while compiling.
-        if not torch.compiler.is_compiling() and positions.numel() and bool((positions < 0).any()):
-            raise ValueError(f"positions must be >= 0, got min {int(positions.min())}")
-        return positions
+        if torch.compiler.is_compiling() or not positions.numel():
+            return None
+        lo, hi = (int(v) for v in positions.aminmax())
+        if lo < 0:
+            raise ValueError(f"positions must be >= 0, got min {lo}")
+        return lo, hi
 
     def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos and sin for ``positions``, each (B, S, R) fp32, ``attention_scaling`` multiplied in.
@@ -594,11 +686,17 @@ class RotaryEmbedding(nn.Module):
         """
         return self._cos_sin(self._check_positions(positions))
 
-    def _cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        positions = positions.to(self.inv_freq.device)
+    def _fp32_inv_freq(self) -> Tensor:
         inv_freq = self.inv_freq
         if inv_freq.dtype != torch.float32:  # the module was cast (model.to(bf16)): rebuild exactly
             inv_freq = rope_inv_freq(self.config, inv_freq.device)
+            if not torch.compiler.is_compiling():
+                self.inv_freq = inv_freq
+        return inv_freq
+
+    def _cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        positions = positions.to(self.inv_freq.device)
+        inv_freq = self._fp32_inv_freq()
         if self.config.rope_type == "dynamic" and positions.numel():
             seq_len = positions.max().long() + 1
             grown = _dynamic_inv_freq(self.config, seq_len)
@@ -610,6 +708,61 @@ class RotaryEmbedding(nn.Module):
         if self.config.interleaved:
             return cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
         return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+
+    @property
+    def uses_table(self) -> bool:
+        """Whether eager calls read cos/sin from the table (every rope type but "dynamic")."""
+        return self.config.rope_type != "dynamic"
+
+    def reserve(self, n: int) -> None:
+        """Make the table cover positions ``0 .. n - 1`` now (it otherwise grows on demand;
+        growth doubles, so it is amortised). A no-op for "dynamic"."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"n must be an int >= 0, got {n!r}")
+        if not self.uses_table:
+            return
+        table = self.cos_table
+        have = table.shape[0] if table.dtype == torch.float32 and self.sin_table.dtype == torch.float32 else 0
+        if n <= have:
+            return
+        n = max(n, 2 * have, 64)
+        cos, sin = self._cos_sin(torch.arange(n, device=self.inv_freq.device)[None])
+        self.cos_table = cos[0]
+        self.sin_table = sin[0] * _sign(self.rotary_dim, self.interleaved, sin.device)
+
+    def angles(self, positions: Tensor) -> RotaryAngles:
+        """Validate ``positions`` (B, S) (or (1, S)) and look up their cos / sin once, for every
+        layer of a forward that rotates with this config (see :class:`RotaryAngles`)."""
+        if isinstance(positions, RotaryAngles):
+            self._check_angles(positions)
+            return positions
+        span = self._positions_range(positions)
+        if not self.uses_table or torch.compiler.is_compiling():
+            cos, sin = self._cos_sin(positions)
+            return RotaryAngles(cos, sin * _sign(self.rotary_dim, self.interleaved, sin.device), self.config)
+        if span is not None and span[1] >= self.cos_table.shape[0]:
+            self.reserve(span[1] + 1)
+        elif self.cos_table.dtype != torch.float32 or self.sin_table.dtype != torch.float32:
+            self.reserve(self.cos_table.shape[0])  # cast by model.to(dtype): rebuilt in fp32
+        table = self.cos_table
+        if positions.device != table.device:
+            positions = positions.to(table.device)
+        return RotaryAngles(table[positions], self.sin_table[positions], self.config)
+
+    def _check_angles(self, angles: RotaryAngles) -> None:
+        c = angles.config
+        if c is not self.config and c != self.config:
+            raise ValueError(f"these RotaryAngles were computed for another rotary config ({c}); this "
+                             f"embedding is {self.config}")
+
+    def _angles_for(self, name: str, x: Tensor, positions, seq_dim: int) -> RotaryAngles:
+        """Validated angles matching x's batch and sequence dims."""
+        a = self.angles(positions)
+        B, S = x.shape[0], x.shape[seq_dim]
+        if a.cos.shape[1] != S or a.cos.shape[0] not in (1, B):
+            raise ValueError(f"positions of shape {a.shape} do not match (B, S) = ({B}, {S}) of {name} "
+                             f"{tuple(x.shape)} (or (1, {S}) shared by the batch)")
+        return a
 
     def _check_heads(self, name: str, x) -> None:
         if not isinstance(x, Tensor) or not x.dtype.is_floating_point:
@@ -626,21 +779,27 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"positions of shape {tuple(positions.shape)} do not match (B, S) = ({B}, {S}) "
                              f"of {name} {tuple(x.shape)} (or (1, {S}) shared by the batch)")
 
-    def rotate(self, x: Tensor, positions: Tensor) -> Tensor:
-        """Rotate one tensor: x (B, H, S, D), positions (B, S) or (1, S) -> (B, H, S, D), x's dtype."""
-        self._check_heads("x", x)
-        positions = self._check_positions(positions)
-        self._check_match("x", x, positions)
-        cos, sin = self._cos_sin(positions)
-        return apply_rotary(x, cos.to(x.device), sin.to(x.device), interleaved=self.interleaved)
+    def rotate(self, x: Tensor, positions, *, layout: str = "bhsd") -> Tensor:
+        """Rotate one tensor at ``positions`` ((B, S) or (1, S) integers, or :class:`RotaryAngles`).
 
-    def forward(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        ``layout="bhsd"``: x (B, H, S, D) (the attention layout); ``"bshd"``: x (B, S, H, D) (a
+        projection's output before the head transpose; e.g. q and k heads side by side, rotated in
+        one go). Returns x's shape and dtype, computed in fp32 and cast back."""
+        if layout not in ("bhsd", "bshd"):
+            raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+        self._check_heads("x", x)
+        a = self._angles_for("x", x, positions, 1 if layout == "bshd" else 2)
+        cos, sin = a.broadcast(layout, x.device)
+        return _rotate_signed(x, cos, sin, self.interleaved)
+
+    def forward(self, q: Tensor, k: Tensor, positions) -> tuple[Tensor, Tensor]:
         """Rotate queries and keys that sit at the same positions.
 
         Args:
             q: (B, Hq, S, D).
             k: (B, Hkv, S, D).
-            positions: (B, S) integer positions (or (1, S) shared by the batch).
+            positions: (B, S) integer positions (or (1, S) shared by the batch), or the
+                :class:`RotaryAngles` of :meth:`angles` (computed once for several layers).
 
         Returns:
             ``(q_rot, k_rot)``, the shapes and dtypes of q and k, computed in fp32 and cast back.
@@ -650,9 +809,6 @@ class RotaryEmbedding(nn.Module):
         if k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
             raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must share B and S; rotate keys at "
                              "other positions with RotaryEmbedding.rotate(k, k_positions)")
-        positions = self._check_positions(positions)
-        self._check_match("q", q, positions)
-        cos, sin = self._cos_sin(positions)
-        cos, sin = cos.to(q.device), sin.to(q.device)
-        return (_apply_rotary(q, cos, sin, self.interleaved),
-                _apply_rotary(k, cos.to(k.device), sin.to(k.device), self.interleaved))
+        a = self._angles_for("q", q, positions, 2)
+        return (_rotate_signed(q, *a.broadcast("bhsd", q.device), self.interleaved),
+                _rotate_signed(k, *a.broadcast("bhsd", k.device), self.interleaved))

@@ -16,11 +16,21 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
-__all__ = ["DecoderConfig", "ATTENTION_VARIANTS"]
+__all__ = ["DecoderConfig", "ATTENTION_VARIANTS", "HIDDEN_ACTS", "LAYER_TYPES", "NORM_STYLES", "NORM_PLACEMENTS"]
 
 ATTENTION_VARIANTS = ("mha", "gqa", "mqa", "mla")
+#: Per-layer attention kinds (Hugging Face's ``layer_types`` names).
+LAYER_TYPES = ("full_attention", "sliding_attention")
+#: RMSNorm conventions: "llama" (cast, then scale), "olmo2" (scale in fp32), "gemma" (1 + weight, in fp32).
+NORM_STYLES = ("llama", "olmo2", "gemma")
+#: Where a layer's norms sit: "pre" (Llama: input_layernorm, post_attention_layernorm before the MLP),
+#: "sandwich" (Gemma 2/3: also post_attention_layernorm after attention and pre/post_feedforward_layernorm),
+#: "post" (OLMo 2: post_attention_layernorm and post_feedforward_layernorm on the sublayer outputs only).
+NORM_PLACEMENTS = ("pre", "sandwich", "post")
+#: MLP activations (Hugging Face ``hidden_act`` names) of the gated MLP.
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "gelu")
 _MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
@@ -55,6 +65,26 @@ class DecoderConfig:
         attention_bias: bias on the q/k/v projections (Qwen2: True); ``attention_out_bias``
             on o_proj (default: ``attention_bias``, Llama's single flag).
         mlp_bias: bias on the MLP projections.
+        hidden_act: the gated MLP's activation, one of :data:`HIDDEN_ACTS` ("silu": SwiGLU).
+        fused_projections: one ``qkv_proj`` per attention (MHA/GQA/MQA) and one ``gate_up_proj``
+            per MLP (Phi-3's names) instead of separate Linears, for one matrix product each;
+            checkpoints of either layout load (see :mod:`attnkit.models.decoder`).
+        layer_types: per layer "full_attention" or "sliding_attention" (Hugging Face's names);
+            default: every layer sliding if ``sliding_window`` is set, else every layer full.
+        sliding_window: W, the tokens a sliding layer's query sees, itself included (Mistral's
+            convention: the mask ``SlidingWindow(W - 1)``).
+        local_rope_theta, local_rope_scaling: RoPE of the sliding layers when it differs from the
+            full layers' (Gemma 3's local base); default: the same RoPE everywhere.
+        query_scale: the softmax scale (default head_dim ** -0.5; Gemma: query_pre_attn_scalar ** -0.5).
+        attn_softcap: attention scores soft-capped at this value (Gemma 2).
+        final_softcap: final logits soft-capped, ``c * tanh(logits / c)`` (Gemma 2).
+        qk_norm: None, "head" (RMSNorm of each q/k head, Qwen3 / Gemma 3) or "full" (of the
+            whole projected q/k width, OLMo 2).
+        norm_style: one of :data:`NORM_STYLES` (every RMSNorm of the model).
+        norm_placement: one of :data:`NORM_PLACEMENTS`.
+        embedding_multiplier: the token embeddings are multiplied by this (rounded to the model's
+            dtype, as Gemma's ``sqrt(hidden_size)``); None: not scaled.
+        attention_sinks: a learned per-head sink logit in every attention layer (gpt-oss).
         kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim,
             rope_interleave: MLA only. Defaults: ``kv_lora_rank = 4 * head_dim``, no q
             compression, ``qk_nope_head_dim = v_head_dim = head_dim``, ``qk_rope_head_dim =
@@ -80,22 +110,39 @@ class DecoderConfig:
     attention_bias: bool = False
     attention_out_bias: bool | None = None
     mlp_bias: bool = False
+    hidden_act: str = "silu"
+    fused_projections: bool = True
     kv_lora_rank: int | None = None
     q_lora_rank: int | None = None
     qk_nope_head_dim: int | None = None
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
     rope_interleave: bool | None = None
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
+    local_rope_theta: float | None = None
+    local_rope_scaling: Mapping[str, Any] | None = None
+    query_scale: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    qk_norm: str | None = None
+    norm_style: str = "llama"
+    norm_placement: str = "pre"
+    embedding_multiplier: float | None = None
+    attention_sinks: bool = False
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
+        self._check_variants(set_)
         if self.attention not in ATTENTION_VARIANTS:
             raise ValueError(f"attention must be one of {ATTENTION_VARIANTS}, got {self.attention!r}")
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_position_embeddings"):
             _pos_int(name, getattr(self, name))
         for name in ("num_kv_heads", "head_dim", "intermediate_size", *_MLA_FIELDS):
             _pos_int(name, getattr(self, name), allow_none=True)
-        for name in ("tie_word_embeddings", "attention_bias", "mlp_bias"):
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"hidden_act must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}")
+        for name in ("tie_word_embeddings", "attention_bias", "mlp_bias", "fused_projections"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.attention_out_bias is None:
@@ -162,11 +209,53 @@ class DecoderConfig:
         if not isinstance(self.rope_interleave, bool):
             raise TypeError(f"rope_interleave must be a bool or None, got {self.rope_interleave!r}")
 
+    def _check_variants(self, set_) -> None:
+        _pos_int("num_layers", self.num_layers)
+        _pos_int("sliding_window", self.sliding_window, allow_none=True)
+        lt = self.layer_types
+        if lt is None:
+            lt = (LAYER_TYPES[1] if self.sliding_window is not None else LAYER_TYPES[0],) * self.num_layers
+        elif isinstance(lt, (str, bytes)) or not isinstance(lt, Sequence):
+            raise TypeError(f"layer_types must be a sequence of {LAYER_TYPES}, got {lt!r}")
+        lt = tuple(lt)
+        if len(lt) != self.num_layers:
+            raise ValueError(f"layer_types has {len(lt)} entries but num_layers is {self.num_layers}")
+        bad = sorted({t for t in lt if t not in LAYER_TYPES}, key=str)
+        if bad:
+            raise ValueError(f"layer_types entries must be one of {LAYER_TYPES}, got {bad}")
+        if LAYER_TYPES[1] in lt and self.sliding_window is None:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is None")
+        set_("layer_types", lt)
+        for name in ("local_rope_theta", "query_scale", "attn_softcap", "final_softcap", "embedding_multiplier"):
+            val = getattr(self, name)
+            if val is not None:
+                if isinstance(val, bool) or not isinstance(val, (int, float)) or not math.isfinite(val) or val <= 0:
+                    raise ValueError(f"{name} must be a finite number > 0 or None, got {val!r}")
+                set_(name, float(val))
+        if self.local_rope_scaling is not None:
+            if not isinstance(self.local_rope_scaling, Mapping):
+                raise TypeError(f"local_rope_scaling must be a dict or None, got {type(self.local_rope_scaling).__name__}")
+            if self.local_rope_theta is None:
+                raise ValueError("local_rope_scaling needs local_rope_theta (the sliding layers' own RoPE)")
+            set_("local_rope_scaling", MappingProxyType(dict(self.local_rope_scaling)))
+        if self.qk_norm not in (None, "head", "full"):
+            raise ValueError(f"qk_norm must be None, 'head' or 'full', got {self.qk_norm!r}")
+        if self.qk_norm is not None and self.attention == "mla":
+            raise ValueError("qk_norm applies to mha/gqa/mqa attention (MLA normalises its latents)")
+        if self.norm_style not in NORM_STYLES:
+            raise ValueError(f"norm_style must be one of {NORM_STYLES}, got {self.norm_style!r}")
+        if self.norm_placement not in NORM_PLACEMENTS:
+            raise ValueError(f"norm_placement must be one of {NORM_PLACEMENTS}, got {self.norm_placement!r}")
+        if not isinstance(self.attention_sinks, bool):
+            raise TypeError(f"attention_sinks must be a bool, got {self.attention_sinks!r}")
+
     # ------------------------------------------------------------------ helpers
 
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
-        d["rope_scaling"] = None if self.rope_scaling is None else dict(self.rope_scaling)
+        for name in ("rope_scaling", "local_rope_scaling"):
+            d[name] = None if d[name] is None else dict(d[name])
+        d["layer_types"] = list(self.layer_types)
         return d
 
     @property

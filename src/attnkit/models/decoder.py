@@ -3,186 +3,94 @@
 Notation: B batch, S new tokens this call, Sk keys attended to (cached + new), E hidden size,
 V vocabulary, L layers.
 
-Parameter names are Hugging Face's (``model.embed_tokens``, ``model.layers.{i}.self_attn.q_proj``,
-``...mlp.gate_proj``, ``...input_layernorm``, ``model.norm``, ``lm_head``), so Llama-family and
-dense DeepSeek-V3 checkpoints load with ``strict=True`` and no renaming
-(:func:`attnkit.models.load_pretrained`).
+One forward path: ``Decoder.forward`` -> every ``DecoderLayer`` -> its attention module ->
+``cache.attend`` -> :func:`attnkit.attention`, for prefill, decode and training alike. With caches,
+a forward is one explicit step of every layer's cache (:func:`attnkit.caches.step`): committed
+in every layer when the forward returns, in none when it raises. RoPE cos/sin are looked up once
+per forward (:meth:`attnkit.RotaryEmbedding.angles`) and shared by the layers.
+
+Parameter names are Hugging Face's (``model.embed_tokens``, ``model.layers.{i}.self_attn.o_proj``,
+``...mlp.down_proj``, ``...input_layernorm``, ``model.norm``, ``lm_head``). Fusion is explicit
+(``DecoderConfig.fused_projections``, default True): the attention holds one ``qkv_proj`` and the
+MLP one ``gate_up_proj`` (Phi-3's names); checkpoints with separate ``q_proj/k_proj/v_proj`` and
+``gate_proj/up_proj`` load into them with ``strict=True`` through ``load_state_dict`` pre-hooks,
+so Llama-family, Phi-3 and dense DeepSeek-V3 checkpoints load without renaming
+(:func:`attnkit.models.load_pretrained`). ``state_dict()`` emits the model's own names.
 """
 
 from __future__ import annotations
 
-import contextlib
+from functools import partial
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..caches import KVCache
+from ..caches import DynamicCache, KVCache, PagedKVCache, StaticCache
 from ..caches import step as cache_step
-from ..functional import attention
-from ..masks import KeyPadding
-from ..modules import MultiHeadAttention
-from ..rope import RotaryEmbedding, _apply_rotary
+from ..modules import MultiHeadAttention, RMSNorm
+from ..modules._fused import FusedLoadHook
+from ..rope import RotaryEmbedding
 from .config import DecoderConfig
 
-__all__ = ["Decoder", "RMSNorm", "SwiGLU", "DecoderLayer", "CACHE_KINDS", "make_cache", "paged_allocator"]
+__all__ = ["Decoder", "RMSNorm", "GatedMLP", "SwiGLU", "DecoderLayer", "CACHE_KINDS", "ACTIVATIONS", "make_cache",
+           "paged_allocator"]
 
 #: Cache kinds :meth:`Decoder.new_caches` builds (one cache per layer).
 CACHE_KINDS = ("dynamic", "static", "paged")
 
 
-class RMSNorm(nn.Module):
-    """Root-mean-square norm over the last dim, computed in fp32 and cast back, then scaled
-    (Hugging Face's ``LlamaRMSNorm`` / ``DeepseekV3RMSNorm``)."""
+class GatedMLP(nn.Module):
+    """``down_proj(act(gate_proj(x)) * up_proj(x))``: (B, S, E) -> (B, S, E), SwiGLU with
+    ``activation="silu"`` (Llama, Mistral, Qwen, DeepSeek, Phi-3, OLMo 2), GeGLU with
+    ``"gelu_pytorch_tanh"`` (Gemma).
 
-    def __init__(self, dim: int, eps: float = 1e-6, *, device=None, dtype=None):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        if x.dtype == torch.float32:  # skip two no-op casts (they cost dispatches every step)
-            return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-
-    def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}"
-
-
-class SwiGLU(nn.Module):
-    """``down_proj(silu(gate_proj(x)) * up_proj(x))``: (B, S, E) -> (B, S, E)."""
-
-    def __init__(self, hidden: int, intermediate: int, *, bias: bool = False, device=None, dtype=None):
-        super().__init__()
-        kw = {"bias": bias, "device": device, "dtype": dtype}
-        self.gate_proj = nn.Linear(hidden, intermediate, **kw)
-        self.up_proj = nn.Linear(hidden, intermediate, **kw)
-        self.down_proj = nn.Linear(intermediate, hidden, **kw)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class _TableRotary(RotaryEmbedding):
-    """A :class:`RotaryEmbedding` that reads cos/sin from a table of positions ``0..n-1``
-    (grown on demand) instead of recomputing them in every layer of every step.
-
-    The decoder calls :meth:`prepare` once per forward: the positions are validated once and
-    their cos/sin gathered once; every layer's ``rope(q, k, positions)`` with that same
-    positions tensor reuses them. Other calls take the validated path. Dynamic NTK (whose
-    frequencies depend on the call's longest position) always computes directly.
+    ``fused=True`` holds one ``gate_up_proj`` Linear (Phi-3's name; rows gate | up) and reads both
+    weights in one matrix product; a ``load_state_dict`` pre-hook turns separate ``gate_proj`` /
+    ``up_proj`` entries into it (and, unfused, a ``gate_up_proj`` entry into the two), so either
+    checkpoint layout loads with ``strict=True``. ``state_dict()`` emits the module's own names.
     """
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        R = self.rotary_dim
-        self.register_buffer("cos_table", torch.zeros(0, R), persistent=False)
-        self.register_buffer("sin_table", torch.zeros(0, R), persistent=False)
-        # sin with the sign of each pair's partner folded in (see _rotate_signed).
-        self.register_buffer("sin_signed_table", torch.zeros(0, R), persistent=False)
-        self._prepared: tuple[Tensor, Tensor, Tensor] | None = None
-        # Cover the usual lengths up front, so a compiled forward (which cannot grow the table)
-        # works out of the box; generation reserves what it needs before compiling.
-        self.reserve(min(self.config.max_position_embeddings or 256, 4096))
-
-    @property
-    def uses_table(self) -> bool:
-        return self.rope_type != "dynamic"
-
-    def reserve(self, n: int) -> None:
-        """Make the table cover positions ``0 .. n - 1`` (doubling, so growth is amortised)."""
-        if self.cos_table.dtype != torch.float32:  # the module was cast (model.to(bf16)): rebuild in fp32
-            self.cos_table = self.sin_table = self.sin_signed_table = torch.zeros(
-                0, self.rotary_dim, device=self.cos_table.device)
-        have = self.cos_table.shape[0]
-        if n <= have or not self.uses_table:
-            return
-        n = max(n, 2 * have, 256)
-        pos = torch.arange(n, device=self.inv_freq.device)[None]
-        cos, sin = self._cos_sin(pos)
-        self.cos_table, self.sin_table = cos[0], sin[0]
-        sign = torch.ones(self.rotary_dim, device=sin.device)
-        if self.interleaved:
-            sign[0::2] = -1.0
+    def __init__(self, hidden: int, intermediate: int, *, bias: bool = False, activation: str = "silu",
+                 fused: bool = False, device=None, dtype=None):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
+        if not isinstance(fused, bool):
+            raise TypeError(f"fused must be a bool, got {fused!r}")
+        self.activation, self.fused, self.intermediate = activation, fused, intermediate
+        self._act = ACTIVATIONS[activation]
+        kw = {"bias": bias, "device": device, "dtype": dtype}
+        if fused:
+            self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, **kw)
         else:
-            sign[: self.rotary_dim // 2] = -1.0
-        self.sin_signed_table = sin[0] * sign
+            self.gate_proj = nn.Linear(hidden, intermediate, **kw)
+            self.up_proj = nn.Linear(hidden, intermediate, **kw)
+        self.down_proj = nn.Linear(intermediate, hidden, **kw)
+        self.register_load_state_dict_pre_hook(
+            FusedLoadHook("gate_up_proj", ("gate_proj", "up_proj"), (intermediate, intermediate), to_fused=fused))
 
-    def signed_lookup(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """cos and signed sin (B, S, R) for trusted positions the table covers (fast decode)."""
-        return self.cos_table[positions], self.sin_signed_table[positions]
-
-    def _lookup(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """cos/sin (B, S, R) fp32 for positions already validated and covered by the table."""
-        if not self.uses_table:
-            return self._cos_sin(positions)
-        positions = positions.to(self.cos_table.device)
-        return self.cos_table[positions], self.sin_table[positions]
-
-    def prepare(self, positions: Tensor) -> None:
-        """Validate ``positions`` (B|1, S) once and gather their cos/sin for every layer.
-        Under ``torch.compile`` nothing is stashed: each layer gathers from the table (which the
-        caller has reserved) and the compiler merges the identical lookups."""
-        if torch.compiler.is_compiling():
-            return
-        positions = self._check_positions(positions)
-        self.reserve(int(positions.max()) + 1 if positions.numel() else 0)
-        self._prepared = (positions, *self._lookup(positions))
-
-    def release(self) -> None:
-        self._prepared = None
-
-    def forward(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        if torch.compiler.is_compiling() and self.uses_table:
-            cos, sin = self._lookup(positions)
+    def forward(self, x: Tensor) -> Tensor:
+        if self.fused:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
-            prep = self._prepared
-            if prep is None or prep[0] is not positions:
-                return super().forward(q, k, positions)
-            _, cos, sin = prep
-        cos, sin = cos.to(q.device), sin.to(q.device)
-        return _apply_rotary(q, cos, sin, self.interleaved), _apply_rotary(k, cos, sin, self.interleaved)
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(self._act(gate) * up)
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation!r}, fused={self.fused}"
 
 
-def _rotate_signed(x: Tensor, cos: Tensor, sin_signed: Tensor, interleaved: bool) -> Tensor:
-    """RoPE as ``x * cos + partner(x) * sin_signed`` (fp32 for low-precision x, cast back).
+#: MLP activations by Hugging Face's ``hidden_act`` names.
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+    "gelu": F.gelu,
+}
 
-    ``partner`` swaps the two halves (rotate-half) or the two members of each pair
-    (interleaved); the minus sign of the rotation lives in ``sin_signed``. One roll/flip instead
-    of slicing, negating and concatenating; the products are the same floats as
-    :func:`attnkit.rope.apply_rotary`'s (``-a * b == a * -b`` exactly)."""
-    xf = x if x.dtype in (torch.float32, torch.float64) else x.float()
-    partner = xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2) if interleaved else xf.roll(x.shape[-1] // 2, -1)
-    out = xf * cos + partner * sin_signed
-    return out if out.dtype == x.dtype else out.to(x.dtype)
-
-
-def _packed(owner: nn.Module, key: str, linears: tuple[nn.Linear, ...]) -> tuple[Tensor, Tensor | None]:
-    """See :meth:`DecoderLayer.packed_weights`."""
-    cache = owner.__dict__.setdefault("_packs", {})
-    names = ("weight", "bias") if linears[0].bias is not None else ("weight",)
-    params = [[getattr(lin, n) for lin in linears] for n in names]
-    ptrs = tuple(p.data_ptr() for group in params for p in group)
-    hit = cache.get(key)
-    if hit is not None and hit[0] == ptrs:
-        return hit[1], hit[2]
-    first = params[0][0]
-    plain = all(type(p) is nn.Parameter and p.layout == torch.strided and p.is_contiguous()
-                and p.dtype == first.dtype and p.device == first.device for group in params for p in group)
-    if not plain:  # e.g. tensor subclasses: no storage tricks, just concatenate
-        cat = [torch.cat([p.detach() for p in group]) for group in params]
-        return cat[0], (cat[1] if len(cat) > 1 else None)
-    fused = []
-    with torch.inference_mode(False), torch.no_grad():  # normal tensors: they become parameters' storage
-        for group in params:
-            whole = torch.cat([p.detach() for p in group])
-            for p, part in zip(group, whole.split([p.shape[0] for p in group])):
-                p.data = part
-            fused.append(whole)
-    w, b = fused[0], (fused[1] if len(fused) > 1 else None)
-    cache[key] = (tuple(p.data_ptr() for group in params for p in group), w, b)
-    return w, b
+#: The SwiGLU MLP of Llama-style decoders (a :class:`GatedMLP` with ``activation="silu"``).
+SwiGLU = GatedMLP
 
 
 def _mla_classes():
@@ -194,7 +102,15 @@ def _mla_classes():
     return MLAConfig, MultiHeadLatentAttention
 
 
-def _build_attention(cfg: DecoderConfig, rope: RotaryEmbedding | None, device, dtype) -> nn.Module:
+def _norm(cfg: DecoderConfig, dim: int, device=None, dtype=None) -> RMSNorm:
+    """An RMSNorm in the config's ``norm_style``."""
+    return RMSNorm(dim, cfg.rms_norm_eps, unit_offset=cfg.norm_style == "gemma",
+                   scale_in_fp32=cfg.norm_style == "olmo2", device=device, dtype=dtype)
+
+
+def _build_attention(cfg: DecoderConfig, layer_type: str, rope: RotaryEmbedding | None, device, dtype) -> nn.Module:
+    window = cfg.sliding_window if layer_type == "sliding_attention" else None
+    variant = dict(scale=cfg.query_scale, softcap=cfg.attn_softcap, sinks=cfg.attention_sinks, window=window)
     if cfg.attention == "mla":
         MLAConfig, MultiHeadLatentAttention = _mla_classes()
         mla_cfg = MLAConfig(
@@ -204,16 +120,19 @@ def _build_attention(cfg: DecoderConfig, rope: RotaryEmbedding | None, device, d
             rope_scaling=None if cfg.rope_scaling is None else dict(cfg.rope_scaling),
             rope_interleave=cfg.rope_interleave, max_position_embeddings=cfg.max_position_embeddings,
             attention_bias=cfg.attention_bias)  # its norms keep eps 1e-6, as in HF and DeepSeek code
-        return MultiHeadLatentAttention(mla_cfg, device=device, dtype=dtype)
+        return MultiHeadLatentAttention(mla_cfg, device=device, dtype=dtype, **variant)
+    qk_norm_kw = None if cfg.qk_norm is None else dict(
+        eps=cfg.rms_norm_eps, unit_offset=cfg.norm_style == "gemma", scale_in_fp32=cfg.norm_style == "olmo2")
     return MultiHeadAttention(cfg.hidden_size, cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                               head_dim=cfg.head_dim, bias=cfg.attention_bias, out_bias=cfg.attention_out_bias,
-                              causal=True, rope=rope, device=device, dtype=dtype)
+                              causal=True, rope=rope, fused_qkv=cfg.fused_projections, qk_norm=cfg.qk_norm or False,
+                              qk_norm_kw=qk_norm_kw, device=device, dtype=dtype, **variant)
 
 
 def paged_allocator(max_batch: int, max_len: int, block_size: int = 16):
-    """A :class:`attnkit.caches.paged.BlockAllocator` with room for ``max_batch`` sequences of
+    """A :class:`attnkit.caches.BlockAllocator` with room for ``max_batch`` sequences of
     ``max_len`` tokens, for the layers of one model to share."""
-    from ..caches.paged import BlockAllocator
+    from ..caches import BlockAllocator
     for name, v in (("max_batch", max_batch), ("max_len", max_len), ("block_size", block_size)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"a paged cache needs a positive int {name}, got {v!r}")
@@ -223,97 +142,120 @@ def paged_allocator(max_batch: int, max_len: int, block_size: int = 16):
 def make_cache(attn: nn.Module, kind: str, *, max_batch: int | None = None, max_len: int | None = None,
                dtype: torch.dtype | None = None, device=None, allocator=None) -> KVCache:
     """One layer's empty cache of ``kind`` for the attention module ``attn`` (the one place the
-    decoder creates caches). "dynamic" grows; "static" preallocates (max_batch, max_len) and
-    compiles without recompiles; "paged" keeps blocks of a pool managed by ``allocator``
-    (shared by the layers of a model; default: a private one sized by max_batch and max_len)."""
+    decoder creates caches). "dynamic" grows (a layer with a sliding window keeps a ring of just
+    its window, :class:`attnkit.caches.SlidingWindowCache`, when ``max_batch`` is given);
+    "static" preallocates (max_batch, max_len) and compiles without recompiles; "paged" keeps
+    blocks of a pool managed by ``allocator`` (shared by the layers of a model; default: a
+    private one sized by max_batch and max_len). Static and paged layers with a window keep every
+    position and mask the window."""
     if kind not in CACHE_KINDS:
         raise ValueError(f"cache must be one of {CACHE_KINDS} (or None for no cache), got {kind!r}")
     if kind != "paged" and allocator is not None:
         raise TypeError(f"allocator= applies to paged caches, not to a {kind} cache")
     if kind == "paged" and allocator is None:
         allocator = paged_allocator(max_batch, max_len)
+    if kind == "dynamic" and max_batch is not None and isinstance(attn, MultiHeadAttention) and attn.window:
+        return attn.new_cache("sliding", max_batch=max_batch, dtype=dtype, device=device)
     return attn.new_cache(kind, max_batch=max_batch, max_len=max_len, allocator=allocator, dtype=dtype,
                           device=device)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))``, then ``h + mlp(norm(h))``."""
+    """One block; where its RMSNorms sit is ``cfg.norm_placement``:
 
-    def __init__(self, cfg: DecoderConfig, rope: RotaryEmbedding | None, *, device=None, dtype=None):
+    * "pre" (Llama): ``h = x + attn(input_layernorm(x))``, ``h + mlp(post_attention_layernorm(h))``.
+    * "sandwich" (Gemma 2 / 3): ``h = x + post_attention_layernorm(attn(input_layernorm(x)))``,
+      ``h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))``.
+    * "post" (OLMo 2): ``h = x + post_attention_layernorm(attn(x))``,
+      ``h + post_feedforward_layernorm(mlp(h))``.
+
+    ``layer_type`` ("full_attention" / "sliding_attention") picks the attention's window.
+    ``positions`` is what the attention module takes: (B, S) integer positions or the
+    :class:`attnkit.rope.RotaryAngles` the decoder computed once for every layer.
+    """
+
+    def __init__(self, cfg: DecoderConfig, rope: RotaryEmbedding | None, *, layer_type: str = "full_attention",
+                 device=None, dtype=None):
         super().__init__()
         kw = {"device": device, "dtype": dtype}
-        self.self_attn = _build_attention(cfg, rope, device, dtype)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, **kw)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.layer_type = layer_type
+        self.placement = cfg.norm_placement
+        self.self_attn = _build_attention(cfg, layer_type, rope, device, dtype)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, activation=cfg.hidden_act,
+                            fused=cfg.fused_projections, **kw)
+        E = cfg.hidden_size
+        if self.placement != "post":
+            self.input_layernorm = _norm(cfg, E, **kw)
+        self.post_attention_layernorm = _norm(cfg, E, **kw)
+        if self.placement == "sandwich":
+            self.pre_feedforward_layernorm = _norm(cfg, E, **kw)
+        if self.placement != "pre":
+            self.post_feedforward_layernorm = _norm(cfg, E, **kw)
 
-    def forward(self, x: Tensor, *, positions: Tensor, key_padding_mask: Tensor | None,
-                cache: KVCache | None, need_weights: bool):
-        a = self.self_attn(self.input_layernorm(x), key_padding_mask=key_padding_mask, positions=positions,
-                           cache=cache, need_weights=need_weights)
+    @property
+    def rope(self) -> RotaryEmbedding | None:
+        """The rotary embedding this layer's attention rotates with."""
+        return self.self_attn.rope
+
+    def forward(self, x: Tensor, *, positions, key_padding_mask: Tensor | None, cache, need_weights: bool):
+        """x (B, S, E) -> (B, S, E), and the attention weights (B, H, S, Sk) or None."""
+        pre = self.placement != "post"
+        a = self.self_attn(self.input_layernorm(x) if pre else x, key_padding_mask=key_padding_mask,
+                           positions=positions, cache=cache, need_weights=need_weights)
         a, w = a if need_weights else (a, None)
-        h = x + a
-        return h + self.mlp(self.post_attention_layernorm(h)), w
-
-    def __getstate__(self):
-        return {k: v for k, v in self.__dict__.items() if k != "_packs"}  # rebuilt on first use
-
-    def decode_step(self, x: Tensor, rope: tuple[Tensor, Tensor, bool], cache: KVCache, start: int,
-                    key_valid: Tensor | None) -> Tensor:
-        """One token per sequence through this layer, for uniform Dynamic/Static caches holding
-        ``start`` tokens (the fast path of generation; :meth:`forward` is the general one).
-
-        Args:
-            x: (B, 1, E). rope: (cos, signed sin) (B, 1, 1, D) and the interleaved flag.
-            key_valid: (B, start + 1) bool, False = padding key; None when nothing is padded.
-        """
-        attn: MultiHeadAttention = self.self_attn
-        B = x.shape[0]
-        H, Hkv, D, Dv = attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.v_head_dim
-        (w_qkv, b_qkv), (w_gu, b_gu) = self.packed_weights()
-        h = self.input_layernorm(x)
-        q, k, v = F.linear(h, w_qkv, b_qkv).split([H * D, Hkv * D, Hkv * Dv], -1)  # one weight stream
-        cos, sin_signed, interleaved = rope
-        q = _rotate_signed(q.view(B, 1, H, D), cos, sin_signed, interleaved).transpose(1, 2)  # (B, H, 1, D)
-        k = _rotate_signed(k.view(B, 1, Hkv, D), cos, sin_signed, interleaved).transpose(1, 2)
-        k_all, v_all = cache.append_uniform(k, v.view(B, 1, Hkv, Dv).transpose(1, 2), start)
-        # One new query per sequence sees every cached key: no causal mask; padding keys masked.
-        mask = None if key_valid is None else KeyPadding(valid=key_valid)
-        o = attention(q, k_all, v_all, mask, backend=attn.backend)
-        h = x + attn.o_proj(o.transpose(1, 2).reshape(B, 1, H * Dv))
-        gate, up = F.linear(self.post_attention_layernorm(h), w_gu, b_gu).chunk(2, -1)
-        return h + self.mlp.down_proj(F.silu(gate) * up)
-
-    def packed_weights(self) -> tuple[tuple[Tensor, Tensor | None], tuple[Tensor, Tensor | None]]:
-        """(W, b) of q|k|v and of gate|up as single matrices, for one matrix product each.
-
-        The parameters themselves become row blocks of these matrices (``param.data`` is set to
-        a view; the Parameter objects, their names, values and ``requires_grad`` stay), so nothing
-        is stored twice and in-place updates (``load_state_dict``, optimizer steps) show in both.
-        Packing happens on first use and again whenever a parameter was replaced (``.to()``);
-        parameters that are not plain dense tensors are concatenated per call instead.
-        """
-        attn = self.self_attn
-        return (_packed(self, "_qkv", (attn.q_proj, attn.k_proj, attn.v_proj)),
-                _packed(self, "_gate_up", (self.mlp.gate_proj, self.mlp.up_proj)))
+        if self.placement == "pre":
+            h = x + a
+            return h + self.mlp(self.post_attention_layernorm(h)), w
+        h = x + self.post_attention_layernorm(a)
+        m = self.mlp(self.pre_feedforward_layernorm(h) if pre else h)
+        return h + self.post_feedforward_layernorm(m), w
 
 
 class _Backbone(nn.Module):
-    """Hugging Face's ``model.`` prefix: embeddings, layers, final norm."""
+    """Hugging Face's ``model.`` prefix: embeddings, layers, final norm. Holds the rotary
+    embeddings (``rope``; ``rope_local`` for sliding layers with their own RoPE), shared by the
+    layers' attention modules."""
 
     def __init__(self, cfg: DecoderConfig, *, device=None, dtype=None):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
-        self.rope = None
+        if cfg.embedding_multiplier is not None:  # rounded to the model's dtype, as Gemma does
+            self.register_buffer("embed_scale", torch.tensor(cfg.embedding_multiplier, device=device, dtype=dtype),
+                                 persistent=False)
+        else:
+            self.embed_scale = None
+        self.rope = self.rope_local = None
         if cfg.attention != "mla":  # MLA modules own their (decoupled) RoPE
-            self.rope = _TableRotary(cfg.head_dim, base=cfg.rope_theta, max_position_embeddings=cfg.max_position_embeddings,
-                                     scaling=None if cfg.rope_scaling is None else dict(cfg.rope_scaling),
-                                     interleaved=cfg.rope_interleave)
-            if device is not None:
-                self.rope.to(device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rope, device=device, dtype=dtype)
-                                    for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype)
+            self.rope = self._rope(cfg, cfg.rope_theta, cfg.rope_scaling, device)
+            if cfg.local_rope_theta is not None:
+                self.rope_local = self._rope(cfg, cfg.local_rope_theta, cfg.local_rope_scaling, device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, self.rope_local if t == "sliding_attention" and self.rope_local is not None else self.rope,
+                         layer_type=t, device=device, dtype=dtype)
+            for t in cfg.layer_types)
+        self.norm = _norm(cfg, cfg.hidden_size, device=device, dtype=dtype)
+
+    @staticmethod
+    def _rope(cfg: DecoderConfig, theta, scaling, device) -> RotaryEmbedding:
+        rope = RotaryEmbedding(cfg.head_dim, base=theta, max_position_embeddings=cfg.max_position_embeddings,
+                               scaling=None if scaling is None else dict(scaling), interleaved=cfg.rope_interleave)
+        return rope.to(device) if device is not None else rope
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """(B, S) ids -> (B, S, E) embeddings (times ``embedding_multiplier``)."""
+        h = self.embed_tokens(input_ids)
+        return h if self.embed_scale is None else h * self.embed_scale.to(h.dtype)
+
+
+def _key_length(cache, tokens: int) -> int | None:
+    """Keys the attention of a step of ``tokens`` new tokens per row sees over ``cache`` (what a
+    ``key_padding_mask`` must cover), or None where the cache's layout has no such columns."""
+    if isinstance(cache, StaticCache):
+        return cache.max_len
+    if isinstance(cache, (DynamicCache, PagedKVCache)):
+        lengths = cache.lengths
+        return (int(lengths.max()) if lengths.numel() else 0) + tokens
+    return None
 
 
 class Decoder(nn.Module):
@@ -346,6 +288,21 @@ class Decoder(nn.Module):
             self.init_weights(init_std)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # Layers whose embeddings share a config share one lookup per forward: (rope, layer indices).
+        groups: list[tuple[RotaryEmbedding, list[int]]] = []
+        for i, layer in enumerate(self.model.layers):
+            rope = layer.rope
+            for g in groups:
+                if rope is not None and (g[0] is rope or g[0].config == rope.config):
+                    g[1].append(i)
+                    break
+            else:
+                if rope is not None:
+                    groups.append((rope, [i]))
+        self._rope_of_layer = [None] * len(self.model.layers)
+        for slot, (_, idx) in enumerate(groups):
+            for i in idx:
+                self._rope_of_layer[i] = slot
         self._compiled_steps: dict = {}
 
     def __getstate__(self):
@@ -355,7 +312,8 @@ class Decoder(nn.Module):
 
     def init_weights(self, std: float = 0.02) -> None:
         """Llama's initialisation: N(0, std) for projections and embeddings, zero biases, unit
-        norms. (Modules of the attention variant keep their own norms' initialisation.)"""
+        norms (Gemma-style ``1 + weight`` norms: zero weights). (Modules of the attention variant
+        keep their own norms' initialisation.)"""
         with torch.no_grad():
             for m in self.modules():
                 if isinstance(m, (nn.Linear, nn.Embedding)):
@@ -363,7 +321,7 @@ class Decoder(nn.Module):
                     if getattr(m, "bias", None) is not None:
                         m.bias.zero_()
                 elif isinstance(m, RMSNorm):
-                    m.weight.fill_(1.0)
+                    m.reset_parameters()
 
     # ------------------------------------------------------------------ info
 
@@ -397,7 +355,8 @@ class Decoder(nn.Module):
                    dtype: torch.dtype | None = None, device=None, block_size: int = 16) -> list[KVCache]:
         """One empty cache per layer (see :func:`make_cache`), in the weights' dtype and device.
         "static" and "paged" need ``max_batch`` and ``max_len``; paged layers share one block
-        allocator (one block table for the model) of ``block_size``-token blocks."""
+        allocator (one block table for the model) of ``block_size``-token blocks; with
+        ``max_batch``, "dynamic" gives sliding-window layers a cache of just their window."""
         dtype, device = dtype or self.dtype, device or self.device
         alloc = paged_allocator(max_batch, max_len, block_size) if kind == "paged" else None
         return [make_cache(layer.self_attn, kind, max_batch=max_batch, max_len=max_len, dtype=dtype,
@@ -407,91 +366,135 @@ class Decoder(nn.Module):
 
     def forward(self, input_ids: Tensor, *, positions: Tensor | None = None,
                 key_padding_mask: Tensor | None = None, caches: Sequence[KVCache] | None = None,
-                need_weights: bool = False, logits_to_keep: int = 0):
+                num_new=None, need_weights: bool = False, logits_to_keep: int = 0):
         """Logits for ``input_ids``.
 
         Args:
             input_ids: (B, S) token ids.
             positions: (B, S) (or (1, S)) positions for RoPE; default: after what ``caches``
-                hold, else 0..S-1. Left-padded batches pass positions that skip the padding.
+                hold (each row at its own length), else 0..S-1.
             key_padding_mask: (B, Sk) bool, True = a padding key to ignore, over every key
-                attended to (for a static cache: its whole capacity).
-            caches: one cache per layer (:meth:`new_caches`); this call's keys are appended.
+                attended to (for a static cache: its whole capacity; a dynamic or paged one: its
+                longest row after this call; no cache: S).
+            caches: one cache per layer (:meth:`new_caches`). The call is one step of all of
+                them: committed in every layer when it returns, in none if it raises.
+            num_new: (B,) ints (or an int): row b's real tokens are its first ``num_new[b]``
+                of the S (the rest is right padding): its caches gain ``num_new[b]`` tokens, and
+                ``logits_to_keep`` counts back from its last real token. Default: all S.
             need_weights: also return each layer's attention weights (B, H, S, Sk), fp32.
-            logits_to_keep: compute logits for the last n positions only (0: all).
+            logits_to_keep: compute logits for the last n positions of each row only (0: all).
 
         Returns:
             logits (B, S', V) in the model's dtype (S' = S or ``logits_to_keep``), and the list
             of per-layer weights with ``need_weights``.
+
+        Everything that can be checked before the first layer runs is (ids, positions, masks,
+        ``num_new``, ``logits_to_keep``, the caches), so a bad call raises before any cache is
+        touched; a failure inside a layer aborts the step in every layer.
         """
-        if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
+        B, S = self._check_forward(input_ids, positions, key_padding_mask, caches, num_new, logits_to_keep)
+        layers = self.model.layers
+        if positions is None:
+            positions = caches[0].positions(S) if caches is not None else \
+                torch.arange(S, device=input_ids.device)[None]
+        angles = self._angles(positions)  # validates the positions once, before any cache changes
+        if caches is None:
+            h, weights = self._layers(input_ids, angles, positions, key_padding_mask, [None] * len(layers),
+                                      need_weights)
+        else:
+            with cache_step(caches, batch=B, tokens=S, num_new=num_new) as bound:
+                h, weights = self._layers(input_ids, angles, positions, key_padding_mask, bound, need_weights)
+        h = self._keep(h, num_new, logits_to_keep)
+        logits = self.lm_head(self.model.norm(h))
+        cap = self.config.final_softcap
+        if cap is not None:  # Gemma 2: c * tanh(logits / c)
+            logits = torch.tanh(logits / cap) * cap
+        return (logits, weights) if need_weights else logits
+
+    def _layers(self, input_ids, angles, positions, key_padding_mask, caches, need_weights):
+        h = self.model.embed(input_ids)
+        weights = []
+        for layer, slot, cache in zip(self.model.layers, self._rope_of_layer, caches):
+            h, w = layer(h, positions=positions if slot is None else angles[slot],
+                         key_padding_mask=key_padding_mask, cache=cache, need_weights=need_weights)
+            weights.append(w)
+        return h, weights
+
+    def _angles(self, positions: Tensor) -> list:
+        """The :class:`RotaryAngles` of ``positions`` for each rope group (validated here, once)."""
+        out: list = []
+        for layer, slot in zip(self.model.layers, self._rope_of_layer):
+            if slot is not None and slot == len(out):
+                out.append(layer.rope.angles(positions))
+        return out
+
+    @staticmethod
+    def _keep(h: Tensor, num_new, n: int) -> Tensor:
+        """The last ``n`` positions of each row (of its real tokens with ``num_new``); n = 0: all."""
+        if not n:
+            return h
+        if num_new is None:
+            return h[:, -n:]
+        B, S, _ = h.shape
+        last = torch.as_tensor(num_new, device=h.device).long().expand(B)  # (B,)
+        cols = (last[:, None] - n + torch.arange(n, device=h.device)).clamp(0, max(S - 1, 0))  # (B, n)
+        return h.gather(1, cols[..., None].expand(B, n, h.shape[-1]))
+
+    def _check_forward(self, input_ids, positions, key_padding_mask, caches, num_new, logits_to_keep):
+        if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point \
+                or input_ids.dtype == torch.bool or input_ids.is_complex():
             raise ValueError(f"input_ids must be a (B, S) integer tensor, got "
                              f"{getattr(input_ids, 'dtype', type(input_ids).__name__)} of shape "
                              f"{tuple(getattr(input_ids, 'shape', ()))}")
         B, S = input_ids.shape
         V = self.config.vocab_size
-        if input_ids.numel() and not torch.compiler.is_compiling() and \
-                bool(((input_ids < 0) | (input_ids >= V)).any()):
-            raise ValueError(f"input_ids must be in [0, vocab_size={V}), got values from "
-                             f"{int(input_ids.min())} to {int(input_ids.max())}")
+        if input_ids.numel() and not torch.compiler.is_compiling():
+            lo, hi = (int(v) for v in input_ids.aminmax())  # one host sync
+            if lo < 0 or hi >= V:
+                raise ValueError(f"input_ids must be in [0, vocab_size={V}), got values from {lo} to {hi}")
         if positions is not None and (not isinstance(positions, Tensor) or positions.dim() != 2
                                       or positions.shape[0] not in (1, B) or positions.shape[1] != S):
             raise ValueError(f"positions must be (B, S) = ({B}, {S}) or (1, {S}) like input_ids, got "
                              f"shape {tuple(getattr(positions, 'shape', ()))}")
-        if isinstance(logits_to_keep, bool):
+        if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
             raise ValueError(f"logits_to_keep must be an int >= 0, got {logits_to_keep!r}")
         layers = self.model.layers
-        if caches is not None and len(caches) != len(layers):
-            raise ValueError(f"caches has {len(caches)} entries, the model has {len(layers)} layers")
-        if not isinstance(logits_to_keep, int) or logits_to_keep < 0:
-            raise ValueError(f"logits_to_keep must be an int >= 0, got {logits_to_keep!r}")
-        if positions is None:
-            positions = caches[0].positions(S) if caches is not None else \
-                torch.arange(S, device=input_ids.device)[None]
-        rope = self.model.rope
-        if rope is not None:
-            rope.prepare(positions)
-        try:
-            h = self.model.embed_tokens(input_ids)
-            weights = []
-            # One step for every layer's cache: committed in all of them, or (on any error) none.
-            steps = contextlib.nullcontext([None] * len(layers)) if caches is None else \
-                cache_step(caches, batch=B, tokens=S)
-            with steps as bound:
-                for i, layer in enumerate(layers):
-                    h, w = layer(h, positions=positions, key_padding_mask=key_padding_mask, cache=bound[i],
-                                 need_weights=need_weights)
-                    weights.append(w)
-        finally:
-            if rope is not None:
-                rope.release()
-        if logits_to_keep:
-            h = h[:, -logits_to_keep:]
-        logits = self.lm_head(self.model.norm(h))
-        return (logits, weights) if need_weights else logits
-
-    def supports_fast_decode(self, caches: Sequence[KVCache] | None) -> bool:
-        """True when :meth:`decode_step` applies: MHA/GQA/MQA layers (with the table RoPE)
-        over DynamicCache / StaticCache caches."""
-        return False  # the lean step is being replaced by the one forward path
-
-    def decode_step(self, tokens: Tensor, positions: Tensor, caches: Sequence[KVCache], start: int,
-                    key_valid: Tensor | None = None) -> Tensor:
-        """Logits (B, V) of the next token after feeding one token per sequence, the eager fast
-        path of generation: every cache holds ``start`` tokens for every sequence (uniform, as
-        left-padded generation keeps them), ``positions`` (B, 1) are valid RoPE positions the
-        table covers (see :meth:`supports_fast_decode`). Equal to ``forward(tokens,
-        positions=positions, key_padding_mask=~key_valid, caches=caches)[:, -1]`` up to
-        floating-point reassociation, with a fraction of the per-step Python and dispatch work.
-        """
-        rope = self.model.rope
-        rope.reserve(start + 1)
-        cos, sin_signed = rope.signed_lookup(positions)
-        rope_args = (cos[:, :, None], sin_signed[:, :, None], rope.interleaved)  # (B, 1, 1, D)
-        h = self.model.embed_tokens(tokens)
-        for layer, cache in zip(self.model.layers, caches):
-            h = layer.decode_step(h, rope_args, cache, start, key_valid)
-        return self.lm_head(self.model.norm(h))[:, -1]
+        if caches is not None:
+            if isinstance(caches, (KVCache, Tensor)) or not isinstance(caches, Sequence):
+                raise TypeError(f"caches must be a list with one cache per layer (Decoder.new_caches()), got "
+                                f"{type(caches).__name__}")
+            if len(caches) != len(layers):
+                raise ValueError(f"caches has {len(caches)} entries, the model has {len(layers)} layers")
+            bad = [i for i, c in enumerate(caches) if not isinstance(c, KVCache)]
+            if bad:
+                raise TypeError(f"caches[{bad[0]}] is a {type(caches[bad[0]]).__name__}, not an attnkit KVCache")
+        if num_new is not None and not torch.compiler.is_compiling():
+            n = torch.as_tensor(num_new)
+            if n.dtype.is_floating_point or n.dtype == torch.bool or n.is_complex() or n.shape not in ((), (B,)):
+                raise ValueError(f"num_new must be an int or a (B,) = ({B},) integer tensor, got {n.dtype} of "
+                                 f"shape {tuple(n.shape)}")
+            if n.numel() and (int(n.min()) < 0 or int(n.max()) > S):
+                raise ValueError(f"num_new must be in [0, S={S}], got {n.tolist()}")
+        if key_padding_mask is not None:
+            kpm = key_padding_mask
+            if not isinstance(kpm, Tensor) or kpm.dim() != 2 or kpm.shape[0] != B:
+                raise ValueError(f"key_padding_mask must be a (B, Sk) tensor with B={B}, got shape "
+                                 f"{tuple(getattr(kpm, 'shape', ()))}")
+            if kpm.dtype != torch.bool and not kpm.dtype.is_floating_point:
+                raise TypeError(f"key_padding_mask must be bool (True = padding) or float (added), got {kpm.dtype}")
+            if torch.compiler.is_compiling():
+                return B, S
+            for i, c in enumerate([None] if caches is None else caches):
+                want = S if c is None else _key_length(c, S)
+                if c is not None and want is None:
+                    raise ValueError(f"key_padding_mask cannot apply to caches[{i}] ({type(c).__name__}), whose "
+                                     f"keys are not positions 0..Sk-1; pass num_new= for right-padded rows instead")
+                if kpm.shape[1] != want:
+                    where = "S (no caches)" if c is None else \
+                        f"caches[{i}]'s key length ({type(c).__name__}: {'max_len' if isinstance(c, StaticCache) else 'longest row + S'})"
+                    raise ValueError(f"key_padding_mask has {kpm.shape[1]} columns, but this call attends over "
+                                     f"{want} keys ({where})")
+        return B, S
 
     # ------------------------------------------------------------------ generation & loading
 

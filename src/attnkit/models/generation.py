@@ -1,17 +1,25 @@
 """Batched generation for :class:`attnkit.models.Decoder`: greedy or sampled, ragged prompts,
 per-sequence EOS, streaming, and a decode step that ``torch.compile`` runs without recompiles.
 
-Ragged batches are left-padded: sequence b's prompt occupies the last ``n_b`` of ``P`` columns,
-its padding keys are masked out (``key_padding_mask``) and its positions count real tokens only
-(0 .. n_b - 1), so every sequence computes exactly what it computes alone. All sequences then
-append one token per step at the same column, which keeps the caches' lengths uniform (one
-slice write per step, no per-sequence scatter).
+Every step is one :meth:`Decoder.forward` (the one path). Ragged batches are right-padded and
+never store padding: the prefill tells the caches how many tokens of each row are real
+(``num_new``), so sequence b's cache holds its ``n_b`` prompt tokens, and each decode step
+appends one token per sequence at that sequence's own length (its own RoPE position and causal
+offset). Every sequence computes what it computes alone. Equal prompts keep every cache uniform
+(one slice write per step, a plain causal mask).
+
+Resources grow with the work done: the output and (with ``cache="dynamic"`` or ``None``) the
+caches grow as tokens come, so ``max_new_tokens`` is a bound, not an allocation. ``"static"``
+and ``"paged"`` caches are fixed-capacity by design (what ``torch.compile`` needs, or a block
+pool): they are built for ``P + max_new_tokens`` positions up front, and a capacity beyond the
+device's memory is refused with an error that says so.
 
 Notation: B prompts, P longest prompt, T = max_new_tokens, V vocabulary.
 """
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -66,11 +74,18 @@ def sample_next(logits: Tensor, *, temperature: float = 0.0, top_k: int | None =
     """Next token (B,) from logits (B, V): argmax for ``temperature == 0``, else a sample of
     ``softmax(logits / temperature)`` restricted to the ``top_k`` largest logits and to the
     smallest set of tokens whose probability reaches ``top_p`` (nucleus). The most likely token
-    always stays allowed."""
+    always stays allowed.
+
+    Raises FloatingPointError when a row's logits hold NaN or +inf (a diverged model: there is no
+    meaningful next token), naming the rows."""
+    bad = _nonfinite_rows(logits)
+    if bad:
+        raise FloatingPointError(f"logits of rows {bad[:8]} contain NaN or +inf: no next token can be chosen "
+                                 "(the model's output is not finite)")
     if temperature == 0:
         return logits.argmax(-1)
     logits = logits.float() / temperature
-    if torch.isposinf(logits).any() or torch.isnan(logits).any():
+    if torch.isposinf(logits).any():
         raise ValueError(f"temperature={temperature!r} is too small for these logits: logits / temperature "
                          f"overflows fp32 (use temperature=0 for greedy decoding)")
     if top_k is not None and top_k < logits.shape[-1]:
@@ -85,6 +100,14 @@ def sample_next(logits: Tensor, *, temperature: float = 0.0, top_k: int | None =
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = logits.softmax(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _nonfinite_rows(logits: Tensor, running: Tensor | None = None) -> list[int]:
+    """Rows (of ``running`` ones) whose logits (B, V) hold NaN or +inf (-inf is a banned token)."""
+    bad = (torch.isnan(logits) | torch.isposinf(logits)).any(-1)
+    if running is not None:
+        bad &= running
+    return bad.nonzero().flatten().tolist() if bool(bad.any()) else []
 
 
 # ---------------------------------------------------------------------------- arguments
@@ -157,11 +180,36 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+def _device_memory(device: torch.device) -> int | None:
+    """Bytes of memory of ``device`` (CPU: physical RAM), or None where unknown."""
+    try:
+        if device.type == "cuda":
+            return torch.cuda.get_device_properties(device).total_memory
+        if device.type == "cpu":
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError, RuntimeError):  # pragma: no cover - platform dependent
+        return None
+    return None
+
+
+def _check_capacity(model: Decoder, kind: str, batch: int, capacity: int) -> None:
+    """Refuse a fixed-capacity cache larger than the device's memory, with the arithmetic."""
+    need = batch * capacity * model.kv_bytes_per_token()
+    have = _device_memory(model.device)
+    if have is not None and need > have:
+        raise ValueError(
+            f"cache={kind!r} preallocates its whole capacity: {batch} sequence(s) x {capacity} positions (longest "
+            f"prompt + max_new_tokens{', rounded up to 64 for compile' if kind == 'static' else ''}) x "
+            f"{model.kv_bytes_per_token()} bytes per token = {need / 2**30:.1f} GiB, more than the "
+            f"{have / 2**30:.1f} GiB of {model.device}; lower max_new_tokens, or use cache='dynamic', which grows "
+            f"with the tokens actually generated")
+
+
 # ---------------------------------------------------------------------------- the session
 
 
 class _Session:
-    """State of one batched generation: left-padded prompts, caches, masks, the step function.
+    """State of one batched generation: right-padded prompts, caches, the step function.
 
     Every tensor computation runs inside ``torch.inference_mode`` here, never across a
     ``yield`` of :func:`stream` (the caller's code between tokens keeps its own grad mode).
@@ -186,39 +234,33 @@ class _Session:
             warnings.warn(f"prompt ({P} tokens) + max_new_tokens ({max_new_tokens}) = {total} positions exceeds the "
                           f"model's max_position_embeddings={limit}: RoPE extrapolates past what it was trained on "
                           f"(Hugging Face does the same, silently); expect degraded output", stacklevel=4)
-        # Compiled steps reuse static caches (and their graph) across calls of similar length.
+        # Fixed-capacity caches hold every position up front (compiled steps reuse them across
+        # calls of similar length); dynamic caches and recomputation grow as tokens come.
         self.capacity = _round_up(total, 64) if compile else total
+        if cache in ("static", "paged"):
+            _check_capacity(model, cache, B, self.capacity)
         with torch.inference_mode():
-            ids = torch.zeros(B, P, dtype=torch.long)
+            ids = torch.zeros(B, P, dtype=torch.long)  # right-padded with id 0 (never stored or attended)
             for b, r in enumerate(rows):
-                ids[b, P - len(r):] = torch.tensor(r, dtype=torch.long)
+                ids[b, :len(r)] = torch.tensor(r, dtype=torch.long)
             self.ids = ids.to(dev)
-            self.lengths = torch.tensor(lens, device=dev)  # (B,) real prompt lengths
-            pad = P - self.lengths
             self.ragged = min(lens) != max(lens)
-            cols = torch.arange(self.capacity, device=dev)
-            # (B, capacity) True = padding key; None when no sequence is padded.
-            self.kpm_full = (cols[None] < pad[:, None]) if self.ragged else None
-            self.valid_full = None if self.kpm_full is None else ~self.kpm_full
-            self.prefill_pos = (cols[None, :P] - pad[:, None]).clamp(min=0)
+            self.num_new = torch.tensor(lens, device=dev) if self.ragged else None  # (B,) real prompt tokens
             self.eos = torch.tensor(eos_ids, dtype=torch.long, device=dev) if eos_ids else None
             self.finished = torch.zeros(B, dtype=torch.bool, device=dev)
-            if model.model.rope is not None:
-                model.model.rope.reserve(self.capacity)
             self.caches = self._caches() if cache is not None else None
-            if cache is None:  # recompute: keep the whole sequence
-                self.seq = torch.zeros(B, total, dtype=torch.long, device=dev)
-                self.seq[:, :P] = self.ids
-                self.full_pos = torch.cat([self.prefill_pos, self.lengths[:, None] + torch.arange(
-                    max_new_tokens, device=dev)], 1)
+            if cache is None:  # recompute: every sequence's tokens so far, right-padded; grows by doubling
+                self.seq = self.ids.clone()
+                self.seq_len = torch.tensor(lens, device=dev)  # (B,)
         self.step_fn = self._compiled_step() if compile else None
-        self.fast = not compile and model.supports_fast_decode(self.caches)
 
     # ............................................................ caches and steps
 
     def _caches(self):
         m = self.model
         if not self.compile:
+            if self.cache_kind == "dynamic":  # sliding-window layers: a ring of their window
+                return m.new_caches("dynamic", max_batch=self.B)
             return m.new_caches(self.cache_kind, max_batch=self.B, max_len=self.capacity)
         # One pool of static caches per shape: the compiled step sees the same cache objects
         # every call, so its guards hold and nothing recompiles.
@@ -239,21 +281,23 @@ class _Session:
         if fn is None:
             caches = self.caches
 
-            def step(ids: Tensor, positions: Tensor, kpm: Tensor | None) -> Tensor:
-                return m(ids, positions=positions, key_padding_mask=kpm, caches=caches, logits_to_keep=1)[:, -1]
+            def step(ids: Tensor) -> Tensor:
+                return m(ids, caches=caches, logits_to_keep=1)[:, -1]
 
             fn = torch.compile(step, backend=backend, fullgraph=True)
             m._compiled_steps[key] = fn
         return fn
 
-    def _kpm(self, length: int) -> Tensor | None:
-        """Key padding mask over what the attention sees: the static cache's whole capacity,
-        else the ``length`` keys so far."""
-        if self.kpm_full is None:
-            return None
-        return self.kpm_full if self.cache_kind == "static" else self.kpm_full[:, :length]
-
-    def _sample(self, logits: Tensor) -> Tensor:
+    def _sample(self, logits: Tensor, t: int) -> Tensor:
+        """Token t (B,) from logits (B, V); a non-finite row that is still running is an error."""
+        bad = _nonfinite_rows(logits, None if self.eos is None else ~self.finished)
+        if bad:
+            raise FloatingPointError(
+                f"generation step {t} (new token {t + 1} of {self.T}): the logits of sequence(s) {bad[:8]} are NaN "
+                f"or +inf, so no token can be chosen; the model's output is not finite (check the weights "
+                f"and dtype: e.g. fp16 overflow)")
+        if self.eos is not None:  # finished rows emit nothing; their logits no longer matter
+            logits = logits.masked_fill(self.finished[:, None], 0.0)
         nxt = sample_next(logits, generator=self.generator, **self.sampling)
         if self.eos is not None:
             nxt = torch.where(self.finished, -1, nxt)  # finished sequences emit nothing
@@ -264,30 +308,32 @@ class _Session:
         """Prefill every prompt and sample each sequence's first new token (B,)."""
         with torch.inference_mode():
             m = self.model
-            logits = m(self.ids, positions=self.prefill_pos, key_padding_mask=self._kpm(self.P),
-                       caches=self.caches, logits_to_keep=1)[:, -1]
-            return self._sample(logits)
+            logits = m(self.ids, caches=self.caches, num_new=self.num_new, logits_to_keep=1)[:, -1]
+            return self._sample(logits, 0)
 
     def next(self, t: int, tok: Tensor) -> Tensor:
         """Feed token ``t`` (B,) (the t-th new one, t >= 0) and sample token ``t + 1``."""
         with torch.inference_mode():
             feed = (tok if self.eos is None else tok.clamp(min=0))[:, None]  # finished: a harmless id
-            n = self.P + t + 1  # keys after this step
             if self.caches is None:
-                self.seq[:, n - 1:n] = feed
-                logits = self.model(self.seq[:, :n], positions=self.full_pos[:, :n],
-                                    key_padding_mask=self._kpm(n), logits_to_keep=1)[:, -1]
+                logits = self._recompute(feed)
+            elif self.step_fn is not None:
+                logits = self.step_fn(feed)
             else:
-                pos = (self.lengths + t)[:, None]
-                if self.fast:
-                    valid = None if self.valid_full is None else self.valid_full[:, :n]
-                    logits = self.model.decode_step(feed, pos, self.caches, n - 1, valid)
-                elif self.step_fn is not None:
-                    logits = self.step_fn(feed, pos, self._kpm(n))
-                else:
-                    logits = self.model(feed, positions=pos, key_padding_mask=self._kpm(n), caches=self.caches,
-                                        logits_to_keep=1)[:, -1]
-            return self._sample(logits)
+                logits = self.model(feed, caches=self.caches, logits_to_keep=1)[:, -1]
+            return self._sample(logits, t + 1)
+
+    def _recompute(self, feed: Tensor) -> Tensor:
+        """Append ``feed`` (B, 1) after each sequence's tokens and run the whole batch again."""
+        n = self.seq_len
+        if int(n.max()) >= self.seq.shape[1]:  # grow by doubling
+            grown = self.seq.new_zeros(self.B, 2 * self.seq.shape[1])
+            grown[:, :self.seq.shape[1]] = self.seq
+            self.seq = grown
+        self.seq.scatter_(1, n[:, None], feed)
+        self.seq_len = n = n + 1
+        width = int(n.max())
+        return self.model(self.seq[:, :width], num_new=n, logits_to_keep=1)[:, -1]
 
     def all_finished(self) -> bool:
         return self.eos is not None and bool(self.finished.all())
@@ -321,10 +367,11 @@ def generate(model: Decoder, prompts, max_new_tokens: int = 32, *, temperature: 
         top_k, top_p: sampling filters (ignored by greedy decoding).
         eos: token id(s) that end a sequence (it is included in the output); the batch stops
             when every sequence has ended.
-        cache: "dynamic" (grows), "static" (preallocated; required by ``compile``), "paged"
-            (blocks of a shared pool), or None to recompute the whole sequence every step (the
-            reference the cached paths are tested against). MHA/GQA/MQA models decode with
-            dynamic and static caches through :meth:`Decoder.decode_step`, a lean eager step.
+        cache: "dynamic" (grows with the tokens generated), "static" (preallocated for
+            ``P + max_new_tokens`` positions; required by ``compile``), "paged" (blocks of a
+            pool of that capacity), or None to recompute the whole sequence every step (the
+            reference the cached paths are tested against). Every step is one
+            :meth:`Decoder.forward`.
         seed: seeds a private ``torch.Generator`` for sampling (same seed, same samples);
             None uses torch's global RNG.
         compile: True (inductor) or a ``torch.compile`` backend name: the decode step runs
@@ -333,21 +380,26 @@ def generate(model: Decoder, prompts, max_new_tokens: int = 32, *, temperature: 
 
     Returns:
         a :class:`Generation` (``.tokens`` per prompt, ``.finish_reasons``, timings).
+
+    Raises:
+        FloatingPointError: a running sequence's logits are NaN or +inf (names the step and the
+            sequences).
+        ValueError: bad options, or a static / paged capacity beyond the device's memory.
     """
     s = _session(model, prompts, max_new_tokens, temperature, top_k, top_p, eos, cache, seed, compile)
     t0 = time.perf_counter()
-    out = torch.full((s.B, max_new_tokens), -1, dtype=torch.long, device=s.device)
+    out: list[Tensor] = []  # one (B,) tensor per step: grows with the tokens produced
     steps = 0
     if max_new_tokens:
         tok = s.first()
-        out[:, 0] = tok
+        out.append(tok)
         _sync(s.device)
         t1 = time.perf_counter()
         for t in range(max_new_tokens - 1):
             if s.all_finished():
                 break
             tok = s.next(t, tok)
-            out[:, t + 1] = tok
+            out.append(tok)
             steps += 1
         _sync(s.device)
     else:
@@ -355,7 +407,8 @@ def generate(model: Decoder, prompts, max_new_tokens: int = 32, *, temperature: 
     t2 = time.perf_counter()
     tokens, reasons = [], []
     eos_set = set() if s.eos is None else set(s.eos.tolist())
-    for row in out.tolist():
+    table = torch.stack(out, 1).tolist() if out else [[] for _ in range(s.B)]
+    for row in table:
         row = [t for t in row if t >= 0]
         tokens.append(row)
         reasons.append("eos" if row and row[-1] in eos_set else "length")

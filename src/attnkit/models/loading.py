@@ -9,11 +9,27 @@ Safetensors is parsed here (no ``safetensors`` package needed): an 8-byte little
 length, a JSON header ``{name: {dtype, shape, data_offsets}}``, then the raw little-endian data;
 tensors are zero-copy views of a copy-on-write memory map until they are copied into the model.
 
-Supported ``model_type``: "llama", "mistral" (without sliding window), "qwen2" (without sliding
-window) and "deepseek_v3" with dense MLPs only (``first_k_dense_replace >= num_hidden_layers``;
-routed-expert layers are refused). Names match with ``strict=True``; the only keys dropped are
-stale RoPE buffers (``*.rotary_emb.inv_freq``) and DeepSeek's multi-token-prediction layers
-(indices >= ``num_hidden_layers``), which the decoder does not run.
+Supported ``model_type`` (:data:`SUPPORTED_MODEL_TYPES`), each a set of :class:`DecoderConfig`
+parameters of the one decoder, not a class of its own:
+
+============  =================================================================================
+llama         Llama 2 / 3 (RoPE scalings, attention / MLP bias, explicit head_dim)
+mistral       + ``sliding_window`` on every layer
+qwen2         q/k/v bias; ``use_sliding_window`` layers past ``max_window_layers``
+qwen3         per-head QK-norm (``q_norm`` / ``k_norm``), sliding layers as Qwen2
+gemma2        Gemma norms (1 + weight) around both sublayers, GeGLU, embeddings times
+              sqrt(hidden), ``query_pre_attn_scalar``, soft-capped attention and final logits,
+              alternating sliding / full layers
+gemma3_text   Gemma 2's layout + per-head QK-norm and its own RoPE on the local (sliding) layers
+phi3          fused ``qkv_proj`` / ``gate_up_proj`` as stored, partial rotary, sliding window
+olmo2         QK-norm over the whole projected width, norms after each sublayer only
+deepseek_v3   multi-head latent attention, dense MLPs only (``first_k_dense_replace >=
+              num_hidden_layers``; routed-expert layers are refused)
+============  =================================================================================
+
+Names match with ``strict=True`` (separate or fused projections load into either layout); the
+only keys dropped are stale RoPE buffers (``*.rotary_emb.inv_freq``) and DeepSeek's
+multi-token-prediction layers (indices >= ``num_hidden_layers``), which the decoder does not run.
 """
 
 from __future__ import annotations
@@ -21,6 +37,7 @@ from __future__ import annotations
 import json
 import math
 import mmap
+import pickle
 import re
 import sys
 from pathlib import Path
@@ -31,13 +48,26 @@ import torch
 from torch import Tensor
 
 from ..rope import RotaryEmbedding
-from .config import DecoderConfig
+from .config import HIDDEN_ACTS, DecoderConfig
 from .decoder import Decoder
 
-__all__ = ["load_pretrained", "config_from_hf", "read_safetensors", "read_checkpoint"]
+__all__ = ["load_pretrained", "config_from_hf", "read_safetensors", "read_checkpoint", "SUPPORTED_MODEL_TYPES"]
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2")
-SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "deepseek_v3")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2")
+GEMMA_FAMILY = ("gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, *GEMMA_FAMILY, "deepseek_v3")
+
+# transformers' class defaults for fields a config.json may leave out (v4-era files omit defaults).
+_FAMILY_DEFAULTS = {
+    "gemma2": dict(tie_word_embeddings=True, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
+                   attn_logit_softcapping=50.0, final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh"),
+    "gemma3_text": dict(tie_word_embeddings=True, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
+                        hidden_activation="gelu_pytorch_tanh", rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+                        sliding_window_pattern=6),
+    "phi3": dict(rms_norm_eps=1e-5),
+    "olmo2": dict(rms_norm_eps=1e-5),
+    "qwen3": dict(head_dim=128),
+}
 
 _ST_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -99,10 +129,26 @@ def read_safetensors(path: str | Path) -> dict[str, Tensor]:
 
 
 def _load_bin(path: Path) -> dict[str, Tensor]:
-    sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    try:
+        sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError:
+        raise  # weights_only refused a global: torch's message says which
+    except (OSError, RuntimeError, EOFError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable PyTorch checkpoint (truncated or corrupt?): "
+                         f"{type(e).__name__}: {e}") from None
     if not isinstance(sd, dict):
         raise ValueError(f"{path}: expected a state dict, got {type(sd).__name__}")
     return sd
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
 
 
 def read_checkpoint(directory: str | Path) -> dict[str, Tensor]:
@@ -114,7 +160,7 @@ def read_checkpoint(directory: str | Path) -> dict[str, Tensor]:
         if (d / single).is_file():
             return reader(d / single)
         if (d / index).is_file():
-            weight_map = json.loads((d / index).read_text()).get("weight_map")
+            weight_map = _read_json(d / index).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise ValueError(f"{d / index} has no weight_map")
             sd: dict[str, Tensor] = {}
@@ -143,77 +189,203 @@ def _as_dict(cfg) -> dict[str, Any]:
     raise TypeError(f"config must be a dict (config.json) or a Hugging Face config, got {type(cfg).__name__}")
 
 
-def _rope_fields(c: dict, head_dim: int | None) -> dict:
+def _rope_fields(c: dict, head_dim: int | None, layer_type: str | None = None) -> dict:
     """rope_theta / rope_scaling of a config.json (v4 ``rope_scaling`` + ``rope_theta`` or v5
-    ``rope_parameters``), resolved exactly as :meth:`RotaryEmbedding.from_hf_config` does."""
+    ``rope_parameters``, per layer type where the config nests them), resolved exactly as
+    :meth:`RotaryEmbedding.from_hf_config` does; partial rotary kept as ``partial_rotary_factor``."""
     ns = SimpleNamespace(**{**c, "head_dim": head_dim})
-    rc = RotaryEmbedding.from_hf_config(ns, interleaved=False).config
-    if rc.rotary_dim != rc.head_dim:
-        raise ValueError(f"partial rotary embeddings (rotary_dim {rc.rotary_dim} of head_dim {rc.head_dim}) "
-                         "are not supported by attnkit.models")
+    try:
+        rope = RotaryEmbedding.from_hf_config(ns, interleaved=False, layer_type=layer_type)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"config.json (model_type {c.get('model_type')!r}): unsupported RoPE settings "
+                         f"(rope_parameters / rope_scaling / rope_theta): {e}") from None
+    rc = rope.config
     scaling = None if rc.rope_type == "default" else {k: v for k, v in rc.scaling.items() if k != "rope_theta"}
+    if rc.rotary_dim != rc.head_dim:
+        params = c.get("rope_parameters") or c.get("rope_scaling") or {}
+        if layer_type is not None and isinstance(params.get(layer_type), Mapping):
+            params = params[layer_type]
+        prf = params.get("partial_rotary_factor", c.get("partial_rotary_factor"))
+        scaling = {"rope_type": rc.rope_type, **(scaling or {}), "partial_rotary_factor": prf}
     return {"rope_theta": rc.base, "rope_scaling": scaling}
 
 
-class _ConfigDict(dict):
-    """config.json as a dict whose missing required keys are a ValueError naming them."""
+def _layer_types(f: "_Fields", mt: str, L: int) -> tuple[list[str], int | None]:
+    """Per-layer attention kinds and the sliding window W (None: every layer full)."""
+    c = f.c
+    window = f.int("sliding_window", None)
+    given = c.get("layer_types")
+    if mt in ("qwen2", "qwen3") and not f.bool("use_sliding_window", False):
+        return ["full_attention"] * L, None  # transformers ignores sliding_window then
+    if given is not None:
+        if not isinstance(given, list) or len(given) != L or any(t not in ("full_attention", "sliding_attention")
+                                                                   for t in given):
+            raise ValueError(f"{f.where} field 'layer_types' must list 'full_attention' / 'sliding_attention' for "
+                             f"each of the {L} layers, got {given!r:.200}")
+        types = list(given)
+    elif window is None:
+        types = ["full_attention"] * L
+    elif mt == "gemma2":  # transformers' defaults when the file predates layer_types
+        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(L)]
+    elif mt == "gemma3_text":
+        pattern = f.int("sliding_window_pattern", f.int("_sliding_window_pattern", 6))
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(L)]
+    elif mt in ("qwen2", "qwen3"):
+        first = f.int("max_window_layers", L, low=0)
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(L)]
+    else:  # Mistral, Phi-3: every layer
+        types = ["sliding_attention"] * L
+    if "sliding_attention" not in types:
+        return types, None
+    if window is None:
+        raise ValueError(f"{f.where} has sliding_attention layers but no sliding_window")
+    return types, window
 
-    def __missing__(self, key):
-        raise ValueError(f"config.json (model_type {self.get('model_type')!r}) has no {key!r}, which the "
-                         f"decoder needs")
+
+_REQUIRED = object()
+
+
+class _Fields:
+    """config.json read with types checked: a wrong type or a missing required key is a ValueError
+    naming the field, the value and the model type (JSON's ``"false"`` is a string, not a bool)."""
+
+    def __init__(self, c: dict):
+        self.c = c
+        self.where = f"config.json (model_type {c.get('model_type')!r})"
+
+    def _get(self, key, default):
+        if key in self.c and self.c[key] is not None:
+            return self.c[key], True
+        if default is _REQUIRED:
+            raise ValueError(f"{self.where} has no {key!r}, which the decoder needs")
+        return default, False
+
+    def _bad(self, key, val, what):
+        return ValueError(f"{self.where} field {key!r} must be {what}, got {val!r} ({type(val).__name__})")
+
+    def int(self, key, default=_REQUIRED, *, low: int = 1):
+        val, given = self._get(key, default)
+        if given and (isinstance(val, bool) or not isinstance(val, int) or val < low):
+            raise self._bad(key, val, f"an int >= {low}")
+        return val
+
+    def bool(self, key, default=_REQUIRED):
+        val, given = self._get(key, default)
+        if given and not isinstance(val, bool):
+            raise self._bad(key, val, "true or false")
+        return val
+
+    def float(self, key, default=_REQUIRED, *, positive: bool = True):
+        val, given = self._get(key, default)
+        if given and (isinstance(val, bool) or not isinstance(val, (int, float)) or not math.isfinite(val)
+                      or (positive and val <= 0)):
+            raise self._bad(key, val, "a finite number" + (" > 0" if positive else ""))
+        return None if val is None else float(val)
+
+    def str(self, key, default=_REQUIRED):
+        val, given = self._get(key, default)
+        if given and not isinstance(val, str):
+            raise self._bad(key, val, "a string")
+        return val
+
+    def dict(self, key, default=None):
+        val, given = self._get(key, default)
+        if given and not isinstance(val, Mapping):
+            raise self._bad(key, val, "an object")
+        return val
 
 
 def config_from_hf(cfg) -> DecoderConfig:
     """The :class:`DecoderConfig` of a Hugging Face config (``config.json`` as a dict, or a
-    ``PretrainedConfig``). Raises ValueError for architectures or options the decoder does not
-    implement (naming them), never silently approximates."""
+    ``PretrainedConfig``) of a supported family (:data:`SUPPORTED_MODEL_TYPES`). Field types
+    are checked (errors name the field); architectures or options the decoder does not implement
+    raise ValueError naming them, never silently approximated."""
     c = _as_dict(cfg)
     mt = c.get("model_type")
     if mt not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type {mt!r} is not supported; attnkit.models loads {SUPPORTED_MODEL_TYPES}")
-    act = c.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"hidden_act {act!r} is not supported (the decoder's MLP is SwiGLU with silu)")
-    if c.get("quantization_config"):
-        raise ValueError(f"quantized checkpoints ({c['quantization_config'].get('quant_method', '?')}) are "
+        hint = " (load the text model's checkpoint, model_type 'gemma3_text')" if mt == "gemma3" else ""
+        raise ValueError(f"model_type {mt!r} is not supported{hint}; attnkit.models loads {SUPPORTED_MODEL_TYPES}")
+    c = {**_FAMILY_DEFAULTS.get(mt, {}), **c}  # an explicit null stays null (e.g. no soft-capping)
+    f = _Fields(c)
+    gemma = mt in GEMMA_FAMILY
+    act_key = "hidden_activation" if gemma and "hidden_activation" in c else "hidden_act"
+    act = f.str(act_key, "silu")
+    if act not in HIDDEN_ACTS:
+        raise ValueError(f"{act_key} {act!r} is not supported (the decoder's gated MLP takes {HIDDEN_ACTS})")
+    quant = f.dict("quantization_config")
+    if quant:
+        raise ValueError(f"quantized checkpoints ({quant.get('quant_method', '?')}) are "
                          "not supported; dequantize to bf16/fp32 first")
-    c = _ConfigDict(c)
-    H = c["num_attention_heads"]
-    common = dict(vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_layers=c["num_hidden_layers"],
-                  num_heads=H, intermediate_size=c["intermediate_size"],
-                  tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-                  rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-                  max_position_embeddings=c.get("max_position_embeddings", 2048))
+    if f.bool("use_bidirectional_attention", False):
+        raise ValueError(f"{f.where}: use_bidirectional_attention=true (an encoder) is not supported; the decoder "
+                         "is causal")
+    H = f.int("num_attention_heads")
+    E = f.int("hidden_size")
+    L = f.int("num_hidden_layers")
+    common = dict(vocab_size=f.int("vocab_size"), hidden_size=E, num_layers=L,
+                  num_heads=H, intermediate_size=f.int("intermediate_size"),
+                  tie_word_embeddings=f.bool("tie_word_embeddings", False),
+                  rms_norm_eps=f.float("rms_norm_eps", 1e-6),
+                  max_position_embeddings=f.int("max_position_embeddings", 2048), hidden_act=act)
+    f.float("rope_theta", None)  # type-checked here; resolved with the rope dict below
+    f.dict("rope_scaling")
+    f.dict("rope_parameters")
     if mt == "deepseek_v3":
-        L = c["num_hidden_layers"]
-        k_dense = c.get("first_k_dense_replace", 0)
-        if c.get("n_routed_experts") and k_dense < L:
+        k_dense = f.int("first_k_dense_replace", 0, low=0)
+        experts = f.int("n_routed_experts", 0, low=0)
+        if experts and k_dense < L:
             raise ValueError(f"this DeepSeek-V3 config has mixture-of-experts layers (first_k_dense_replace="
-                             f"{k_dense} < num_hidden_layers={L}, n_routed_experts={c['n_routed_experts']}); "
+                             f"{k_dense} < num_hidden_layers={L}, n_routed_experts={experts}); "
                              "attnkit.models loads dense-MLP checkpoints only")
-        return DecoderConfig(**common, attention="mla", head_dim=c["v_head_dim"],
-                             kv_lora_rank=c["kv_lora_rank"], q_lora_rank=c.get("q_lora_rank"),
-                             qk_nope_head_dim=c["qk_nope_head_dim"], qk_rope_head_dim=c["qk_rope_head_dim"],
-                             v_head_dim=c["v_head_dim"], rope_interleave=bool(c.get("rope_interleave", True)),
-                             attention_bias=bool(c.get("attention_bias", False)),
-                             **_rope_fields(c, c["qk_rope_head_dim"]))
-    if mt == "mistral" and c.get("sliding_window") is not None:
-        raise ValueError(f"Mistral with sliding_window={c['sliding_window']} is not supported by the decoder "
-                         "(full causal attention only); set sliding_window to null to load it as full attention")
-    if mt == "qwen2" and c.get("use_sliding_window"):
-        raise ValueError("Qwen2 with use_sliding_window=true is not supported (full causal attention only)")
-    kv = c.get("num_key_value_heads") or H
-    head_dim = c.get("head_dim") or c["hidden_size"] // H
+        rope_dim = f.int("qk_rope_head_dim")
+        return DecoderConfig(**common, attention="mla", head_dim=f.int("v_head_dim"),
+                             kv_lora_rank=f.int("kv_lora_rank"), q_lora_rank=f.int("q_lora_rank", None),
+                             qk_nope_head_dim=f.int("qk_nope_head_dim"), qk_rope_head_dim=rope_dim,
+                             v_head_dim=f.int("v_head_dim"), rope_interleave=f.bool("rope_interleave", True),
+                             attention_bias=f.bool("attention_bias", False), **_rope_fields(c, rope_dim))
+    kv = f.int("num_key_value_heads", H)
+    head_dim = f.int("head_dim", None)
+    if head_dim is None:
+        if E % H:
+            raise ValueError(f"{f.where}: hidden_size ({E}) is not divisible by num_attention_heads ({H}) and "
+                             "there is no head_dim")
+        head_dim = E // H
     attention = "mha" if kv == H else "mqa" if kv == 1 else "gqa"
     if mt == "qwen2":
         bias, out_bias = True, False
-    elif mt == "mistral":
+    elif mt in ("mistral", "phi3"):
         bias = out_bias = False
     else:
-        bias = out_bias = bool(c.get("attention_bias", False))
+        bias = out_bias = f.bool("attention_bias", False)
+    types, window = _layer_types(f, mt, L)
+    family: dict[str, Any] = {}
+    if gemma:
+        family = dict(norm_style="gemma", norm_placement="sandwich", embedding_multiplier=E ** 0.5,
+                      query_scale=f.float("query_pre_attn_scalar") ** -0.5,
+                      attn_softcap=f.float("attn_logit_softcapping", None),
+                      final_softcap=f.float("final_logit_softcapping", None))
+        if mt == "gemma3_text":
+            family["qk_norm"] = "head"
+    elif mt == "qwen3":
+        family = dict(qk_norm="head")
+    elif mt == "olmo2":
+        family = dict(qk_norm="full", norm_style="olmo2", norm_placement="post")
+    rope = _rope_fields(c, head_dim, "full_attention" if _nested_rope(c) else None)
+    if mt == "gemma3_text" and "sliding_attention" in types:
+        if _nested_rope(c):
+            local = _rope_fields(c, head_dim, "sliding_attention")
+        else:  # v4 files: rope_local_base_freq, default RoPE on the local layers
+            local = {"rope_theta": f.float("rope_local_base_freq"), "rope_scaling": None}
+        family.update(local_rope_theta=local["rope_theta"], local_rope_scaling=local["rope_scaling"])
     return DecoderConfig(**common, attention=attention, num_kv_heads=kv, head_dim=head_dim,
-                         attention_bias=bias, attention_out_bias=out_bias,
-                         mlp_bias=bool(c.get("mlp_bias", False)), **_rope_fields(c, head_dim))
+                         attention_bias=bias, attention_out_bias=out_bias, mlp_bias=f.bool("mlp_bias", False),
+                         layer_types=tuple(types), sliding_window=window, **rope, **family)
+
+
+def _nested_rope(c: dict) -> bool:
+    """Whether the config's rope_parameters are per layer type (Gemma 3 in transformers v5)."""
+    params = c.get("rope_parameters")
+    return isinstance(params, Mapping) and any(k in params for k in ("full_attention", "sliding_attention"))
 
 
 def _config_dtype(c: dict) -> torch.dtype | None:
@@ -263,7 +435,7 @@ def load_pretrained(path: str | Path, *, dtype: torch.dtype | None = None, devic
         raise FileNotFoundError(f"{d} is not a directory (expected a save_pretrained checkpoint folder)")
     if not (d / "config.json").is_file():
         raise FileNotFoundError(f"{d} has no config.json")
-    c = json.loads((d / "config.json").read_text())
+    c = _read_json(d / "config.json")
     cfg = config_from_hf(c)
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise TypeError(f"dtype must be a torch floating dtype, got {dtype!r}")

@@ -2,5 +2,7 @@
 
 from .attention import GroupedQueryAttention, MultiHeadAttention, MultiQueryAttention
 from .mla import MLAConfig, MultiHeadLatentAttention
+from .norm import RMSNorm
 
-__all__ = ["MultiHeadAttention", "GroupedQueryAttention", "MultiQueryAttention", "MLAConfig", "MultiHeadLatentAttention"]
+__all__ = ["MultiHeadAttention", "GroupedQueryAttention", "MultiQueryAttention", "MLAConfig", "MultiHeadLatentAttention",
+           "RMSNorm"]

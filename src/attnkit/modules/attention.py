@@ -6,6 +6,14 @@ Notation: B batch, Sq / Sk query / key lengths, E embed dim, H query heads, Hkv 
 The module owns the projections and the wiring (RoPE, cache); the numbers come from
 :func:`attnkit.attention`. Parameter names are Hugging Face's (``q_proj``, ``k_proj``, ``v_proj``,
 ``o_proj``) so Llama / Mistral / Qwen2-family attention state dicts load with ``strict=True``.
+
+Fusion is explicit: ``fused_qkv=True`` holds one ``qkv_proj`` Linear (Phi-3's name) whose rows are
+q | k | v, so self-attention reads the weights in one matrix product and rotates q and k in one
+go. A ``load_state_dict`` pre-hook turns separate ``q_proj / k_proj / v_proj`` entries (weights
+and biases) into ``qkv_proj`` and, on an unfused module, a ``qkv_proj`` entry into the three, so
+both checkpoint layouts load with ``strict=True`` into either module; so do BLOOM / GPT-NeoX
+attention state dicts (``query_key_value`` with rows ordered per head, ``dense``). ``state_dict()``
+emits the module's own names (see :mod:`attnkit.modules._fused` for why).
 """
 
 from __future__ import annotations
@@ -13,11 +21,76 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..caches import KVCache, new_cache
+import inspect
+import math
+
+from .. import masks as _masks
+from ..caches import BoundCache, KVCache, SlidingWindowCache, new_cache
 from ..functional import attention
-from ..masks import KeyPadding, Mask, as_mask
+from ..masks import KeyPadding, Mask, SlidingWindow, as_mask
+from ..rope import RotaryEmbedding
+from ._fused import FusedLoadHook, HeadInterleavedLoadHook
+from .norm import RMSNorm
 
 __all__ = ["MultiHeadAttention", "GroupedQueryAttention", "MultiQueryAttention"]
+
+
+#: Which core options this attnkit's :func:`attnkit.attention` takes (softcap / sinks and the
+#: ``ALiBi`` mask arrive with issue 14's core work); a module asking for a missing one fails at
+#: construction, naming it, instead of at its first call.
+_CORE_HAS = {"softcap": "softcap" in inspect.signature(attention).parameters,
+             "sinks": "sinks" in inspect.signature(attention).parameters,
+             "alibi": hasattr(_masks, "ALiBi") and hasattr(_masks, "alibi_slopes")}
+
+
+def _need_core(option: str) -> None:
+    if not _CORE_HAS[option]:
+        raise NotImplementedError(f"{option} needs attnkit.attention(..., {option}=) / attnkit.masks.ALiBi from issue "
+                                  f"14's core work, which this attnkit does not have yet" if option != "alibi" else
+                                  "alibi=True needs attnkit.masks.ALiBi and alibi_slopes (issue 14's core work), "
+                                  "which this attnkit does not have yet")
+
+
+def check_variant_options(num_heads: int, scale, softcap, window) -> None:
+    """Shared checks of the attention-variant options of the attention modules."""
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not math.isfinite(scale) or scale <= 0):
+        raise ValueError(f"scale must be a finite number > 0 or None (1 / sqrt(head_dim)), got {scale!r}")
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) \
+                or softcap <= 0:
+            raise ValueError(f"softcap must be a finite number > 0 or None, got {softcap!r}")
+        _need_core("softcap")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int (tokens each query sees, itself included) or None, "
+                         f"got {window!r}")
+
+
+def window_mask(window: int | None, cache, batch: int, device) -> Mask | None:
+    """The sliding-window mask of a module with ``window`` over ``cache`` (None: no cache): each
+    query sees itself and the ``window - 1`` keys before it, anchored at each row's own position
+    (the cache's lengths before this step). A sliding cache applies its window itself (it must be
+    the module's); None then."""
+    if window is None:
+        return None
+    if cache is None:
+        return SlidingWindow(window - 1)
+    base = cache.cache if isinstance(cache, BoundCache) else cache
+    if isinstance(base, SlidingWindowCache):
+        if base.window != window:
+            raise ValueError(f"this module attends over a window of {window} tokens but the sliding cache keeps "
+                             f"window={base.window}; build the cache with window={window}")
+        return None
+    return SlidingWindow(window - 1, offsets=_offsets(cache, batch, device))
+
+
+def _offsets(cache, batch: int, device) -> Tensor:
+    """(B,) tokens each row of ``cache`` holds before this step (a copy: a cache may advance its
+    lengths in place when it commits, before a mask built from them is read)."""
+    old = cache.lengths
+    if old.numel() == 0:
+        return torch.zeros(batch, dtype=torch.long, device=device)
+    return old if isinstance(cache, BoundCache) else old.clone()
 
 
 def _positive(name: str, val) -> int:
@@ -39,6 +112,24 @@ class MultiHeadAttention(nn.Module):
         out_dim: width of the output (default E).
         bias: bias on q/k/v projections (Qwen2 has them, Llama does not).
         out_bias: bias on o_proj (default: ``bias``).
+        fused_qkv: one ``qkv_proj`` Linear (rows q | k | v) instead of three; self-attention
+            only (kdim = vdim = embed_dim). Checkpoints in either layout load (see the module
+            docstring).
+        scale: the softmax scale (default 1 / sqrt(hd); Gemma: ``query_pre_attn_scalar ** -0.5``).
+        softcap: scores become ``softcap * tanh(scores / softcap)`` after scaling (Gemma 2).
+        sinks: a learned ``sinks`` parameter (H,): per-head logits that join each row's softmax
+            denominator and carry no value (gpt-oss).
+        qk_norm: RMSNorm of q and k before RoPE, parameters ``q_norm`` / ``k_norm``: True or
+            "head" normalises each head's hd values (Qwen3, Gemma 3), "full" the whole projected
+            width, H * hd and Hkv * hd (OLMo 2).
+        qk_norm_kw: keyword arguments of those :class:`attnkit.modules.RMSNorm` (``eps``,
+            ``unit_offset`` for Gemma, ``scale_in_fp32`` for OLMo 2).
+        window: a sliding window of ``window`` tokens, the query itself included (Mistral's
+            ``sliding_window``; the mask ``SlidingWindow(window - 1)``), honoured with every
+            cache; with a sliding cache (``new_cache("sliding", window=window)``) only the
+            window is kept.
+        alibi: ALiBi position bias with the standard slopes of H heads (BLOOM), usually with
+            ``rope=None``.
         dropout: attention-probability dropout, applied in training mode only.
         causal: bottom-right causal self-attention (decoders).
         rope: an :class:`attnkit.RotaryEmbedding` (or None), applied to q and k at ``positions``.
@@ -50,8 +141,10 @@ class MultiHeadAttention(nn.Module):
                  head_dim: int | None = None, kdim: int | None = None, vdim: int | None = None,
                  v_head_dim: int | None = None, out_dim: int | None = None, bias: bool = False,
                  out_bias: bool | None = None, dropout: float = 0.0, causal: bool = False,
-                 rope: nn.Module | None = None, batch_first: bool = True, backend: str = "auto",
-                 device=None, dtype=None):
+                 rope: RotaryEmbedding | None = None, batch_first: bool = True, backend: str = "auto",
+                 fused_qkv: bool = False, scale: float | None = None, softcap: float | None = None,
+                 sinks: bool = False, qk_norm: bool | str = False, qk_norm_kw: dict | None = None,
+                 window: int | None = None, alibi: bool = False, device=None, dtype=None):
         super().__init__()
         self.embed_dim = _positive("embed_dim", embed_dim)
         self.num_heads = _positive("num_heads", num_heads)
@@ -71,17 +164,70 @@ class MultiHeadAttention(nn.Module):
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
         self.dropout, self.causal, self.batch_first, self.backend = float(dropout), causal, batch_first, backend
+        if rope is not None and not isinstance(rope, RotaryEmbedding):
+            raise TypeError(f"rope must be an attnkit.RotaryEmbedding or None, got {type(rope).__name__}")
+        if rope is not None and rope.head_dim != self.head_dim:
+            raise ValueError(f"rope has head_dim={rope.head_dim} but this module's head_dim is {self.head_dim}")
         self.rope = rope
+        if not isinstance(fused_qkv, bool):
+            raise TypeError(f"fused_qkv must be a bool, got {fused_qkv!r}")
+        if fused_qkv and (self.kdim != embed_dim or self.vdim != embed_dim):
+            raise ValueError(f"fused_qkv=True projects one input (self-attention): kdim ({self.kdim}) and vdim "
+                             f"({self.vdim}) must equal embed_dim ({embed_dim})")
+        self.fused_qkv = fused_qkv
         kw = {"device": device, "dtype": dtype}
-        self.q_proj = nn.Linear(embed_dim, num_heads * self.head_dim, bias=bias, **kw)
-        self.k_proj = nn.Linear(self.kdim, self.num_kv_heads * self.head_dim, bias=bias, **kw)
-        self.v_proj = nn.Linear(self.vdim, self.num_kv_heads * self.v_head_dim, bias=bias, **kw)
+        sizes = (num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.v_head_dim)
+        self._qkv_sizes = sizes
+        if fused_qkv:
+            self.qkv_proj = nn.Linear(embed_dim, sum(sizes), bias=bias, **kw)
+        else:
+            self.q_proj = nn.Linear(embed_dim, sizes[0], bias=bias, **kw)
+            self.k_proj = nn.Linear(self.kdim, sizes[1], bias=bias, **kw)
+            self.v_proj = nn.Linear(self.vdim, sizes[2], bias=bias, **kw)
         self.o_proj = nn.Linear(num_heads * self.v_head_dim, self.out_dim,
                                 bias=bias if out_bias is None else out_bias, **kw)
+        if self.num_kv_heads == num_heads and self.v_head_dim == self.head_dim:  # BLOOM / GPT-NeoX names
+            self.register_load_state_dict_pre_hook(HeadInterleavedLoadHook(num_heads, self.head_dim))
+        self.register_load_state_dict_pre_hook(
+            FusedLoadHook("qkv_proj", ("q_proj", "k_proj", "v_proj"), sizes, to_fused=fused_qkv))
 
-    def _heads(self, x: Tensor, heads: int, dim: int) -> Tensor:
-        """(B, S, heads * dim) -> (B, heads, S, dim)."""
-        return x.unflatten(-1, (heads, dim)).transpose(1, 2)
+        check_variant_options(num_heads, scale, softcap, window)
+        for name, val in (("sinks", sinks), ("alibi", alibi)):
+            if not isinstance(val, bool):
+                raise TypeError(f"{name} must be a bool, got {val!r}")
+        if qk_norm not in (False, True, "head", "full"):
+            raise ValueError(f"qk_norm must be False, True / 'head' (per head) or 'full' (whole width), got {qk_norm!r}")
+        if window is not None and not causal:
+            raise ValueError("window= is a causal sliding window: it needs causal=True")
+        self.scale = None if scale is None else float(scale)
+        self.softcap = None if softcap is None else float(softcap)
+        self.window = window
+        self.qk_norm = {False: None, True: "head"}.get(qk_norm, qk_norm)
+        if self.qk_norm is not None:
+            widths = (self.head_dim, self.head_dim) if self.qk_norm == "head" else sizes[:2]
+            nkw = dict(qk_norm_kw or {})
+            self.q_norm = RMSNorm(widths[0], **nkw, **kw)
+            self.k_norm = RMSNorm(widths[1], **nkw, **kw)
+        elif qk_norm_kw is not None:
+            raise ValueError("qk_norm_kw applies with qk_norm")
+        if sinks:
+            _need_core("sinks")
+            self.sinks = nn.Parameter(torch.zeros(num_heads, **kw))
+        else:
+            self.sinks = None
+        self.alibi = alibi
+        if alibi:
+            _need_core("alibi")
+            self.register_buffer("alibi_slopes", _masks.alibi_slopes(num_heads).to(device=device, dtype=torch.float32),
+                                 persistent=False)
+
+    def extra_repr(self) -> str:
+        opts = [f"heads={self.num_heads}", f"kv_heads={self.num_kv_heads}", f"head_dim={self.head_dim}"]
+        for name in ("scale", "softcap", "window", "qk_norm"):
+            if getattr(self, name) is not None:
+                opts.append(f"{name}={getattr(self, name)!r}")
+        opts += [n for n in ("alibi",) if getattr(self, n)] + (["sinks"] if self.sinks is not None else [])
+        return ", ".join(opts)
 
     def _check_input(self, name: str, x: Tensor, width: int) -> None:
         if not isinstance(x, Tensor) or x.dim() != 3:
@@ -91,7 +237,7 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"{name} has width {x.shape[-1]} (shape {tuple(x.shape)}), expected {width}")
 
     def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None, *,
-                mask=None, key_padding_mask: Tensor | None = None, positions: Tensor | None = None,
+                mask=None, key_padding_mask: Tensor | None = None, positions=None,
                 cache: KVCache | None = None, need_weights: bool = False):
         """Self-attention ``forward(x)`` or cross-attention ``forward(query, key, value)``.
 
@@ -101,8 +247,9 @@ class MultiHeadAttention(nn.Module):
             mask: as in :func:`attnkit.attention` (True = attend), over (B, H, Sq, Sk_total).
             key_padding_mask: (B, Sk) with ``nn.MultiheadAttention``'s meaning: True (or -inf)
                 marks padding to ignore.
-            positions: (B, Sq) int positions for RoPE; default: the cache's next positions, or
-                0..Sq-1.
+            positions: (B, Sq) (or (1, Sq)) int positions for RoPE, or the
+                :class:`attnkit.rope.RotaryAngles` a model computed once for every layer
+                (``rope.angles(positions)``); default: the cache's next positions, or 0..Sq-1.
             cache: a :class:`attnkit.caches.KVCache`; this step's K/V are appended and the
                 attention runs over everything cached (causal modules only).
             need_weights: also return the per-head weights (B, H, Sq, Sk_total) in fp32.
@@ -110,7 +257,7 @@ class MultiHeadAttention(nn.Module):
         Returns:
             out (B, Sq, out_dim) (or (Sq, B, out_dim)), and the weights with ``need_weights``.
         """
-        self_attn = key is None and value is None
+        self_attn = (key is None and value is None) or (key is query and value is query)
         if self_attn:
             key = value = query
         elif key is None or value is None:
@@ -119,31 +266,43 @@ class MultiHeadAttention(nn.Module):
             query, key, value = (t.transpose(0, 1) if isinstance(t, Tensor) and t.dim() == 3 else t
                                  for t in (query, key, value))
         self._check_input("query", query, self.embed_dim)
-        self._check_input("key", key, self.kdim)
-        self._check_input("value", value, self.vdim)
+        if not self_attn:
+            self._check_input("key", key, self.kdim)
+            self._check_input("value", value, self.vdim)
         B, Sq, _ = query.shape
         if key.shape[:2] != value.shape[:2] or key.shape[0] != B:
             raise ValueError(f"query {tuple(query.shape)}, key {tuple(key.shape)} and value "
                              f"{tuple(value.shape)} must share the batch, and key/value the length")
-        q = self._heads(self.q_proj(query), self.num_heads, self.head_dim)
-        k = self._heads(self.k_proj(key), self.num_kv_heads, self.head_dim)
-        v = self._heads(self.v_proj(value), self.num_kv_heads, self.v_head_dim)
         if cache is not None and not self.causal:
             raise ValueError("cache= needs a causal module (causal=True): a cache attends to the past")
+        if self.rope is not None and not self_attn:
+            raise ValueError("rope applies to self-attention (query and key share positions)")
+        if self.fused_qkv and not self_attn:
+            raise ValueError("this module has a fused qkv_proj (fused_qkv=True): it runs self-attention only; "
+                             "call it with the query alone")
+        angles = None
         if self.rope is not None:
-            if not self_attn:
-                raise ValueError("rope applies to self-attention (query and key share positions)")
             if positions is None:
                 positions = cache.positions(Sq) if cache is not None else \
-                    torch.arange(Sq, device=query.device).expand(B, Sq)
-            q, k = self.rope(q, k, positions)
+                    torch.arange(Sq, device=query.device)[None]
+            angles = self.rope.angles(positions)  # validates once for q and k
+        q, k, v = self._project(query, key, value, angles)  # (B, H, Sq, hd), (B, Hkv, Sk, hd), (B, Hkv, Sk, hdv)
         user_mask = as_mask(mask)
         if key_padding_mask is not None:
             # With a cache, the key length is the cache's; the mask's own check names it.
             kv_len = k.shape[2] if cache is None else None
             user_mask = _and(user_mask, _torch_key_padding(key_padding_mask, B, kv_len))
+        user_mask = _and(user_mask, window_mask(self.window, cache, B, q.device))
+        if self.alibi:
+            user_mask = _and(user_mask, self._alibi(cache, B, q.device))
         kw = dict(dropout_p=self.dropout if self.training else 0.0, backend=self.backend,
                   return_weights=need_weights)
+        if self.scale is not None:
+            kw["scale"] = self.scale
+        if self.softcap is not None:
+            kw["softcap"] = self.softcap
+        if self.sinks is not None:
+            kw["sinks"] = self.sinks
         if cache is None:
             res = attention(q, k, v, user_mask, causal=self.causal, **kw)
         else:  # the cache's own mask places each query after its sequence's past
@@ -154,15 +313,55 @@ class MultiHeadAttention(nn.Module):
             out = out.transpose(0, 1)
         return (out, weights) if need_weights else out
 
+    def _alibi(self, cache, batch: int, device) -> Mask:
+        """ALiBi bias ``slope_h * (j - i)`` in key coordinates, anchored like the causal mask
+        (each row's own position with a cache)."""
+        if cache is None:
+            return _masks.ALiBi(self.alibi_slopes)
+        return _masks.ALiBi(self.alibi_slopes, offsets=_offsets(cache, batch, device))
+
+    def _project(self, query: Tensor, key: Tensor, value: Tensor, angles) -> tuple[Tensor, Tensor, Tensor]:
+        """q (B, H, Sq, hd), k (B, Hkv, Sk, hd), v (B, Hkv, Sk, hdv), normalised (``qk_norm``) and
+        rotated at ``angles``.
+
+        Heads are split from the (B, S, heads * dim) projections as (B, S, heads, dim) views and
+        normalised and rotated there; fused without QK-norm, q and k sit side by side and rotate
+        in one call."""
+        H, Hkv, hd, hdv = self.num_heads, self.num_kv_heads, self.head_dim, self.v_head_dim
+        if self.fused_qkv:
+            nq, nk, nv = self._qkv_sizes
+            qk, v = self.qkv_proj(query).split([nq + nk, nv], dim=-1)  # of (B, S, (H + Hkv) hd + Hkv hdv)
+            v = v.unflatten(-1, (Hkv, hdv))
+            if self.qk_norm is None:
+                qk = qk.unflatten(-1, (H + Hkv, hd))  # (B, S, H + Hkv, hd)
+                if angles is not None:
+                    qk = self.rope.rotate(qk, angles, layout="bshd")
+                q, k = qk.split([H, Hkv], dim=2)
+                return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            q, k = qk.split([nq, nk], dim=-1)
+        else:
+            q, k = self.q_proj(query), self.k_proj(key)
+            v = self.v_proj(value).unflatten(-1, (Hkv, hdv))
+        if self.qk_norm == "full":  # OLMo 2: over the whole projected width
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.unflatten(-1, (H, hd)), k.unflatten(-1, (Hkv, hd))
+        if self.qk_norm == "head":  # Qwen3, Gemma 3: over each head
+            q, k = self.q_norm(q), self.k_norm(k)
+        if angles is not None:
+            q = self.rope.rotate(q, angles, layout="bshd")
+            k = self.rope.rotate(k, angles, layout="bshd")
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def new_cache(self, kind: str = "dynamic", *, max_batch: int | None = None, max_len: int | None = None,
                   window: int | None = None, allocator=None, dtype: torch.dtype | None = None,
                   device=None) -> KVCache:
         """An empty cache shaped for this module (Hkv heads, hd / hdv), in the weights' dtype and
         device unless given: "dynamic", "static" (needs max_batch, max_len), "sliding" (needs
-        window, max_batch) or "paged" (needs the :class:`~attnkit.caches.BlockAllocator` that
+        max_batch; window defaults to the module's) or "paged" (needs the :class:`~attnkit.caches.BlockAllocator` that
         all layers of a model share)."""
-        w = self.q_proj.weight
+        w = self.o_proj.weight
+        if window is None and kind == "sliding":
+            window = self.window  # the module's own window
         return new_cache(kind, (self.num_kv_heads, self.head_dim, self.v_head_dim), max_batch=max_batch,
                          max_len=max_len, window=window, allocator=allocator, dtype=dtype or w.dtype,
                          device=device or w.device)

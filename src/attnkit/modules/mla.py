@@ -46,7 +46,8 @@ from ..caches import BoundCache, KVCache, new_cache
 from ..functional import attention
 from ..masks import as_mask
 from ..rope import RopeConfig, RotaryEmbedding, yarn_get_mscale
-from .attention import _and, _torch_key_padding
+from .attention import _and, _need_core, _torch_key_padding, check_variant_options, window_mask
+from .norm import RMSNorm
 
 __all__ = ["MLAConfig", "MultiHeadLatentAttention"]
 
@@ -227,23 +228,6 @@ class _RopeView:
 # --------------------------------------------------------------------------- module
 
 
-class _RMSNorm(nn.Module):
-    """RMSNorm as DeepSeek / Hugging Face compute it: normalise in fp32, cast back, then scale."""
-
-    def __init__(self, dim: int, eps: float, device=None, dtype=None):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-    def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}"
-
-
 def _cpu_half(x: Tensor) -> bool:
     """fp16/bf16 GEMMs on CPU have no fast kernel without AVX512-BF16/AMX (measured ~5x slower
     than fp32 on AVX2), so the matmuls MLA adds run in fp32 there and round once to the input
@@ -272,6 +256,12 @@ class MultiHeadLatentAttention(nn.Module):
             (absorbed for cached steps of at most :attr:`absorb_max_len` tokens). All three give
             the same result up to rounding.
         backend: the :func:`attnkit.attention` backend.
+        scale: overrides the softmax scale (default ``config.softmax_scale``).
+        softcap: scores become ``softcap * tanh(scores / softcap)`` after scaling.
+        sinks: a learned ``sinks`` parameter (H,) of per-head logits joining the softmax
+            denominator.
+        window: a causal sliding window of ``window`` tokens (the query included), honoured with
+            every latent cache.
 
     Parameters (Hugging Face / DeepSeek names): ``q_a_proj, q_a_layernorm, q_b_proj`` (or
     ``q_proj`` when ``q_lora_rank`` is None), ``kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj,
@@ -284,7 +274,9 @@ class MultiHeadLatentAttention(nn.Module):
     :meth:`check_cache`, :meth:`resolve_mode`.
     """
 
-    def __init__(self, config: MLAConfig, mode: str = "auto", backend: str = "auto", device=None, dtype=None):
+    def __init__(self, config: MLAConfig, mode: str = "auto", backend: str = "auto", device=None, dtype=None, *,
+                 scale: float | None = None, softcap: float | None = None, sinks: bool = False,
+                 window: int | None = None):
         super().__init__()
         if not isinstance(config, MLAConfig):
             raise TypeError(f"config must be an MLAConfig, got {type(config).__name__}")
@@ -293,15 +285,24 @@ class MultiHeadLatentAttention(nn.Module):
         self.config, self.mode, self.backend = config, mode, backend
         c = config
         H, E, r = c.num_heads, c.hidden_size, c.kv_lora_rank
+        check_variant_options(H, scale, softcap, window)
+        if not isinstance(sinks, bool):
+            raise TypeError(f"sinks must be a bool, got {sinks!r}")
+        self.scale = c.softmax_scale if scale is None else float(scale)
+        self.softcap = None if softcap is None else float(softcap)
+        self.window = window
+        if sinks:
+            _need_core("sinks")
+        self.sinks = nn.Parameter(torch.zeros(H, device=device, dtype=dtype)) if sinks else None
         kw = {"device": device, "dtype": dtype}
         if c.q_lora_rank is None:
             self.q_proj = nn.Linear(E, H * c.qk_head_dim, bias=False, **kw)
         else:
             self.q_a_proj = nn.Linear(E, c.q_lora_rank, bias=c.attention_bias, **kw)
-            self.q_a_layernorm = _RMSNorm(c.q_lora_rank, c.rms_norm_eps, **kw)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, **kw)
             self.q_b_proj = nn.Linear(c.q_lora_rank, H * c.qk_head_dim, bias=False, **kw)
         self.kv_a_proj_with_mqa = nn.Linear(E, r + c.qk_rope_head_dim, bias=c.attention_bias, **kw)
-        self.kv_a_layernorm = _RMSNorm(r, c.rms_norm_eps, **kw)
+        self.kv_a_layernorm = RMSNorm(r, c.rms_norm_eps, **kw)
         self.kv_b_proj = nn.Linear(r, H * (c.qk_nope_head_dim + c.v_head_dim), bias=False, **kw)
         self.o_proj = nn.Linear(H * c.v_head_dim, E, bias=c.attention_bias, **kw)
         self.rope = RotaryEmbedding.from_config(c.rope)
@@ -412,9 +413,13 @@ class MultiHeadLatentAttention(nn.Module):
         mode = self.resolve_mode(S, cache is not None) if mode is None else mode
         if mode not in ("naive", "absorb"):
             raise ValueError(f"mode must be 'naive', 'absorb' or None, got {mode!r}")
-        user_mask = as_mask(mask)
-        kw = dict(scale=c.softmax_scale, dropout_p=c.attention_dropout if self.training else 0.0,
+        user_mask = _and(as_mask(mask), window_mask(self.window, cache, q_nope.shape[0], q_nope.device))
+        kw = dict(scale=self.scale, dropout_p=c.attention_dropout if self.training else 0.0,
                   backend=self.backend, return_weights=need_weights)
+        if self.softcap is not None:
+            kw["softcap"] = self.softcap
+        if self.sinks is not None:
+            kw["sinks"] = self.sinks
         if mode == "absorb":
             w_uk, w_uv = self.absorbed_weights()
             q_cat = torch.cat((_per_head_matmul(q_nope, w_uk), q_pe), dim=-1)  # (B, H, S, r + dr)
@@ -445,7 +450,9 @@ class MultiHeadLatentAttention(nn.Module):
             mask: as in :func:`attnkit.attention` (True = attend), over (B, H, S, L), L = S without
                 a cache, else the key length the cache returns; ANDed with causality.
             key_padding_mask: (B, L), ``nn.MultiheadAttention``'s meaning: True (or -inf) = padding.
-            positions: (B, S) int RoPE positions; default the cache's next positions, or 0..S-1.
+            positions: (B, S) (or (1, S)) int RoPE positions, or the
+                :class:`attnkit.rope.RotaryAngles` of ``self.rope.angles(positions)`` (a model
+                computes them once for every layer); default the cache's next positions, or 0..S-1.
             cache: a latent cache (:meth:`new_cache`); this step's ``[c_kv | k_pe]`` is appended.
             need_weights: also return the attention weights (B, H, S, L) in fp32.
 
@@ -460,7 +467,7 @@ class MultiHeadLatentAttention(nn.Module):
         if cache is not None:  # before any work: a wrong cache is the likeliest mistake
             self.check_cache(cache)
         if positions is None:
-            positions = cache.positions(S) if cache is not None else torch.arange(S, device=x.device).expand(B, S)
+            positions = cache.positions(S) if cache is not None else torch.arange(S, device=x.device)[None]
         q_nope, q_pe, latent = self.project(x, positions)
         user_mask = as_mask(mask)
         if key_padding_mask is not None:
