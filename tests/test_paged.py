@@ -878,3 +878,38 @@ def test_allocator_takes_numpy_and_tensor_ints():
     for bad in (2.0, True, np.float32(3), -1):
         with pytest.raises(ValueError, match="num_tokens must be a non-negative int"):
             alloc.append(sid, bad)
+
+
+def test_consecutive_steps_reuse_the_committed_table_and_it_always_matches_the_blocks():
+    """A step of the same batch copies the last committed block table and writes only what changed;
+    any other change in between (fork, crop, reorder, set_batch, abort) makes it start afresh."""
+    rng = random.Random(3)
+    alloc = BlockAllocator(400, 3)
+    cache = PagedKVCache(1, 1, allocator=alloc, dtype=torch.float64)
+    dense = DynamicCache(1, 1, dtype=torch.float64)
+    B = 3
+    for i in range(60):
+        S = rng.randrange(1, 5)
+        n = torch.tensor([rng.randrange(0, S + 1) for _ in range(B)])
+        k = torch.randn(B, 1, S, 1, dtype=torch.float64)
+        if alloc.batch:
+            step = alloc.begin_step(B, S, n)
+            for b, blocks in enumerate(step.blocks):
+                assert step.table[b, :len(blocks)].tolist() == blocks
+            alloc.abort(step)
+        with attnkit.caches.step([cache, dense], batch=B, tokens=S, num_new=n) as (c, d):
+            c.update(k, k, num_new=n)
+            d.update(k, k, num_new=n)
+        kp, _ = cache.view(cache.begin(B, 0), dense=True)[:2]
+        alloc.abort(alloc.open_step)
+        kd = dense.k_buf
+        for b, L in enumerate(dense.lengths.tolist()):
+            assert torch.equal(kp[b, :, :L], kd[b, :, :L])
+        if i % 7 == 3:  # a change between steps: the next step builds its table from the blocks
+            other = alloc.fork(alloc.batch[0])
+            alloc.crop(other, rng.randrange(0, alloc.length(other) + 1))
+            alloc.free(other)
+        if i % 11 == 5:
+            perm = list(range(B))
+            rng.shuffle(perm)
+            attnkit.caches.reorder([cache, dense], torch.tensor(perm))

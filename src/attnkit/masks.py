@@ -695,7 +695,9 @@ class And(_Compose):
 
     def key_range(self, batch, q_len, kv_len, device=None):
         lo = hi = None
-        for m in self.masks:
+        # parts that allow every key (a decode step's bottom-right Causal) leave the range as it is
+        parts = [m for m in self.masks if not m.allows_all(q_len, kv_len)] or self.masks[:1]
+        for m in parts:
             r = m.key_range(batch, q_len, kv_len, device)
             if r is None:
                 return None

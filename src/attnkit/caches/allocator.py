@@ -107,7 +107,8 @@ class PagedStep(CacheStep):
     """
 
     def __init__(self, alloc: "BlockAllocator", seq_ids, old: list[int], n: list[int], S: int,
-                 blocks: list[list[int]], cow: list[tuple[int, int]], taken: list[int], token_ids):
+                 blocks: list[list[int]], cow: list[tuple[int, int]], taken: list[int], token_ids,
+                 base: Tensor | None = None, first_changed: list[int] | None = None):
         super().__init__(torch.tensor(old, dtype=torch.long), torch.tensor(n, dtype=torch.long), S,
                          old_host=old, num_new_host=n)
         self.alloc, self.seq_ids, self.blocks, self.cow, self.taken = alloc, seq_ids, blocks, cow, taken
@@ -123,7 +124,17 @@ class PagedStep(CacheStep):
         self.slots = torch.tensor(slots, dtype=torch.long)
         self.src = None if len(src) == len(old) * S else torch.tensor(src, dtype=torch.long)
         width = max((len(x) for x in blocks), default=0)
-        self.table = torch.tensor([x + [0] * (width - len(x)) for x in blocks], dtype=torch.long).view(len(blocks), width)
+        if base is None:  # (B, W); entries past a row's last block are 0 (never read)
+            self.table = torch.tensor([x + [0] * (width - len(x)) for x in blocks],
+                                      dtype=torch.long).view(len(blocks), width)
+        else:  # the committed table of the same rows: copy it and write the entries this step changes
+            self.table = torch.zeros(len(blocks), width, dtype=torch.long)
+            w = min(width, base.shape[1])
+            self.table[:, :w] = base[:, :w]
+            at = [(b, i, x[i]) for b, (x, f) in enumerate(zip(blocks, first_changed)) for i in range(f, len(x))]
+            if at:
+                rows, cols, ids = torch.tensor(at, dtype=torch.long).unbind(1)
+                self.table[rows, cols] = ids
         self._on: dict = {}
 
     def on(self, device) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor]:
@@ -170,6 +181,10 @@ class BlockAllocator:
         self._caches: weakref.WeakSet = weakref.WeakSet()  # layer pools (CoW copies)
         self._batch: tuple[int, ...] = ()
         self._open: PagedStep | None = None
+        # The last committed step's block table, reused by the next step of the same batch when
+        # nothing changed in between (_version counts every other change).
+        self._version = 0
+        self._table: tuple[tuple, Tensor] | None = None
 
     # ---------------------------------------------------------------- state
 
@@ -243,6 +258,7 @@ class BlockAllocator:
         if self._open is not None:
             raise RuntimeError(f"{what}: a step is open on this allocator (begun by a forward that has not "
                                f"finished); commit or abort it first")
+        self._version += 1  # a change may follow: the committed table is no longer known to match
 
     def add_sequence(self, seq_id: int | None = None, *, token_ids=None) -> int:
         """A new empty sequence (id ``seq_id`` or the next free one); returns its id.
@@ -386,6 +402,7 @@ class BlockAllocator:
         (default all). Reserves the blocks the step needs (copy-on-write included) or raises
         :class:`OutOfBlocks`; changes nothing a sequence holds. ``token_ids``: per row, the ids of
         its new tokens, confirmed for prefix caching at commit (rows without ids: None)."""
+        known = self._table if self._table is not None and self._table[0] == (self._version, self._batch) else None
         self._closed("begin_step")
         batch, S = _as_count(batch, "batch", 0), _as_count(tokens, "tokens", 0)
         ids = self._batch if seq_ids is None else tuple(_as_id(s, "seq_ids") for s in seq_ids)
@@ -417,21 +434,24 @@ class BlockAllocator:
         need = self._needed(list(zip(seqs, n)))
         if need > self.num_free:
             raise OutOfBlocks(need, self.num_free, self.num_blocks, f"writing {sum(n)} tokens for a batch of {batch}")
-        bs, dropped, cow, taken, plans = self.block_size, {}, [], [], []
+        bs, dropped, cow, taken, plans, first = self.block_size, {}, [], [], [], []
         for seq, k in zip(seqs, n):
             blocks = list(seq.blocks)
+            first.append(len(blocks))  # the first table entry this step changes
             if k > 0 and seq.length % bs:
                 last = blocks[-1]
                 if self._ref[last] - dropped.get(last, 0) > 1:  # shared partial block: write a private copy
                     dropped[last] = dropped.get(last, 0) + 1
                     blocks[-1] = self._reserve(taken)
                     cow.append((last, blocks[-1]))
+                    first[-1] -= 1
                 elif last in self._block_key:  # a cached block cropped into: its content will change
                     del self._cached[self._block_key.pop(last)]
             while len(blocks) * bs < seq.length + k:
                 blocks.append(self._reserve(taken))
             plans.append(blocks)
-        step = PagedStep(self, ids, [s.length for s in seqs], n, S, plans, cow, taken, tok)
+        base = known[1] if known is not None and seq_ids is None and ids is not None else None
+        step = PagedStep(self, ids, [s.length for s in seqs], n, S, plans, cow, taken, tok, base, first)
         self._open = step
         return step
 
@@ -461,6 +481,7 @@ class BlockAllocator:
                 del seq.tokens[min(len(seq.tokens), old):]  # unconfirmed positions: nothing to register
             self._register(seq)
         self._open = None
+        self._table = ((self._version, self._batch), step.table) if ids == self._batch else None
 
     def abort(self, step: PagedStep) -> None:
         """Forget ``step``: its reserved blocks go back to the pool; nothing else changed."""

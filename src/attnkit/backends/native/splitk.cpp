@@ -112,8 +112,10 @@ struct Args {
   float softcap;        // 0: off
 };
 
+// Heads h .. h + nh - 1 of sequence b over keys [s0, s1); its partial results go to slots
+// slot .. slot + nh - 1 (one per head).
 struct Unit {
-  int64_t b, h, s0, s1;
+  int64_t b, h, nh, s0, s1, slot;
 };
 
 [[noreturn]] __attribute__((noinline, cold)) void bad_block(int64_t b, int64_t slot, int64_t blk, const Args& a) {
@@ -280,8 +282,9 @@ inline vf vload_as_f32<c10::Half>(const c10::Half* p) {
 constexpr bool kHalfInRegisters = false;
 #endif
 
-// One unit: all M rows of KV head h of sequence b over keys [s0, s1). Writes m (M), l (M) and the
-// unnormalised acc (M, Dv).
+// One unit: all M rows of each of its nh KV heads over keys [s0, s1). Writes m (nh, M), l (nh, M)
+// and the unnormalised acc (nh, M, Dv). The heads of a unit share the walk over the keys: a tile's
+// rows of all nh heads are gathered (prefetched) together, then each head runs over them in turn.
 //
 // InPlace: the loops read key and value rows as T itself, in place in the cache, widened to fp32
 // in registers (when whole vectors cover D and Dv); else as floats from a tile buffer the rows are
@@ -295,9 +298,11 @@ constexpr bool kHalfInRegisters = false;
 template <typename T, bool InPlace>
 void run_unit(const Args& a, const Unit& u, float* m, float* l, float* acc_out) {
   using R = typename std::conditional<InPlace, T, float>::type;
-  const int64_t M = a.G * a.Sq, D = a.D, Dv = a.Dv;
+  const int64_t M = a.G * a.Sq, D = a.D, Dv = a.Dv, NH = u.nh;
+  // distance between the rows of consecutive heads: paged (block, slot, h) / dense (b, h, j)
+  const int64_t kstep = a.paged ? a.ks2 : a.ks1, vstep = a.paged ? a.vs2 : a.vs1;
   const int64_t Dp = round_up(D, VL), Dvp = round_up(Dv, VL);
-  const int64_t TILE = round_up(std::max<int64_t>(8, std::min<int64_t>(64, 4096 / std::max(Dp, Dvp))), VL);
+  const int64_t TILE = round_up(std::max<int64_t>(8, std::min<int64_t>(64, 4096 / (std::max(Dp, Dvp) * NH))), VL);
   const bool v_from_k = a.v == nullptr;
   constexpr bool in_place = InPlace;
   // Scratch reused across units of a thread. Plain pointers from here on: every access to a
@@ -305,21 +310,22 @@ void run_unit(const Args& a, const Unit& u, float* m, float* l, float* acc_out) 
   thread_local std::vector<float> scratch;
   thread_local std::vector<int64_t> bounds;
   thread_local std::vector<const void*> rows;
-  const int64_t kbuf_n = in_place ? 0 : TILE * Dp, vbuf_n = (in_place || v_from_k) ? 0 : TILE * Dvp;
-  scratch.assign(M * Dp + kbuf_n + vbuf_n + M * TILE + M * Dvp, 0.0f);  // zero padding lanes
+  const int64_t kbuf_n = in_place ? 0 : NH * TILE * Dp, vbuf_n = (in_place || v_from_k) ? 0 : NH * TILE * Dvp;
+  scratch.assign(NH * M * Dp + kbuf_n + vbuf_n + M * TILE + NH * M * Dvp, 0.0f);  // zero padding lanes
   bounds.resize(2 * M);
-  rows.resize(2 * TILE);
+  rows.resize(2 * NH * TILE);
   float* const qbuf = scratch.data();
-  float* const kbuf = qbuf + M * Dp;
+  float* const kbuf = qbuf + NH * M * Dp;
   float* const vbuf = kbuf + kbuf_n;
   float* const sbuf = vbuf + vbuf_n;
   float* const acc = sbuf + M * TILE;
   int64_t* const rlo = bounds.data();
   int64_t* const rhi = rlo + M;
-  const R** const krow = reinterpret_cast<const R**>(rows.data());
-  const R** const vrow = krow + TILE;
-  for (int64_t r = 0; r < M; ++r) {
-    const float* src = a.q + ((u.b * a.Hq + u.h * a.G + r / a.Sq) * a.Sq + r % a.Sq) * D;
+  const R** const krow = reinterpret_cast<const R**>(rows.data());  // (NH, TILE)
+  const R** const vrow = krow + NH * TILE;
+  for (int64_t r = 0; r < NH * M; ++r) {
+    const int64_t hh = r / M, rr = r % M;
+    const float* src = a.q + ((u.b * a.Hq + (u.h + hh) * a.G + rr / a.Sq) * a.Sq + rr % a.Sq) * D;
     std::copy(src, src + D, qbuf + r * Dp);
   }
 
@@ -332,9 +338,12 @@ void run_unit(const Args& a, const Unit& u, float* m, float* l, float* acc_out) 
       start = std::min(start, rlo[r]);
       end = std::max(end, rhi[r]);
     }
-    m[r] = kNegInf;
-    l[r] = 0.0f;
   }
+  std::fill(m, m + NH * M, kNegInf);
+  std::fill(l, l + NH * M, 0.0f);
+  // prefetch span of a key / value row of all NH heads
+  const int64_t kspan = ((NH - 1) * kstep + D) * static_cast<int64_t>(sizeof(T));
+  const int64_t vspan = ((NH - 1) * vstep + Dv) * static_cast<int64_t>(sizeof(T));
 
   Rows<T> kr_walk(a, a.k, a.ks0, a.ks1, a.ks2, u.b, u.h), kp_walk = kr_walk;
   Rows<T> vr_walk(a, v_from_k ? a.k : a.v, a.vs0, a.vs1, a.vs2, u.b, u.h), vp_walk = vr_walk;
@@ -348,36 +357,48 @@ void run_unit(const Args& a, const Unit& u, float* m, float* l, float* acc_out) 
     for (int64_t j = 0; j < n; ++j) {
       if (j < ahead) {  // the same key of the next tile, requested now (its latency overlaps this tile)
         const char* pk = reinterpret_cast<const char*>(kp_walk.next());
-        for (int64_t c = 0; c < D * static_cast<int64_t>(sizeof(T)); c += 64) __builtin_prefetch(pk + c, 0, 3);
+        for (int64_t c = 0; c < kspan; c += 64) __builtin_prefetch(pk + c, 0, 3);
         if (!v_from_k) {
           const char* pv = reinterpret_cast<const char*>(vp_walk.next());
-          for (int64_t c = 0; c < Dv * static_cast<int64_t>(sizeof(T)); c += 64) __builtin_prefetch(pv + c, 0, 3);
+          for (int64_t c = 0; c < vspan; c += 64) __builtin_prefetch(pv + c, 0, 3);
         }
       }
-      const T* kr = kr_walk.next();
-      const T* vr = v_from_k ? kr : vr_walk.next();
-      if constexpr (in_place) {
-        krow[j] = kr;
-        vrow[j] = vr;  // V = K[:Dv] reads the K row
-      } else {
-        to_f32<T>(kr, kbuf + j * Dp, D);
-        krow[j] = kbuf + j * Dp;
-        if (v_from_k) {
-          vrow[j] = krow[j];  // lanes past Dv hold K's other channels: accumulated, dropped
+      const T* kr0 = kr_walk.next();
+      const T* vr0 = v_from_k ? kr0 : vr_walk.next();
+      for (int64_t hh = 0; hh < NH; ++hh) {
+        const T* kr = kr0 + hh * kstep;
+        const T* vr = v_from_k ? kr : vr0 + hh * vstep;
+        const int64_t x = hh * TILE + j;
+        if constexpr (in_place) {
+          krow[x] = kr;
+          vrow[x] = vr;  // V = K[:Dv] reads the K row
         } else {
-          to_f32<T>(vr, vbuf + j * Dvp, Dv);
-          vrow[j] = vbuf + j * Dvp;
+          to_f32<T>(kr, kbuf + x * Dp, D);
+          krow[x] = kbuf + x * Dp;
+          if (v_from_k) {
+            vrow[x] = krow[x];  // lanes past Dv hold K's other channels: accumulated, dropped
+          } else {
+            to_f32<T>(vr, vbuf + x * Dvp, Dv);
+            vrow[x] = vbuf + x * Dvp;
+          }
         }
       }
     }
+    for (int64_t hh = 0; hh < NH; ++hh) {
+    const R* const* const krh = krow + hh * TILE;
+    const R* const* const vrh = vrow + hh * TILE;
+    const float* const qh = qbuf + hh * M * Dp;
+    float* const mh = m + hh * M;
+    float* const lh = l + hh * M;
+    float* const ach = acc + hh * M * Dvp;
     // Scores s[r][j] = q_r . k_j
     int64_t j = 0;
     for (; j + 2 <= n; j += 2) {
-      const R* k0 = krow[j];
-      const R* k1 = krow[j + 1];
+      const R* k0 = krh[j];
+      const R* k1 = krh[j + 1];
       int64_t r = 0;
       for (; r + 4 <= M; r += 4) {
-        const float* q0 = qbuf + r * Dp;
+        const float* q0 = qh + r * Dp;
         vf c00 = {}, c01 = {}, c10 = {}, c11 = {}, c20 = {}, c21 = {}, c30 = {}, c31 = {};
         for (int64_t d = 0; d < Dp; d += VL) {
           const vf x0 = vload_as_f32(k0 + d), x1 = vload_as_f32(k1 + d);
@@ -397,7 +418,7 @@ void run_unit(const Args& a, const Unit& u, float* m, float* l, float* acc_out) 
         sr[3 * TILE] = sums[6]; sr[3 * TILE + 1] = sums[7];
       }
       for (; r < M; ++r) {
-        const float* q0 = qbuf + r * Dp;
+        const float* q0 = qh + r * Dp;
         vf c0 = {}, c1 = {};
         for (int64_t d = 0; d < Dp; d += VL) {
           const vf y = vload(q0 + d);
@@ -410,9 +431,9 @@ void run_unit(const Args& a, const Unit& u, float* m, float* l, float* acc_out) 
     }
     for (; j < n; ++j) {
       for (int64_t r = 0; r < M; ++r) {
-        const float* q0 = qbuf + r * Dp;
+        const float* q0 = qh + r * Dp;
         vf c0 = {};
-        for (int64_t d = 0; d < Dp; d += VL) c0 += vload(q0 + d) * vload_as_f32(krow[j] + d);
+        for (int64_t d = 0; d < Dp; d += VL) c0 += vload(q0 + d) * vload_as_f32(krh[j] + d);
         sbuf[r * TILE + j] = hsum(c0);
       }
     }
@@ -425,7 +446,7 @@ void run_unit(const Args& a, const Unit& u, float* m, float* l, float* acc_out) 
         std::fill(s, s + n, 0.0f);
         continue;
       }
-      const int64_t g = r / a.Sq, i = r % a.Sq, hq = u.h * a.G + g;
+      const int64_t g = r / a.Sq, i = r % a.Sq, hq = (u.h + hh) * a.G + g;
       if (a.softcap > 0.0f) {
         const float c = a.softcap, inv = 1.0f / a.softcap;
         for (int64_t jj = 0; jj < n; jj += VL) vstore(s + jj, vtanh(vload(s + jj) * inv) * c);
@@ -448,12 +469,12 @@ void run_unit(const Args& a, const Unit& u, float* m, float* l, float* acc_out) 
       }
       float mt = kNegInf;
       for (int64_t k = 0; k < VL; ++k) mt = nan_max(vmax[k], mt);
-      const float m_new = nan_max(mt, m[r]);
+      const float m_new = nan_max(mt, mh[r]);
       if (m_new == kNegInf) {  // every visible score so far is -inf (masked by the bias)
         std::fill(s, s + n, 0.0f);
         continue;
       }
-      const float alpha = exp_f32(m[r] - m_new);  // 0 while m is -inf; NaN poisons the row
+      const float alpha = exp_f32(mh[r] - m_new);  // 0 while m is -inf; NaN poisons the row
       vf vsum = {};
       const vf mv = vsplat(m_new);
       for (int64_t jj = 0; jj < TILE; jj += VL) {
@@ -461,13 +482,13 @@ void run_unit(const Args& a, const Unit& u, float* m, float* l, float* acc_out) 
         vstore(s + jj, p);
         vsum += p;
       }
-      l[r] = l[r] * alpha + hsum(vsum);
+      lh[r] = lh[r] * alpha + hsum(vsum);
       if (alpha != 1.0f) {
-        float* ar = acc + r * Dvp;
+        float* ar = ach + r * Dvp;
         const vf va = vsplat(alpha);
         for (int64_t d = 0; d < Dvp; d += VL) vstore(ar + d, vload(ar + d) * va);
       }
-      m[r] = m_new;
+      mh[r] = m_new;
       vis_lo = std::min(vis_lo, jlo);
       vis_hi = std::max(vis_hi, jhi);
     }
@@ -478,12 +499,12 @@ void run_unit(const Args& a, const Unit& u, float* m, float* l, float* acc_out) 
     for (; d + 2 * VL <= Dvp; d += 2 * VL) {
       int64_t r = 0;
       for (; r + 4 <= M; r += 4) {
-        float* a0 = acc + r * Dvp + d;
+        float* a0 = ach + r * Dvp + d;
         const float* p0 = sbuf + r * TILE;
         vf x0 = vload(a0), y0 = vload(a0 + VL), x1 = vload(a0 + Dvp), y1 = vload(a0 + Dvp + VL);
         vf x2 = vload(a0 + 2 * Dvp), y2 = vload(a0 + 2 * Dvp + VL), x3 = vload(a0 + 3 * Dvp), y3 = vload(a0 + 3 * Dvp + VL);
         for (int64_t jj = vis_lo; jj < vis_hi; ++jj) {
-          const vf va = vload_as_f32(vrow[jj] + d), vb = vload_as_f32(vrow[jj] + d + VL);
+          const vf va = vload_as_f32(vrh[jj] + d), vb = vload_as_f32(vrh[jj] + d + VL);
           const vf p_0 = vsplat(p0[jj]), p_1 = vsplat(p0[TILE + jj]), p_2 = vsplat(p0[2 * TILE + jj]), p_3 = vsplat(p0[3 * TILE + jj]);
           x0 += p_0 * va; y0 += p_0 * vb;
           x1 += p_1 * va; y1 += p_1 * vb;
@@ -496,13 +517,13 @@ void run_unit(const Args& a, const Unit& u, float* m, float* l, float* acc_out) 
         vstore(a0 + 3 * Dvp, x3); vstore(a0 + 3 * Dvp + VL, y3);
       }
       for (; r < M; ++r) {
-        float* a0 = acc + r * Dvp + d;
+        float* a0 = ach + r * Dvp + d;
         const float* p0 = sbuf + r * TILE;
         vf x0 = vload(a0), y0 = vload(a0 + VL);
         for (int64_t jj = vis_lo; jj < vis_hi; ++jj) {
           const vf pp = vsplat(p0[jj]);
-          x0 += pp * vload_as_f32(vrow[jj] + d);
-          y0 += pp * vload_as_f32(vrow[jj] + d + VL);
+          x0 += pp * vload_as_f32(vrh[jj] + d);
+          y0 += pp * vload_as_f32(vrh[jj] + d + VL);
         }
         vstore(a0, x0);
         vstore(a0 + VL, y0);
@@ -510,30 +531,32 @@ void run_unit(const Args& a, const Unit& u, float* m, float* l, float* acc_out) 
     }
     for (; d < Dvp; d += VL) {
       for (int64_t r = 0; r < M; ++r) {
-        float* a0 = acc + r * Dvp + d;
+        float* a0 = ach + r * Dvp + d;
         const float* p0 = sbuf + r * TILE;
         vf x0 = vload(a0);
-        for (int64_t jj = vis_lo; jj < vis_hi; ++jj) x0 += p0[jj] * vload_as_f32(vrow[jj] + d);
+        for (int64_t jj = vis_lo; jj < vis_hi; ++jj) x0 += p0[jj] * vload_as_f32(vrh[jj] + d);
         vstore(a0, x0);
       }
     }
+    }  // heads
   }
-  for (int64_t r = 0; r < M; ++r) std::copy(acc + r * Dvp, acc + r * Dvp + Dv, acc_out + r * Dv);
+  for (int64_t r = 0; r < NH * M; ++r) std::copy(acc + r * Dvp, acc + r * Dvp + Dv, acc_out + r * Dv);
 }
 
-// Splits each (b, kv head)'s visible key range into slices of about equal length, enough of them
-// that torch's threads (static partition of the unit list) get balanced work. Units of one
-// (b, kv head) are ``first[p] + i * stride[p]`` for i < count[p].
+// Splits each sequence's visible key range into slices of about equal length, enough of them that
+// torch's threads (static partition of the unit list) get balanced work. The partial results of
+// (b, kv head) are in slots ``first[p] + i * stride[p]`` for i < count[p].
 //
-// Paged pools interleave the KV heads of a token (N, bs, Hkv, D): there the slices are short (a
-// slice of every head fits in L2) and ordered (sequence, slice, head), so one thread reads all
-// heads of a slice's blocks back to back and each block comes from DRAM once, not once per head.
+// Dense caches (B, Hkv, Sk, D) hold each head's rows contiguously: a unit is one head of a slice.
+// Paged pools interleave the KV heads of a token (N, bs, Hkv, D): a unit is every head of a slice,
+// so the walk reads each block's rows front to back, once, as a dense unit reads its head's rows.
 struct Plan {
   std::vector<Unit> units;
   std::vector<int64_t> first, stride, count;
+  int64_t slots = 0;
 };
 
-Plan plan_units(const Args& a, int64_t elem_bytes) {
+Plan plan_units(const Args& a) {
   const int64_t threads = at::get_num_threads();
   std::vector<int64_t> start(a.B), end(a.B);
   int64_t total = 0;
@@ -551,11 +574,9 @@ Plan plan_units(const Args& a, int64_t elem_bytes) {
     end[b] = e;
     total += (e - s) * a.Hkv;
   }
-  int64_t per_unit = std::max<int64_t>(256, (total + 4 * threads - 1) / (4 * threads));
-  if (a.paged) {  // every head of a slice within ~256 KiB (L2)
-    const int64_t token_bytes = a.Hkv * (a.D + (a.v == nullptr ? 0 : a.Dv)) * elem_bytes;
-    per_unit = std::min(per_unit, std::max<int64_t>(a.block_size, (256 << 10) / std::max<int64_t>(1, token_bytes)));
-  }
+  const int64_t nh = a.paged ? a.Hkv : 1;  // heads per unit
+  // keys (of one head) per unit: ~4 units per thread, at least 256 key rows of work
+  const int64_t per_unit = std::max<int64_t>(256, (total + 4 * threads - 1) / (4 * threads)) / nh;
   Plan plan;
   const int64_t P = a.B * a.Hkv;
   plan.first.assign(P, 0);
@@ -563,17 +584,19 @@ Plan plan_units(const Args& a, int64_t elem_bytes) {
   plan.count.assign(P, 0);
   for (int64_t b = 0; b < a.B; ++b) {
     const int64_t len = end[b] - start[b];
-    const int64_t pieces = std::max<int64_t>(1, (len + per_unit - 1) / per_unit);
-    const int64_t base = static_cast<int64_t>(plan.units.size());
+    const int64_t pieces = std::max<int64_t>(1, (len + per_unit - 1) / std::max<int64_t>(1, per_unit));
+    const int64_t base = plan.slots;  // slots of b: (head, piece) dense, (piece, head) paged
     for (int64_t h = 0; h < a.Hkv; ++h) {
       plan.first[b * a.Hkv + h] = a.paged ? base + h : base + h * pieces;
       plan.stride[b * a.Hkv + h] = a.paged ? a.Hkv : 1;
       plan.count[b * a.Hkv + h] = pieces;
     }
-    for (int64_t i = 0; i < pieces * a.Hkv; ++i) {
-      const int64_t p = a.paged ? i / a.Hkv : i % pieces, h = a.paged ? i % a.Hkv : i / pieces;
-      plan.units.push_back({b, h, start[b] + len * p / pieces, start[b] + len * (p + 1) / pieces});
-    }
+    for (int64_t h = 0; h < a.Hkv; h += nh)
+      for (int64_t p = 0; p < pieces; ++p) {
+        const int64_t slot = a.paged ? base + p * a.Hkv : base + h * pieces + p;
+        plan.units.push_back({b, h, nh, start[b] + len * p / pieces, start[b] + len * (p + 1) / pieces, slot});
+      }
+    plan.slots += pieces * a.Hkv;
   }
   return plan;
 }
@@ -581,18 +604,19 @@ Plan plan_units(const Args& a, int64_t elem_bytes) {
 template <typename T>
 void run_all(const Args& a, float* out, float* lse, const float* sinks) {
   const int64_t M = a.G * a.Sq, Dv = a.Dv;
-  const Plan plan = plan_units(a, sizeof(T));
+  const Plan plan = plan_units(a);
   const std::vector<Unit>& units = plan.units;
   const int64_t U = static_cast<int64_t>(units.size());
-  std::vector<float> pm(U * M), pl(U * M), pacc(U * M * Dv);
+  std::vector<float> pm(plan.slots * M), pl(plan.slots * M), pacc(plan.slots * M * Dv);
   // Rows are read in place when whole vectors cover them (and the type widens in registers).
   const bool in_place = a.D % VL == 0 && a.Dv % VL == 0 && (!std::is_same<T, c10::Half>::value || kHalfInRegisters);
   at::parallel_for(0, U, 1, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
+      const int64_t x = units[u].slot;
       if (in_place)
-        run_unit<T, true>(a, units[u], &pm[u * M], &pl[u * M], &pacc[u * M * Dv]);
+        run_unit<T, true>(a, units[u], &pm[x * M], &pl[x * M], &pacc[x * M * Dv]);
       else
-        run_unit<T, false>(a, units[u], &pm[u * M], &pl[u * M], &pacc[u * M * Dv]);
+        run_unit<T, false>(a, units[u], &pm[x * M], &pl[x * M], &pacc[x * M * Dv]);
     }
   });
   // Merge the slices of each (b, kv head): exact log-sum-exp rule; sinks join the denominator.
