@@ -109,20 +109,23 @@ class PagedStep(CacheStep):
     def __init__(self, alloc: "BlockAllocator", seq_ids, old: list[int], n: list[int], S: int,
                  blocks: list[list[int]], cow: list[tuple[int, int]], taken: list[int], token_ids,
                  base: Tensor | None = None, first_changed: list[int] | None = None):
-        super().__init__(torch.tensor(old, dtype=torch.long), torch.tensor(n, dtype=torch.long), S,
-                         old_host=old, num_new_host=n)
-        self.alloc, self.seq_ids, self.blocks, self.cow, self.taken = alloc, seq_ids, blocks, cow, taken
-        self.token_ids = token_ids
-        self.copied: set[int] = set()  # ids of the layer caches that made their CoW copies
-        bs = alloc.block_size
+        bs, B = alloc.block_size, len(old)
         slots, src = [], []
         for b, (o, k, blks) in enumerate(zip(old, n, blocks)):
             for j in range(k):
                 p = o + j
                 slots.append(blks[p // bs] * bs + p % bs)
                 src.append(b * S + j)
-        self.slots = torch.tensor(slots, dtype=torch.long)
-        self.src = None if len(src) == len(old) * S else torch.tensor(src, dtype=torch.long)
+        dense = len(src) == B * S
+        # one host-to-tensor conversion for the small vectors: [old | num_new | slots | src]
+        packed = torch.tensor(old + n + slots + ([] if dense else src), dtype=torch.long)
+        T = len(slots)
+        super().__init__(packed[:B], packed[B:2 * B], S, old_host=old, num_new_host=n)
+        self.alloc, self.seq_ids, self.blocks, self.cow, self.taken = alloc, seq_ids, blocks, cow, taken
+        self.token_ids = token_ids
+        self.copied: set[int] = set()  # ids of the layer caches that made their CoW copies
+        self.slots = packed[2 * B:2 * B + T]
+        self.src = None if dense else packed[2 * B + T:]
         width = max((len(x) for x in blocks), default=0)
         if base is None:  # (B, W); entries past a row's last block are 0 (never read)
             self.table = torch.tensor([x + [0] * (width - len(x)) for x in blocks],

@@ -133,7 +133,8 @@ class KVCache(nn.Module):
 
     def view(self, step: CacheStep, *, dense: bool = False):
         """(k_all, v_all, mask) to attend to after ``write``: tensors (B, Hkv, L, ·) (or, for a
-        paged cache unless ``dense``, a :class:`attnkit.PagedKV` and None) and the step's mask."""
+        paged cache unless ``dense``, a :class:`attnkit.PagedKV` and None) and the step's mask (None:
+        nothing beyond the paged lengths, which attention applies itself)."""
         raise NotImplementedError
 
     def commit(self, step: CacheStep) -> None:
@@ -322,7 +323,7 @@ class BoundCache:
                              f"{_shape(q)}")
         self.cache.write(self.step, k, v)
         k_all, v_all, cache_mask = self.cache.view(self.step)
-        full = cache_mask if user_mask is None else cache_mask & user_mask
+        full = cache_mask if user_mask is None else user_mask if cache_mask is None else cache_mask & user_mask
         return attention(q, k_all, v_all, full, **kwargs)
 
 

@@ -195,7 +195,9 @@ class PagedKVCache(KVCache):
         if dense:
             k_all, v_all = kv.gather()
             return k_all, v_all, Causal(offsets=old) & KeyPadding(new)
-        return kv, None, Causal(offsets=old)  # attention() adds KeyPadding(lengths)
+        # attention() adds KeyPadding(lengths); a step of one new token per row needs nothing more
+        one = step.tokens == 1 and step.num_new_host is not None and all(x == 1 for x in step.num_new_host)
+        return kv, None, None if one else Causal(offsets=old)
 
     def commit(self, step):
         self.allocator.commit(step)

@@ -302,7 +302,7 @@ void run_unit(const Args& a, const Unit& u, float* m, float* l, float* acc_out) 
   // distance between the rows of consecutive heads: paged (block, slot, h) / dense (b, h, j)
   const int64_t kstep = a.paged ? a.ks2 : a.ks1, vstep = a.paged ? a.vs2 : a.vs1;
   const int64_t Dp = round_up(D, VL), Dvp = round_up(Dv, VL);
-  const int64_t TILE = round_up(std::max<int64_t>(8, std::min<int64_t>(64, 4096 / (std::max(Dp, Dvp) * NH))), VL);
+  const int64_t TILE = round_up(std::max<int64_t>(8, std::min<int64_t>(64, 16384 / (std::max(Dp, Dvp) * NH * static_cast<int64_t>(sizeof(R))))), VL);
   const bool v_from_k = a.v == nullptr;
   constexpr bool in_place = InPlace;
   // Scratch reused across units of a thread. Plain pointers from here on: every access to a
