@@ -137,3 +137,15 @@ def stable_seed(*parts) -> int:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(params=["native", "torch"])
+def engine(request, monkeypatch):
+    """Which implementation the split-K engine runs: the compiled kernel, or the torch fallback."""
+    from attnkit.backends import native
+
+    if request.param == "torch":
+        monkeypatch.setattr(native, "load", lambda: None)
+    elif native.status() != "native":
+        pytest.skip(f"no native kernel here: {native.status()}")
+    return request.param

@@ -13,7 +13,7 @@ import torch
 
 import attnkit
 from attnkit import masks as M
-from attnkit.backends import BackendNotSupported, native
+from attnkit.backends import BackendNotSupported
 
 from conftest import DTYPES, check_against_oracle, make_qkv, rule_r, stable_seed
 
@@ -70,15 +70,6 @@ def test_modifiers_match_the_oracle(backend, Sq, Sk, mask_name, mod):
     out = check_against_oracle(q, k, v, mask, causal=causal, backend=backend, **kw)
     if mask_name in ("window_padding", "alibi_causal_padding"):
         assert (out[0] == 0).all()  # the sequence with no key outputs exactly 0, sinks or not
-
-
-@pytest.fixture(params=["native", "torch"])
-def engine(request, monkeypatch):
-    if request.param == "torch":
-        monkeypatch.setattr(native, "load", lambda: None)
-    elif native.status() != "native":
-        pytest.skip(f"no native kernel here: {native.status()}")
-    return request.param
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))

@@ -13,19 +13,9 @@ import torch
 
 import attnkit
 from attnkit import masks as M
-from attnkit.backends import native, splitk
+from attnkit.backends import splitk
 
 from conftest import DTYPES, base_attention, make_qkv, rule_r, stable_seed
-
-
-@pytest.fixture(params=["native", "torch"])
-def engine(request, monkeypatch):
-    """Which implementation the engine runs: the compiled kernel, or the torch fallback."""
-    if request.param == "torch":
-        monkeypatch.setattr(native, "load", lambda: None)
-    elif native.status() != "native":
-        pytest.skip(f"no native kernel here: {native.status()}")
-    return request.param
 
 
 def _masks(B, Sq, Sk, g):
