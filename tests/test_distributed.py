@@ -106,6 +106,16 @@ def _grid(world: int, full: bool) -> list[Case]:
         Case("module", world, "contiguous", True, 4, 4, "none", S, variant="rope"),
         Case("module", world, "zigzag", False, 4, 1, "keypad", S, variant="norope-seqfirst"),
         Case("module", world, "zigzag", True, 4, 2, "none", S, variant="dynamic-rope"),
+        # Today's models' modifiers: softcap per tile, ALiBi per tile at global positions, sinks
+        # once after the last merge (their gradient summed over the group).
+        Case("attn", world, "zigzag", True, 4, 2, "keypad", S, variant="softcap"),
+        Case("attn", world, "contiguous", False, 4, 1, "document", S, variant="sinks"),
+        Case("attn", world, "zigzag", False, 4, 2, "keypad_empty", S, variant="sinks"),
+        Case("attn", world, "zigzag", True, 4, 2, "none", S, Sk=2 * S, variant="alibi"),
+        Case("attn", world, "contiguous", True, 4, 4, "window", 4 * world * 2, tile=40, variant="softcap-sinks-alibi"),
+        Case("attn", world, "zigzag", True, 4, 2, "keypad", S, dtype="bf16", variant="softcap-sinks-alibi"),
+        Case("module", world, "zigzag", True, 4, 2, "none", S, variant="rope-modifiers"),
+        Case("module", world, "contiguous", True, 4, 1, "keypad", S, variant="norope-alibi-fused"),
     ]
     if world > 1:
         cases += [Case("error", world, variant=v) for v in ("uneven", "odd-zigzag", "additive", "bad-sharding")]
@@ -151,6 +161,18 @@ def _check(got, want, what):
     torch.testing.assert_close(got, want, msg=lambda m: f"{what}: {m}")
 
 
+def _modifiers(case: Case, mask, seed: int):
+    """(mask with ALiBi ANDed in, softcap, sinks leaf or None) for the case's variant."""
+    softcap = 1.0 if "softcap" in case.variant else None
+    sinks = None
+    if "sinks" in case.variant:
+        sinks = torch.randn(case.hq, generator=torch.Generator().manual_seed(seed + 2), dtype=torch.float64)
+    if "alibi" in case.variant:
+        alibi = M.ALiBi(M.alibi_slopes(case.hq))
+        mask = alibi if mask is None else M.as_mask(mask) & alibi
+    return mask, softcap, sinks
+
+
 def _shard(t, case, rank, dim=2):
     return shard_sequence(t, dim, rank=rank, world_size=case.world, sharding=case.sharding)
 
@@ -160,37 +182,46 @@ def _run_attn(case: Case, group, rank: int):
     B, Sk = 2, case.Sk or case.S
     dtype = DT[case.dtype]
     q, k, v = make_qkv(B, case.hq, case.hkv, case.S, Sk, case.D, case.Dv, dtype=dtype, seed=seed)
-    mask = _make_mask(case.mask, B, case.S, Sk, seed)
+    mask, softcap, sinks = _modifiers(case, _make_mask(case.mask, B, case.S, Sk, seed), seed)
     dout = torch.randn(B, case.hq, case.S, case.Dv or case.D, generator=torch.Generator().manual_seed(seed + 1),
                        dtype=torch.float64)
     leaves = [_shard(t, case, rank).detach().requires_grad_() for t in (q, k, v)]
+    sink_leaf = None if sinks is None else sinks.to(dtype).requires_grad_()
     old_tile = ring_mod._TILE_ELEMENTS  # read when the call plans its tiles (backward reuses the plan)
     ring_mod._TILE_ELEMENTS = case.tile or old_tile
     try:
         out = ring_attention(*leaves, causal=case.causal, mask=mask, scale=case.scale, group=group,
-                             sharding=case.sharding)
+                             sharding=case.sharding, softcap=softcap, sinks=sink_leaf)
     finally:
         ring_mod._TILE_ELEMENTS = old_tile
     out.backward(_shard(dout, case, rank).to(dtype))
     ours = [out] + [t.grad for t in leaves]
     names = ["out", "dq", "dk", "dv"]
+    if sink_leaf is not None:  # each rank holds its rows' share of the sinks' gradient
+        dist.all_reduce(sink_leaf.grad, group=group)
+    kw = dict(causal=case.causal, scale=case.scale, softcap=softcap)
     if dtype == torch.bfloat16:  # rule R against the fp64 oracle, with the eager bf16 baseline
         gold_l = [t.detach().double().requires_grad_() for t in (q, k, v)]
         base_l = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        gold = attnkit.attention_reference(*gold_l, mask, causal=case.causal, scale=case.scale)
-        base = base_attention(*base_l, mask, causal=case.causal, scale=case.scale)
+        gold_s = None if sinks is None else sinks.clone().requires_grad_()
+        base_s = None if sinks is None else sinks.to(dtype).requires_grad_()
+        gold = attnkit.attention_reference(*gold_l, mask, sinks=gold_s, **kw)
+        base = base_attention(*base_l, mask, sinks=base_s, **kw)
         gold.backward(dout)
         base.backward(dout.to(dtype))
-        golds = [gold] + [t.grad for t in gold_l]
-        bases = [base] + [t.grad for t in base_l]
-        for name, o, b, g in zip(names, ours, bases, golds):
+        for name, o, b, g in zip(names, ours, [base] + [t.grad for t in base_l], [gold] + [t.grad for t in gold_l]):
             rule_r(o, _shard(b, case, rank), _shard(g, case, rank), factor=3.0 if name == "dq" else 2.0, what=name)
+        if sinks is not None:
+            rule_r(sink_leaf.grad, base_s.grad, gold_s.grad, factor=3.0, what="dsinks", n_terms=B * case.S)
         return
     ref_l = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    ref = attnkit.attention(*ref_l, mask, causal=case.causal, scale=case.scale)
+    ref_s = None if sinks is None else sinks.to(dtype).requires_grad_()
+    ref = attnkit.attention(*ref_l, mask, sinks=ref_s, **kw)
     ref.backward(dout.to(dtype))
     for name, o, r in zip(names, ours, [ref] + [t.grad for t in ref_l]):
         _check(o, _shard(r, case, rank), name)
+    if sinks is not None:
+        _check(sink_leaf.grad, ref_s.grad, "dsinks")
     if case.mask == "keypad_empty":  # the zero-output contract, exactly
         for name, o in zip(names, ours):
             if name in ("out", "dq"):
@@ -226,12 +257,24 @@ def _build_module(case: Case, seed: int):
     torch.manual_seed(seed)
     E = case.hq * case.D
     rope = None
+    kw = {}
+    if "modifiers" in case.variant:  # Gemma 2 / gpt-oss style: a query scalar, capped scores, sinks, a window
+        kw = dict(scale=0.2, softcap=1.5, sinks=True, qk_norm=True, window=5)
+    if "alibi" in case.variant:
+        kw.update(alibi=True)
+    if "fused" in case.variant:
+        kw.update(fused_qkv=True)
     if "dynamic" in case.variant:
         rope = RotaryEmbedding(case.D, max_position_embeddings=6, scaling={"rope_type": "dynamic", "factor": 2.0})
     elif "norope" not in case.variant:
         rope = RotaryEmbedding(case.D)
-    return attnkit.MultiHeadAttention(E, case.hq, num_kv_heads=case.hkv, causal=case.causal, rope=rope,
-                                      bias=True, batch_first="seqfirst" not in case.variant).eval()
+    m = attnkit.MultiHeadAttention(E, case.hq, num_kv_heads=case.hkv, causal=case.causal, rope=rope,
+                                   bias=True, batch_first="seqfirst" not in case.variant, **kw).eval()
+    with torch.no_grad():  # non-trivial sinks and norms (they start at zeros and ones)
+        for name, p in m.named_parameters():
+            if name == "sinks" or "norm" in name:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
+    return m
 
 
 def _run_module(case: Case, group, rank: int):
@@ -557,7 +600,7 @@ def _work(world, rank, sharding, S=64, mask=None):
     plan.side = 2  # small tiles, so skipping is visible inside blocks
     area = 0
     for src in range(world):
-        for qs, ks, allowed, causal in plan.tiles(src):
+        for qs, ks, allowed, causal, _ in plan.tiles(src):
             area += (qs.stop - qs.start) * (ks.stop - ks.start)
     return area
 

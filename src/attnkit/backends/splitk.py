@@ -58,6 +58,15 @@ def merge_partials(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tenso
     return merged, new
 
 
+def with_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
+    """Join per-head sink logits to finished (out, lse): each row's denominator gains
+    exp(sink), which carries no value. ``out`` (B, Hq, Sq, Dv), ``lse`` (B, Hq, Sq), ``sinks`` (Hq,)
+    in their dtype. Returns (out * exp(lse - lse'), lse') with lse' = logaddexp(lse, sink); a row
+    with nothing allowed (lse -inf) stays exactly 0 and gets lse' = sink."""
+    new = torch.logaddexp(lse, sinks.to(lse.dtype).view(1, -1, 1))
+    return out * torch.exp(lse - new).unsqueeze(-1), new
+
+
 def v_is_prefix_of_k(k: Tensor, v: Tensor) -> bool:
     """True when v is k[..., :Dv] in memory (MLA's latent cache: V = the first channels of K)."""
     return (v.dtype == k.dtype and v.device == k.device and v.dim() == k.dim() and v.shape[:-1] == k.shape[:-1]
@@ -133,7 +142,7 @@ def splitk_attention(q: Tensor, k: Tensor, v: Tensor | None, *, scale: float, ma
         return out.to(q.dtype), (lse if return_lse else None)
     out, lse = _torch_splitk(q, k, v, Dv, Hkv, Sk, scale, lo, hi, bias, block_table, softcap, slopes, qpos)
     if sinks32 is not None:
-        out = out / (1.0 + torch.exp(sinks32.view(1, Hq, 1, 1) - lse.unsqueeze(-1)))
+        out = with_sinks(out, lse, sinks32)[0]
     return out.to(q.dtype), (lse if return_lse else None)
 
 

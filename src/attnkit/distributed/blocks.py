@@ -51,16 +51,26 @@ def _flat_groups(t: Tensor, kv_heads: int) -> Tensor:
     return t.reshape(B, kv_heads, (Hq // kv_heads) * S, X)
 
 
-def _scores(q: Tensor, k: Tensor, allowed: Tensor | None, scale: float) -> Tensor:
-    """Masked scaled scores (B, Hkv, G, Sq, Sk) in the compute dtype."""
+def _scores(q: Tensor, k: Tensor, allowed: Tensor | None, scale: float, softcap: float | None = None,
+            bias: Tensor | None = None, keep_tanh: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Scaled scores (B, Hkv, G, Sq, Sk) in the compute dtype: soft-capped, then ``bias`` added,
+    then masked. With ``keep_tanh`` (and a softcap) also tanh(scores / softcap), which the
+    backward needs for the cap's derivative 1 - tanh^2; else None."""
     B, Hq, Sq, _ = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     ct = compute_dtype(q.dtype)
     s = torch.matmul(_flat_groups(q.to(ct), Hkv), k.to(ct).transpose(-1, -2)).mul_(scale)
+    th = None
+    if softcap is not None:
+        s.div_(softcap).tanh_()
+        th = s.clone() if keep_tanh else None
+        s.mul_(softcap)
     s = s.view(B, Hkv, Hq // Hkv, Sq, Sk)
+    if bias is not None:
+        s.add_(group_heads(bias.to(ct), Hkv))
     if allowed is not None:  # in place: one score-sized buffer per tile
         s.masked_fill_(~group_heads(allowed, Hkv), float("-inf"))
-    return s
+    return s, th
 
 
 def _cpu_flash_ops():
@@ -76,11 +86,13 @@ def _cpu_flash_ops():
 _FUSED = _cpu_flash_ops()
 
 
-def _use_fused(q: Tensor, allowed: Tensor | None) -> bool:
+def _use_fused(q: Tensor, allowed: Tensor | None, softcap: float | None, bias: Tensor | None) -> bool:
     """Whole tiles (or causal diagonal tiles) on CPU run in torch's fused flash kernel: 1.3-1.5x
     faster than the matmuls below (measured on 256-row tiles, fp32, forward + backward), with the
-    same fp32 (fp64) arithmetic. Masked tiles keep the matmul path (rows with nothing allowed)."""
-    return _FUSED is not None and allowed is None and q.device.type == "cpu" and not torch.is_grad_enabled()
+    same fp32 (fp64) arithmetic. Masked tiles keep the matmul path (rows with nothing allowed),
+    and so do soft-capped or biased (ALiBi) tiles: the fused op has neither."""
+    return (_FUSED is not None and allowed is None and softcap is None and bias is None and q.device.type == "cpu"
+            and not torch.is_grad_enabled())
 
 
 def _expand_heads(t: Tensor, groups: int) -> Tensor:
@@ -94,7 +106,8 @@ def _causal_allowed(q_len: int, kv_len: int, device) -> Tensor:
 
 
 def block_forward(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None, scale: float, *,
-                  causal: bool = False) -> tuple[Tensor, Tensor]:
+                  causal: bool = False, softcap: float | None = None,
+                  bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Attention of ``q`` to this block of keys alone (no autograd: gradients come from
     :func:`block_backward`).
 
@@ -103,6 +116,8 @@ def block_forward(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None, scale
         allowed: None or a bool (B|1, Hq|1, Sq, Sk) mask of this block (True = attend).
         scale: multiplies q @ k^T.
         causal: top-left causal within the block (query i sees keys j <= i); ``allowed`` None.
+        softcap: c > 0: scores become c * tanh(scores / c) after scaling, before ``bias``.
+        bias: None or a float (B|1, Hq, Sq, Sk) added to the (capped) scores (ALiBi's distances).
 
     Returns:
         out (B, Hq, Sq, Dv) normalised within the block, and lse (B, Hq, Sq), both in the compute
@@ -113,14 +128,14 @@ def block_forward(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None, scale
     ct = compute_dtype(q.dtype)
     if B == 0 or Sk == 0 or Sq == 0:
         return q.new_zeros(B, Hq, Sq, Dv, dtype=ct), q.new_full((B, Hq, Sq), float("-inf"), dtype=ct)
-    if _use_fused(q, allowed) and (not causal or Sq <= Sk) and q.shape[-1] == Dv:
+    if _use_fused(q, allowed, softcap, bias) and (not causal or Sq <= Sk) and q.shape[-1] == Dv:
         G = Hq // Hkv
         out, lse = _FUSED[0](q.to(ct), _expand_heads(k.to(ct), G), _expand_heads(v.to(ct), G), 0.0, causal,
                              scale=scale)
         return out, lse.to(ct)
     if causal:
         allowed = _causal_allowed(Sq, Sk, q.device)
-    s = _scores(q, k, allowed, scale)  # (B, Hkv, G, Sq, Sk)
+    s = _scores(q, k, allowed, scale, softcap, bias)[0]  # (B, Hkv, G, Sq, Sk)
     lse = torch.logsumexp(s, dim=-1)  # -inf for rows with nothing allowed
     p = s.sub_(finite(lse).unsqueeze(-1)).exp_()
     out = torch.matmul(p.view(B, Hkv, -1, Sk), v.to(ct))  # (B, Hkv, G * Sq, Dv)
@@ -146,11 +161,12 @@ def softmax_delta(out: Tensor, dout: Tensor) -> Tensor:
 def block_backward(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor,
                    allowed: Tensor | None, scale: float, *, dq_out: Tensor | None = None,
                    dk_out: Tensor | None = None, dv_out: Tensor | None = None, causal: bool = False,
-                   out: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                   out: Tensor | None = None, softcap: float | None = None,
+                   bias: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """This block's share of the gradients, given the final lse and delta of each query row.
 
     Args:
-        q, k, v, allowed, scale: as in :func:`block_forward`.
+        q, k, v, allowed, scale, causal, softcap, bias: as in :func:`block_forward`.
         dout: (B, Hq, Sq, Dv) gradient of the final output.
         lse: (B, Hq, Sq) log-sum-exp over *all* keys (not just this block's).
         delta: (B, Hq, Sq) :func:`softmax_delta` of the final output.
@@ -160,7 +176,6 @@ def block_backward(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, d
             returned. dk and dv never need a temporary; dq needs none when its (B, Hkv, G, Sq)
             dims can be viewed as batches of rows (any slice along Sq of a contiguous buffer),
             else one block-sized temporary.
-        causal: as in :func:`block_forward`.
         out: (B, Hq, Sq, Dv) the final output of these query rows, optional: with it, whole tiles
             on CPU run torch's fused flash backward (which takes out and lse, not delta).
 
@@ -180,7 +195,7 @@ def block_backward(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, d
     dv = v.new_zeros(B, Hkv, Sk, Dv, dtype=ct) if dv_out is None else dv_out
     if B == 0 or Sk == 0 or Sq == 0:
         return (q.new_zeros(B, Hq, Sq, D, dtype=ct) if dq_out is None else dq_out), dk, dv
-    if out is not None and _use_fused(q, allowed) and (not causal or Sq <= Sk) and D == Dv:
+    if out is not None and _use_fused(q, allowed, softcap, bias) and (not causal or Sq <= Sk) and D == Dv:
         G = Hq // Hkv
         gq, gk, gv = _FUSED[1](dout.to(ct), q.to(ct), _expand_heads(k.to(ct), G), _expand_heads(v.to(ct), G),
                                out.to(ct), lse.to(torch.float32 if ct == torch.float32 else ct), 0.0, causal,
@@ -191,7 +206,7 @@ def block_backward(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, d
     if causal:
         allowed = _causal_allowed(Sq, Sk, q.device)
     kc, vc = k.to(ct), v.to(ct)
-    s = _scores(q, kc, allowed, scale)  # (B, Hkv, G, Sq, Sk)
+    s, th = _scores(q, kc, allowed, scale, softcap, bias, keep_tanh=True)  # (B, Hkv, G, Sq, Sk)
     p = s.sub_(finite(lse.to(ct)).reshape(B, Hkv, -1, Sq, 1)).exp_().view(B * Hkv, -1, Sk)  # (B*Hkv, G*Sq, Sk)
     do = _flat_groups(dout.to(ct), Hkv).reshape(B * Hkv, -1, Dv)  # (B*Hkv, G*Sq, Dv)
     # dv += p^T dout, summed over the group by the matmul itself; accumulated in place.
@@ -199,6 +214,9 @@ def block_backward(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, d
     dp = torch.bmm(do, vc.reshape(B * Hkv, Sk, Dv).transpose(-1, -2))  # (B*Hkv, G*Sq, Sk)
     ds = p.mul_(dp.sub_(delta.to(ct).reshape(B * Hkv, -1, 1)))  # p is not needed after this
     del dp
+    if th is not None:  # through the cap: d(c tanh(x / c)) / dx = 1 - tanh^2
+        ds.mul_(th.square_().neg_().add_(1).view(ds.shape))
+        del th
     kf = kc.reshape(B * Hkv, Sk, D)
     if dq_out is None:
         dq = torch.bmm(ds, kf).mul_(scale).view(B, Hq, Sq, D)

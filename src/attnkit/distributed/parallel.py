@@ -1,9 +1,10 @@
 """``ContextParallel``: run a :class:`attnkit.MultiHeadAttention` on a sharded sequence.
 
 Each rank feeds its shard x (B, S/P, E) and gets its shard of the output (B, S/P, out_dim). The
-wrapped module's own parameters are used (nothing is copied): projections run on the local
-tokens, RoPE rotates them at their *global* positions, and :func:`ring_attention` does the
-attention over the whole sequence.
+wrapped module's own parameters are used (nothing is copied): projections (fused or not, QK-norm
+included) run on the local tokens, RoPE rotates them at their *global* positions, and
+:func:`ring_attention` does the attention over the whole sequence with the module's options
+(scale, softcap, sinks, sliding window, ALiBi).
 
 Weights are replicated: each rank's weight gradients are its shard's share, and the true
 gradient is their sum over the group. Call :meth:`ContextParallel.all_reduce_grads` after
@@ -16,8 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..modules.attention import MultiHeadAttention
-from ..rope import RotaryEmbedding, apply_rotary
+from ..masks import ALiBi, as_mask
+from ..modules.attention import MultiHeadAttention, _and, window_mask
+from ..rope import RotaryAngles, RotaryEmbedding
 from .ring import ring_attention
 from .sharding import SHARDINGS, shard_positions
 
@@ -29,7 +31,8 @@ class ContextParallel(nn.Module):
 
     Args:
         module: a :class:`attnkit.MultiHeadAttention` (MHA, GQA or MQA; causal or not; with or
-            without RoPE) built for self-attention (kdim = vdim = embed_dim).
+            without RoPE, fused QKV, QK-norm, softcap, sinks, a window or ALiBi) built for
+            self-attention (kdim = vdim = embed_dim).
         group: the process group of the context-parallel ranks (default: the world).
         sharding: ``"zigzag"`` (load-balanced, default) or ``"contiguous"``: how the inputs are
             sharded (:func:`attnkit.distributed.shard_sequence` with the same value).
@@ -74,39 +77,39 @@ class ContextParallel(nn.Module):
         if x.shape[-1] != m.embed_dim:
             raise ValueError(f"x has width {x.shape[-1]} (shape {tuple(x.shape)}), expected {m.embed_dim}")
         B, S_loc, _ = x.shape
-        q = m.q_proj(x).unflatten(-1, (m.num_heads, m.head_dim)).transpose(1, 2)
-        k = m.k_proj(x).unflatten(-1, (m.num_kv_heads, m.head_dim)).transpose(1, 2)
-        v = m.v_proj(x).unflatten(-1, (m.num_kv_heads, m.v_head_dim)).transpose(1, 2)
+        angles = None
         if m.rope is not None:
-            q, k = self._rotate(q, k, positions, B, S_loc, x.device)
+            angles = self._angles(positions, B, S_loc, x.device)
         elif positions is not None:
             raise ValueError("positions given, but the module has no rope")
-        out = ring_attention(q, k, v, causal=m.causal, mask=mask, group=self.group, sharding=self.sharding)
+        q, k, v = m._project(x, x, x, angles)  # (B, H, S/P, hd), (B, Hkv, S/P, hd), (B, Hkv, S/P, hdv)
+        mask = _and(as_mask(mask), window_mask(m.window, None, B, x.device))
+        if m.alibi:
+            mask = _and(mask, ALiBi(m.alibi_slopes))
+        out = ring_attention(q, k, v, causal=m.causal, mask=mask, scale=m.scale, softcap=m.softcap, sinks=m.sinks,
+                             group=self.group, sharding=self.sharding)
         out = m.o_proj(out.transpose(1, 2).flatten(2))
         return out if m.batch_first else out.transpose(0, 1)
 
-    def _rotate(self, q: Tensor, k: Tensor, positions, B: int, S_loc: int, device):
+    def _angles(self, positions, B: int, S_loc: int, device) -> RotaryAngles:
         rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
         if positions is None:
             positions = shard_positions(S_loc * world, rank, world, self.sharding, device=device).expand(B, S_loc)
         rope = self.module.rope
         if not (isinstance(rope, RotaryEmbedding) and rope.rope_type == "dynamic"):
-            return rope(q, k, positions)
+            return rope.angles(positions)
         # Dynamic NTK picks its frequencies from the largest position of the call: that is the
         # largest over the whole sequence, not this shard's. Append it as one extra position.
         if not isinstance(positions, Tensor) or positions.dim() != 2:
             raise ValueError(f"positions must be a (B, S/P) integer tensor, got "
                              f"{tuple(getattr(positions, 'shape', ()))}")
+        if positions.shape[1] != S_loc or positions.shape[0] not in (1, B):
+            raise ValueError(f"positions of shape {tuple(positions.shape)} do not match (B, S/P) = ({B}, {S_loc})")
         top = positions.amax().reshape(1).to(torch.int64) if positions.numel() else \
             torch.zeros(1, dtype=torch.int64, device=positions.device)
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.group)
-        extended = torch.cat((positions, top.to(positions.dtype).expand(positions.shape[0], 1)), dim=1)
-        cos, sin = rope.cos_sin(extended)
-        cos, sin = cos[:, :-1].to(q.device), sin[:, :-1].to(q.device)
-        if cos.shape[1] != q.shape[2] or cos.shape[0] not in (1, B):
-            raise ValueError(f"positions of shape {tuple(positions.shape)} do not match (B, S/P) = ({B}, {S_loc})")
-        return (apply_rotary(q, cos, sin, interleaved=rope.interleaved),
-                apply_rotary(k, cos, sin, interleaved=rope.interleaved))
+        extended = rope.angles(torch.cat((positions, top.to(positions.dtype).expand(positions.shape[0], 1)), dim=1))
+        return RotaryAngles(extended.cos[:, :-1], extended.sin_signed[:, :-1], extended.config)
 
     @torch.no_grad()
     def all_reduce_grads(self) -> None:

@@ -31,6 +31,12 @@ Masks are evaluated per block at global indices (:func:`attnkit.distributed.bloc
 causal, key padding, documents, sliding windows, prefix-LM and bool tensors over the full
 (B, H, S, S) problem (held by every rank, so O(S^2) memory: fine for tests, not for long
 sequences). Blocks a mask leaves empty are skipped, which is what makes zigzag sharding cheap.
+
+The modifiers of today's models: ``softcap`` caps every tile's scores; ALiBi's distance bias is
+computed per tile from global indices (tile-sized, never over the whole problem); ``sinks``
+enter once, after the last block is merged (:func:`attnkit.backends.splitk.with_sinks`), and the
+backward then runs on the final log-sum-exp that includes them. Each rank's sink gradient is its
+queries' share (sum over the group, like the weights of :class:`ContextParallel`).
 """
 
 from __future__ import annotations
@@ -41,8 +47,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..functional import check_qkv
-from ..masks import And, Causal, Mask, as_mask, has_bias
+from ..backends.splitk import with_sinks
+from ..functional import _check_sinks, _check_softcap, check_qkv
+from ..masks import ALiBi, And, Causal, Mask, as_mask, has_bias, split_alibi
 from .blocks import block_backward, block_forward, compute_dtype, mask_at, merge_partials, softmax_delta
 from .sharding import SHARDINGS, shard_ranges
 
@@ -65,7 +72,8 @@ class _Plan:
     Built once per call from this rank's layout; forward and backward walk the same tiles."""
 
     def __init__(self, mask: Mask | None, *, rank: int, world: int, sharding: str, batch: int, heads: int,
-                 q_local: int, kv_local: int, head_dim: int, device: torch.device):
+                 q_local: int, kv_local: int, head_dim: int, device: torch.device, alibi: ALiBi | None = None,
+                 dtype: torch.dtype = torch.float32):
         self.mask, self.rank, self.world, self.sharding = mask, rank, world, sharding
         self.batch, self.heads, self.device = batch, heads, device
         self.q_len, self.kv_len = q_local * world, kv_local * world
@@ -78,14 +86,29 @@ class _Plan:
         self.causal_offsets = [self.kv_len - self.q_len if c.align == "bottom_right" else 0
                                for c in causal_terms if isinstance(c, Causal) and c.offsets is None]
         self.pure_causal = isinstance(mask, Causal) and mask.offsets is None
+        # ALiBi: slope[h] * (j - p_i) with p_i query i's global position in key coordinates.
+        self.slopes = self.q_pos = None
+        if alibi is not None:
+            self.slopes = alibi.slopes.to(device=device, dtype=dtype).view(1, heads, 1, 1)
+            self.q_pos = alibi.positions(self.q_len, self.kv_len, device)  # (B|1, Sq)
         budget = _TILE_ELEMENTS or min(_TILE_MAX, max(_TILE_MIN, batch * heads * q_local * head_dim // 4))
         # Square tiles: along a causal diagonal only the tiles the mask reaches are computed.
         self.side = max(1, math.isqrt(budget // max(1, batch * heads)))
 
     def tiles(self, src: int):
-        """Yield (query slice, key slice, allowed or None, causal) for the K/V block of rank
-        ``src``; ``causal`` marks a square tile on a pure causal mask's diagonal (top-left causal
-        within the tile, ``allowed`` None). Tiles the mask leaves empty are not yielded."""
+        """Yield (query slice, key slice, allowed or None, causal, bias or None) for the K/V block
+        of rank ``src``; ``causal`` marks a square tile on a pure causal mask's diagonal (top-left
+        causal within the tile, ``allowed`` None); ``bias`` is the tile's ALiBi (B|1, Hq, n, m).
+        Tiles the mask leaves empty are not yielded."""
+        for qs, ks, qa, ka, allowed, causal in self._tiles(src):
+            bias = None
+            if self.slopes is not None:
+                rows = self.q_pos[:, qa:qa + qs.stop - qs.start, None]  # (B|1, n, 1)
+                cols = torch.arange(ka, ka + ks.stop - ks.start, device=self.device)
+                bias = self.slopes * (cols - rows).to(self.slopes.dtype)[:, None]
+            yield qs, ks, allowed, causal, bias
+
+    def _tiles(self, src: int):
         kv_ranges = shard_ranges(self.kv_local, src, self.world, self.sharding)
         side = self.side
         for q_lo, q_g, q_n in self.q_ranges:
@@ -101,10 +124,10 @@ class _Plan:
                             continue
                         qs, ks = slice(q_lo + r0, q_lo + r1), slice(k_lo + c0, k_lo + c1)
                         if self.mask is None or (self.pure_causal and kb <= qa + self.causal_offsets[0]):
-                            yield qs, ks, None, False
+                            yield qs, ks, qa, ka, None, False
                             continue
                         if self.pure_causal and ka == qa + self.causal_offsets[0] and c1 - c0 == r1 - r0:
-                            yield qs, ks, None, True  # the diagonal: top-left causal within the tile
+                            yield qs, ks, qa, ka, None, True  # the diagonal: top-left causal within the tile
                             continue
                         allowed = mask_at(self.mask, torch.arange(qa, qb + 1, device=self.device),
                                           torch.arange(ka, kb + 1, device=self.device), batch=self.batch,
@@ -112,7 +135,7 @@ class _Plan:
                                           mask_mod=self.mod)
                         if not bool(allowed.any()):
                             continue
-                        yield qs, ks, (None if bool(allowed.all()) else allowed), False
+                        yield qs, ks, qa, ka, (None if bool(allowed.all()) else allowed), False
 
 
 class _Ring:
@@ -135,7 +158,8 @@ class _Ring:
             r.wait()
 
 
-def _forward(q, k, v, plan: _Plan, ring: _Ring, scale: float) -> tuple[Tensor, Tensor]:
+def _forward(q, k, v, sinks, plan: _Plan, ring: _Ring, scale: float, softcap) -> tuple[Tensor, Tensor]:
+    """out and lse over the whole ring (the sinks joined), in the compute dtype."""
     B, Hq, Sq, _ = q.shape
     ct = compute_dtype(q.dtype)
     out = q.new_zeros(B, Hq, Sq, v.shape[-1], dtype=ct)
@@ -150,19 +174,25 @@ def _forward(q, k, v, plan: _Plan, ring: _Ring, scale: float) -> tuple[Tensor, T
         src = (plan.rank - step) % plan.world
         # K/V tiles go to the block functions as they are: they convert each tile to the compute
         # dtype themselves (no shard-sized fp32 copy of a fp16/bf16 block).
-        for qs, ks, allowed, causal in plan.tiles(src):
-            bo, bl = block_forward(q[:, :, qs], k_cur[:, :, ks], v_cur[:, :, ks], allowed, scale, causal=causal)
+        for qs, ks, allowed, causal, bias in plan.tiles(src):
+            bo, bl = block_forward(q[:, :, qs], k_cur[:, :, ks], v_cur[:, :, ks], allowed, scale, causal=causal,
+                                   softcap=softcap, bias=bias)
             out[:, :, qs], lse[:, :, qs] = merge_partials(out[:, :, qs], lse[:, :, qs], bo, bl)
         if reqs is not None:
             ring.wait(reqs)
             # The requests hold their tensors: drop them too, or the block just sent stays alive.
             k_cur, v_cur = k_next, v_next
             del reqs, k_next, v_next
+    if sinks is not None:  # once, over every key of the row
+        out, lse = with_sinks(out, lse, sinks.detach())
     return out, lse
 
 
-def _backward(q, k, v, out, lse, dout, plan: _Plan, ring: _Ring, scale: float):
-    """Returns dq, dk, dv in the compute dtype.
+def _backward(q, k, v, sinks, out, lse, dout, plan: _Plan, ring: _Ring, scale: float, softcap):
+    """Returns dq, dk, dv in the compute dtype, and d sinks (this rank's rows' share) or None.
+
+    ``lse`` is the final one, sinks included: each tile's probabilities exp(s - lse) are then the
+    true ones, and a sink's gradient is -sum over rows of p_sink * delta.
 
     Shard-sized buffers alive at once, besides q, k, v, out, dout and dq: the K/V block being
     used, the next one arriving (double buffering), and ONE dK/dV accumulator while computing;
@@ -183,10 +213,10 @@ def _backward(q, k, v, out, lse, dout, plan: _Plan, ring: _Ring, scale: float):
             k_next, v_next = torch.empty_like(k_cur), torch.empty_like(v_cur)
             kv_reqs = ring.start([k_cur, v_cur], [k_next, v_next])  # in flight during this step's compute
         src = (plan.rank - step) % plan.world
-        for qs, ks, allowed, causal in plan.tiles(src):
+        for qs, ks, allowed, causal, bias in plan.tiles(src):
             block_backward(q[:, :, qs], k_cur[:, :, ks], v_cur[:, :, ks], dout[:, :, qs], lse[:, :, qs],
                            delta[:, :, qs], allowed, scale, dq_out=dq[:, :, qs], dk_out=dk_acc[:, :, ks],
-                           dv_out=dv_acc[:, :, ks], causal=causal, out=out[:, :, qs])
+                           dv_out=dv_acc[:, :, ks], causal=causal, out=out[:, :, qs], softcap=softcap, bias=bias)
         # Free the block just used before the hop allocates its receive buffers: swap in the
         # next one (its transfer ran during the compute), or drop the last one.
         if kv_reqs is not None:
@@ -203,23 +233,29 @@ def _backward(q, k, v, out, lse, dout, plan: _Plan, ring: _Ring, scale: float):
             ring.wait(ring.start([dk_acc, dv_acc], [dk_in, dv_in]))
             dk_acc, dv_acc = dk_in, dv_in
             del dk_in, dv_in
-    return dq, dk_acc, dv_acc
+    dsinks = None
+    if sinks is not None:
+        p_sink = torch.exp(sinks.detach().to(ct).view(1, -1, 1) - lse.to(ct))  # (B, Hq, Sq/P)
+        dsinks = -(p_sink * delta).sum((0, 2))
+    return dq, dk_acc, dv_acc, dsinks
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan, ring, scale):
-        out, lse = _forward(q, k, v, plan, ring, scale)
+    def forward(ctx, q, k, v, sinks, plan, ring, scale, softcap):
+        out, lse = _forward(q, k, v, sinks, plan, ring, scale, softcap)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.ring, ctx.scale = plan, ring, scale
+        ctx.save_for_backward(q, k, v, sinks, out, lse)
+        ctx.plan, ctx.ring, ctx.scale, ctx.softcap = plan, ring, scale, softcap
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(q, k, v, out, lse, dout.contiguous(), ctx.plan, ctx.ring, ctx.scale)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        q, k, v, sinks, out, lse = ctx.saved_tensors
+        dq, dk, dv, dsinks = _backward(q, k, v, sinks, out, lse, dout.contiguous(), ctx.plan, ctx.ring, ctx.scale,
+                                       ctx.softcap)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None if dsinks is None else dsinks.to(sinks.dtype),
+                None, None, None, None)
 
 
 def _validate(q, k, v, scale) -> float:
@@ -239,7 +275,8 @@ def _check_same_everywhere(values: list[int], names: list[str], group, device, r
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, mask=None, scale: float | None = None,
-                   group=None, sharding: str = "zigzag") -> Tensor:
+                   group=None, sharding: str = "zigzag", softcap: float | None = None,
+                   sinks: Tensor | None = None) -> Tensor:
     """Exact attention over a sequence sharded across the ranks of ``group`` (context parallelism).
 
     Every rank calls this with its shard; the result is this rank's shard of what
@@ -253,9 +290,12 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, mas
         causal: bottom-right causal over the *global* sequence (j <= i + Sk - Sq).
         mask: None, an :mod:`attnkit.masks` object or a bool tensor, over the global
             (B, Hq, Sq, Sk) problem (``KeyPadding(lengths)``, ``Document(lengths)``,
-            ``SlidingWindow``, ...; every rank passes the same one). Additive float masks are
-            refused.
+            ``SlidingWindow``, ``ALiBi`` (at global positions), ...; every rank passes the same
+            one). Other additive float masks are refused.
         scale: multiplies q @ k^T; default 1 / sqrt(D).
+        softcap: c > 0: scores become c * tanh(scores / c) after scaling, before masks and ALiBi.
+        sinks: (Hq,) learned logits, one per query head, joining each row's softmax denominator
+            (no value); differentiable: this rank's sinks get its rows' share of the gradient.
         group: the process group of the context-parallel ranks (default: the world).
         sharding: how the sequence was cut: ``"zigzag"`` (load-balanced, the default of
             :func:`shard_sequence`) or ``"contiguous"``. It must match how q, k, v were sharded.
@@ -275,6 +315,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, mas
     if sharding not in SHARDINGS:
         raise ValueError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")
     scale = _validate(q, k, v, scale)
+    softcap, sinks = _check_softcap(softcap), _check_sinks(sinks, q)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if rank < 0:
         raise ValueError("this process is not a member of `group`")
@@ -282,24 +323,28 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, mas
     Hkv, Sk_l, Dv = k.shape[1], k.shape[2], v.shape[3]
     dtypes = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
     _check_same_everywhere(
-        [B, Hq, Hkv, Sq_l, Sk_l, D, Dv, dtypes[q.dtype], int(bool(causal)), SHARDINGS.index(sharding)],
+        [B, Hq, Hkv, Sq_l, Sk_l, D, Dv, dtypes[q.dtype], int(bool(causal)), SHARDINGS.index(sharding),
+         int(softcap is not None), int(sinks is not None)],
         ["batch", "q heads", "kv heads", "local q length", "local kv length", "head dim", "v head dim",
-         "dtype", "causal", "sharding"], group, q.device, rank)
+         "dtype", "causal", "sharding", "softcap", "sinks"], group, q.device, rank)
     if sharding == "zigzag" and (Sq_l % 2 or Sk_l % 2):
         raise ValueError(f"zigzag sharding holds two equal chunks per rank, so local lengths must be even; got "
                          f"q {tuple(q.shape)}, k {tuple(k.shape)}; pad the sequence to a multiple of 2 * world_size = "
                          f"{2 * world} (see attnkit.distributed.padded_length)")
     m = as_mask(mask, causal)
+    alibi = None
     if m is not None:
-        if has_bias(m):
-            raise TypeError("ring_attention does not take additive (float) masks or ALiBi: use a bool tensor or an "
-                            "attnkit.masks object (Causal, KeyPadding, Document, SlidingWindow, ...)")
         m.check(B, Hq, Sq_l * world, Sk_l * world)
-        if m.allows_all(Sq_l * world, Sk_l * world):
+        m, alibi = split_alibi(m)
+        if has_bias(m):
+            raise TypeError("ring_attention does not take additive (float) masks other than ALiBi (ANDed at the top "
+                            "level): use a bool tensor or an attnkit.masks object (Causal, KeyPadding, Document, "
+                            "SlidingWindow, ALiBi, ...)")
+        if m is not None and m.allows_all(Sq_l * world, Sk_l * world):
             m = None
         if isinstance(mask, Tensor) and mask.device != q.device:
             raise ValueError(f"mask is on {mask.device} but q is on {q.device}")
-    plan = _Plan(m, rank=rank, world=world, sharding=sharding, batch=B, heads=Hq,
-                 q_local=Sq_l, kv_local=Sk_l, head_dim=max(D, Dv), device=q.device)
+    plan = _Plan(m, rank=rank, world=world, sharding=sharding, batch=B, heads=Hq, q_local=Sq_l, kv_local=Sk_l,
+                 head_dim=max(D, Dv), device=q.device, alibi=alibi, dtype=compute_dtype(q.dtype))
     ring = _Ring(group, rank, world)
-    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan, ring, scale)
+    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), sinks, plan, ring, scale, softcap)
