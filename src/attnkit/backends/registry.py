@@ -135,7 +135,7 @@ def reasons(backend: Backend, call: AttentionCall) -> list[str]:
     why = backend.available()
     if why:
         return [why]
-    if not reads_in_place(backend, call):  # judged on the gathered dense call
+    if call.kv_layout != "dense" and not reads_in_place(backend, call):  # judged on the gathered dense call
         call = replace(call, kv_layout="dense")
     return backend.not_supported_reasons(call)
 
@@ -167,7 +167,7 @@ def select(call: AttentionCall, backend: str = "auto") -> Backend:
             b = _REGISTRY[name]
             if in_place_only and not reads_in_place(b, call):
                 continue
-            c = call if reads_in_place(b, call) else replace(call, kv_layout="dense")
+            c = call if call.kv_layout == "dense" or reads_in_place(b, call) else replace(call, kv_layout="dense")
             if not reasons(b, c) and b.auto_skip_reason(c) is None:
                 return b
     raise BackendNotSupported(_refusal("no backend can run this call:", call))

@@ -122,24 +122,27 @@ def splitk_attention(q: Tensor, k: Tensor, v: Tensor | None, *, scale: float, ma
     Hkv = k.shape[2] if block_table is not None else k.shape[1]
     Sk = kv_len if block_table is not None else k.shape[2]
     mask, alibi = split_alibi(mask)  # ALiBi is computed per score, never materialized
-    lo, hi, bias = _bounds(mask, B, Hq, Sq, Sk, q.device, shift=sinks is None)
+    ops = native.load()
+    if ops is not None and mask is None and block_table is None:
+        lo = hi = bias = None  # the kernel's default: every row sees all Sk keys
+    else:
+        lo, hi, bias = _bounds(mask, B, Hq, Sq, Sk, q.device, shift=sinks is None)
     slopes = qpos = None
     if alibi is not None:
         slopes = alibi.slopes.to(q.device).contiguous()
         qpos = alibi.positions(Sq, Sk, q.device).expand(B, Sq).contiguous()
     sinks32 = None if sinks is None else sinks.detach().float().contiguous()
-    ops = native.load()
     if ops is not None:
-        q32 = (q.detach().float() * scale).contiguous()
         if k.stride(-1) != 1:
             k = k.contiguous()
         if v is not None and v.stride(-1) != 1:
             v = v.contiguous()
         table = None if block_table is None else block_table.long().contiguous()
         b32 = None if bias is None else bias.expand(B, Hq, Sq, Sk)
-        out, lse = ops.splitk_attention(q32, k.detach(), None if v is None else v.detach(), Dv, table, lo, hi, b32,
-                                        slopes, qpos, sinks32, float(softcap or 0.0), Hkv, return_lse)
-        return out.to(q.dtype), (lse if return_lse else None)
+        out, lse = ops.splitk_attention(q.detach().contiguous(), k.detach(), None if v is None else v.detach(), Dv,
+                                        table, lo, hi, b32, slopes, qpos, sinks32, float(scale),
+                                        float(softcap or 0.0), Hkv, return_lse)
+        return out, (lse if return_lse else None)
     out, lse = _torch_splitk(q, k, v, Dv, Hkv, Sk, scale, lo, hi, bias, block_table, softcap, slopes, qpos)
     if sinks32 is not None:
         out = with_sinks(out, lse, sinks32)[0]

@@ -35,6 +35,8 @@
 #include <limits>
 #include <vector>
 
+#include <unistd.h>
+
 #if defined(__F16C__) || defined(__AVX__)
 #include <immintrin.h>
 #endif
@@ -95,7 +97,10 @@ inline void to_f32<c10::Half>(const c10::Half* src, float* dst, int64_t n) {
 
 struct Args {
   int64_t B, Hq, Hkv, G, Sq, D, Dv;
-  const float* q;  // (B, Hq, Sq, D) contiguous, already multiplied by the scale
+  const void* q;  // (B, Hq, Sq, D) contiguous, of q_type; multiplied by scale as it is copied
+  at::ScalarType q_type;
+  float scale;
+  int64_t Sk;  // dense key length: the rows' interval when lo / hi are absent
   const void* k;   // dense: strides (b, h, j); paged: strides (block, slot, h)
   int64_t ks0, ks1, ks2;
   const void* v;   // nullptr: V is the first Dv channels of K
@@ -103,7 +108,7 @@ struct Args {
   bool paged;
   const int64_t* table;  // (B, W) block ids (paged)
   int64_t table_s0, block_size, num_blocks, table_w;
-  const int64_t* lo;  // (B, Sq)
+  const int64_t* lo;  // (B, Sq), or nullptr: every row sees [0, Sk)
   const int64_t* hi;  // (B, Sq)
   const float* bias;  // optional, strides (b, h, i, j)
   int64_t bs0, bs1, bs2, bs3;
@@ -111,6 +116,20 @@ struct Args {
   const int64_t* qpos;  // (B, Sq) with slopes
   float softcap;        // 0: off
 };
+
+inline int64_t row_lo(const Args& a, int64_t b, int64_t i) { return a.lo ? a.lo[b * a.Sq + i] : 0; }
+inline int64_t row_hi(const Args& a, int64_t b, int64_t i) { return a.hi ? a.hi[b * a.Sq + i] : a.Sk; }
+
+// q row ``src`` (D elements of the call's dtype) times the scale, into fp32 ``dst``.
+inline void load_q(const Args& a, int64_t row, float* dst) {
+  const int64_t off = row * a.D;
+  switch (a.q_type) {
+    case at::kBFloat16: to_f32(static_cast<const c10::BFloat16*>(a.q) + off, dst, a.D); break;
+    case at::kHalf: to_f32(static_cast<const c10::Half*>(a.q) + off, dst, a.D); break;
+    default: std::copy(static_cast<const float*>(a.q) + off, static_cast<const float*>(a.q) + off + a.D, dst);
+  }
+  for (int64_t d = 0; d < a.D; ++d) dst[d] *= a.scale;
+}
 
 // Heads h .. h + nh - 1 of sequence b over keys [s0, s1); its partial results go to slots
 // slot .. slot + nh - 1 (one per head).
@@ -193,6 +212,18 @@ inline float hsum(vf v) {
   return s;
 }
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// Bytes of key rows one tile holds (all of a unit's heads): 1/32 of the core's L2, at least 16 KiB
+// (the size the kernel was first tuned to, with an L2 of 512 KiB). A tile and the next one
+// (prefetched) of K and V then take 1/8 of L2; larger L2s get longer tiles, which spread the
+// online softmax's per-tile work over more keys (paged units walk every KV head of a block).
+int64_t tile_key_bytes() {
+  static const int64_t bytes = [] {
+    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    return std::max<int64_t>(16384, l2 > 0 ? l2 / 32 : 0);
+  }();
+  return bytes;
+}
 
 // exp_f32 on a whole vector (the same arithmetic, lane by lane).
 inline vf vexp(vf x) {
@@ -302,7 +333,7 @@ void run_unit(const Args& a, const Unit& u, float* m, float* l, float* acc_out) 
   // distance between the rows of consecutive heads: paged (block, slot, h) / dense (b, h, j)
   const int64_t kstep = a.paged ? a.ks2 : a.ks1, vstep = a.paged ? a.vs2 : a.vs1;
   const int64_t Dp = round_up(D, VL), Dvp = round_up(Dv, VL);
-  const int64_t TILE = round_up(std::max<int64_t>(8, std::min<int64_t>(64, 16384 / (std::max(Dp, Dvp) * NH * static_cast<int64_t>(sizeof(R))))), VL);
+  const int64_t TILE = round_up(std::max<int64_t>(8, std::min<int64_t>(64, tile_key_bytes() / (std::max(Dp, Dvp) * NH * static_cast<int64_t>(sizeof(R))))), VL);
   const bool v_from_k = a.v == nullptr;
   constexpr bool in_place = InPlace;
   // Scratch reused across units of a thread. Plain pointers from here on: every access to a
@@ -325,15 +356,14 @@ void run_unit(const Args& a, const Unit& u, float* m, float* l, float* acc_out) 
   const R** const vrow = krow + NH * TILE;
   for (int64_t r = 0; r < NH * M; ++r) {
     const int64_t hh = r / M, rr = r % M;
-    const float* src = a.q + ((u.b * a.Hq + (u.h + hh) * a.G + rr / a.Sq) * a.Sq + rr % a.Sq) * D;
-    std::copy(src, src + D, qbuf + r * Dp);
+    load_q(a, (u.b * a.Hq + (u.h + hh) * a.G + rr / a.Sq) * a.Sq + rr % a.Sq, qbuf + r * Dp);
   }
 
   int64_t start = u.s1, end = u.s0;
   for (int64_t r = 0; r < M; ++r) {
     const int64_t i = r % a.Sq;
-    rlo[r] = std::max(a.lo[u.b * a.Sq + i], u.s0);
-    rhi[r] = std::min(a.hi[u.b * a.Sq + i], u.s1);
+    rlo[r] = std::max(row_lo(a, u.b, i), u.s0);
+    rhi[r] = std::min(row_hi(a, u.b, i), u.s1);
     if (rlo[r] < rhi[r]) {
       start = std::min(start, rlo[r]);
       end = std::max(end, rhi[r]);
@@ -563,7 +593,7 @@ Plan plan_units(const Args& a) {
   for (int64_t b = 0; b < a.B; ++b) {
     int64_t s = std::numeric_limits<int64_t>::max(), e = 0;
     for (int64_t i = 0; i < a.Sq; ++i) {
-      const int64_t lo = std::max<int64_t>(0, a.lo[b * a.Sq + i]), hi = a.hi[b * a.Sq + i];
+      const int64_t lo = std::max<int64_t>(0, row_lo(a, b, i)), hi = row_hi(a, b, i);
       if (lo < hi) {
         s = std::min(s, lo);
         e = std::max(e, hi);
@@ -601,8 +631,25 @@ Plan plan_units(const Args& a) {
   return plan;
 }
 
+// The merged row ``o`` (Dv fp32) into the output row of q's dtype.
+inline void store_row(const float* o, void* out, at::ScalarType type, int64_t row, int64_t Dv) {
+  switch (type) {
+    case at::kBFloat16: {
+      c10::BFloat16* dst = static_cast<c10::BFloat16*>(out) + row * Dv;
+      for (int64_t d = 0; d < Dv; ++d) dst[d] = c10::BFloat16(o[d]);
+      break;
+    }
+    case at::kHalf: {
+      c10::Half* dst = static_cast<c10::Half*>(out) + row * Dv;
+      for (int64_t d = 0; d < Dv; ++d) dst[d] = c10::Half(o[d]);
+      break;
+    }
+    default: std::copy(o, o + Dv, static_cast<float*>(out) + row * Dv);
+  }
+}
+
 template <typename T>
-void run_all(const Args& a, float* out, float* lse, const float* sinks) {
+void run_all(const Args& a, at::Tensor& out, float* lse, const float* sinks) {
   const int64_t M = a.G * a.Sq, Dv = a.Dv;
   const Plan plan = plan_units(a);
   const std::vector<Unit>& units = plan.units;
@@ -620,7 +667,10 @@ void run_all(const Args& a, float* out, float* lse, const float* sinks) {
     }
   });
   // Merge the slices of each (b, kv head): exact log-sum-exp rule; sinks join the denominator.
+  void* const out_ptr = out.data_ptr();
+  const at::ScalarType out_type = out.scalar_type();
   at::parallel_for(0, a.B * a.Hkv, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> orow(Dv);
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t b = p / a.Hkv, h = p % a.Hkv, u0 = plan.first[p], us = plan.stride[p];
       const int64_t u1 = u0 + plan.count[p] * us;
@@ -628,7 +678,8 @@ void run_all(const Args& a, float* out, float* lse, const float* sinks) {
         const int64_t g = r / a.Sq, i = r % a.Sq, hq = h * a.G + g;
         float mx = kNegInf;
         for (int64_t u = u0; u < u1; u += us) mx = nan_max(pm[u * M + r], mx);
-        float* o = out + ((b * a.Hq + hq) * a.Sq + i) * Dv;
+        const int64_t row = (b * a.Hq + hq) * a.Sq + i;
+        float* o = orow.data();
         std::fill(o, o + Dv, 0.0f);
         float den = 0.0f;
         if (mx != kNegInf) {
@@ -649,24 +700,30 @@ void run_all(const Args& a, float* out, float* lse, const float* sinks) {
 #pragma omp simd
           for (int64_t d = 0; d < Dv; ++d) o[d] *= inv;
         }
+        store_row(o, out_ptr, out_type, row, Dv);
         if (lse != nullptr) lse[(b * a.Hq + hq) * a.Sq + i] = den_keys != 0.0f ? mx + std::log(den_keys) : kNegInf;
       }
     }
   });
 }
 
-// q (B, Hq, Sq, D) fp32 contiguous, pre-scaled; k / v: dense (B, Hkv, Sk, D) or paged pools
-// (N, bs, Hkv, D) (v undefined: V = K[..., :Dv]); lo / hi (B, Sq) int64; bias fp32 broadcastable
-// (B, Hq, Sq, Sk) (expanded strides); slopes / sinks (Hq,) fp32; qpos (B, Sq) int64.
-// Returns out (B, Hq, Sq, Dv) fp32 and lse (B, Hq, Sq) fp32 (empty unless return_lse).
+// q (B, Hq, Sq, D) contiguous fp32 / bf16 / fp16 (multiplied by ``scale`` here); k / v: dense
+// (B, Hkv, Sk, D) or paged pools (N, bs, Hkv, D) (v undefined: V = K[..., :Dv]); lo / hi (B, Sq)
+// int64, both or neither (then every row sees all Sk keys of a dense cache); bias fp32
+// broadcastable (B, Hq, Sq, Sk) (expanded strides); slopes / sinks (Hq,) fp32; qpos (B, Sq) int64.
+// Returns out (B, Hq, Sq, Dv) in q's dtype and lse (B, Hq, Sq) fp32 (empty unless return_lse).
+// Everything a decode step needs happens in this one op: no scaled copy of q, no default bounds,
+// no output cast (each a dispatch of several microseconds, on every layer of every step).
 std::tuple<at::Tensor, at::Tensor> splitk_attention(
     const at::Tensor& q, const at::Tensor& k, const c10::optional<at::Tensor>& v, int64_t v_head_dim,
-    const c10::optional<at::Tensor>& block_table, const at::Tensor& lo, const at::Tensor& hi,
-    const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& slopes,
-    const c10::optional<at::Tensor>& qpos, const c10::optional<at::Tensor>& sinks, double softcap,
-    int64_t num_kv_heads, bool return_lse) {
-  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.is_contiguous() && q.device().is_cpu(),
-              "q must be a contiguous fp32 CPU tensor (B, Hq, Sq, D)");
+    const c10::optional<at::Tensor>& block_table, const c10::optional<at::Tensor>& lo,
+    const c10::optional<at::Tensor>& hi, const c10::optional<at::Tensor>& bias,
+    const c10::optional<at::Tensor>& slopes, const c10::optional<at::Tensor>& qpos,
+    const c10::optional<at::Tensor>& sinks, double scale, double softcap, int64_t num_kv_heads, bool return_lse) {
+  const at::ScalarType qt = q.scalar_type();
+  TORCH_CHECK(q.dim() == 4 && (qt == at::kFloat || qt == at::kBFloat16 || qt == at::kHalf) && q.is_contiguous() &&
+                  q.device().is_cpu(),
+              "q must be a contiguous fp32 / bf16 / fp16 CPU tensor (B, Hq, Sq, D)");
   TORCH_CHECK(k.dim() == 4 && k.stride(3) == 1, "k must be 4-D with unit stride in its last dim");
   const bool paged = block_table.has_value();
   Args a{};
@@ -679,7 +736,10 @@ std::tuple<at::Tensor, at::Tensor> splitk_attention(
   a.G = a.Hq / a.Hkv;
   a.Dv = v_head_dim;
   TORCH_CHECK(k.size(3) == a.D, "k's last dim must equal q's");
-  a.q = q.data_ptr<float>();
+  a.q = q.data_ptr();
+  a.q_type = qt;
+  a.scale = static_cast<float>(scale);
+  a.Sk = paged ? 0 : k.size(2);
   a.k = k.data_ptr();
   a.ks0 = k.stride(0);
   a.ks1 = k.stride(1);
@@ -709,10 +769,17 @@ std::tuple<at::Tensor, at::Tensor> splitk_attention(
     TORCH_CHECK(a.Dv <= a.D, "v_head_dim must be <= D when V is read from K");
     a.v = nullptr;
   }
-  TORCH_CHECK(lo.scalar_type() == at::kLong && lo.is_contiguous() && lo.numel() == a.B * a.Sq, "lo must be (B, Sq) int64");
-  TORCH_CHECK(hi.scalar_type() == at::kLong && hi.is_contiguous() && hi.numel() == a.B * a.Sq, "hi must be (B, Sq) int64");
-  a.lo = lo.data_ptr<int64_t>();
-  a.hi = hi.data_ptr<int64_t>();
+  TORCH_CHECK(lo.has_value() == hi.has_value(), "pass both lo and hi, or neither");
+  TORCH_CHECK(lo.has_value() || !paged, "paged pools need lo / hi (the sequences' lengths)");
+  a.lo = a.hi = nullptr;
+  if (lo.has_value()) {
+    TORCH_CHECK(lo->scalar_type() == at::kLong && lo->is_contiguous() && lo->numel() == a.B * a.Sq,
+                "lo must be (B, Sq) int64");
+    TORCH_CHECK(hi->scalar_type() == at::kLong && hi->is_contiguous() && hi->numel() == a.B * a.Sq,
+                "hi must be (B, Sq) int64");
+    a.lo = lo->data_ptr<int64_t>();
+    a.hi = hi->data_ptr<int64_t>();
+  }
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 4, "bias must be a 4-D fp32 tensor");
     a.bias = bias->data_ptr<float>();
@@ -738,12 +805,12 @@ std::tuple<at::Tensor, at::Tensor> splitk_attention(
   }
   a.softcap = static_cast<float>(softcap);
   at::Tensor out = at::empty({a.B, a.Hq, a.Sq, a.Dv}, q.options());
-  at::Tensor lse = at::empty({return_lse ? a.B : 0, a.Hq, a.Sq}, q.options());
+  at::Tensor lse = at::empty({return_lse ? a.B : 0, a.Hq, a.Sq}, q.options().dtype(at::kFloat));
   float* lse_ptr = return_lse ? lse.data_ptr<float>() : nullptr;
   switch (k.scalar_type()) {
-    case at::kFloat: run_all<float>(a, out.data_ptr<float>(), lse_ptr, sink_ptr); break;
-    case at::kBFloat16: run_all<c10::BFloat16>(a, out.data_ptr<float>(), lse_ptr, sink_ptr); break;
-    case at::kHalf: run_all<c10::Half>(a, out.data_ptr<float>(), lse_ptr, sink_ptr); break;
+    case at::kFloat: run_all<float>(a, out, lse_ptr, sink_ptr); break;
+    case at::kBFloat16: run_all<c10::BFloat16>(a, out, lse_ptr, sink_ptr); break;
+    case at::kHalf: run_all<c10::Half>(a, out, lse_ptr, sink_ptr); break;
     default: TORCH_CHECK(false, "k must be fp32, bf16 or fp16, got ", k.scalar_type());
   }
   return {out, lse};
@@ -753,8 +820,8 @@ std::tuple<at::Tensor, at::Tensor> splitk_attention(
 
 TORCH_LIBRARY(attnkit_cpu, m) {
   m.def(
-      "splitk_attention(Tensor q, Tensor k, Tensor? v, int v_head_dim, Tensor? block_table, Tensor lo, "
-      "Tensor hi, Tensor? bias, Tensor? slopes, Tensor? qpos, Tensor? sinks, float softcap, int num_kv_heads, "
-      "bool return_lse) -> (Tensor, Tensor)");
+      "splitk_attention(Tensor q, Tensor k, Tensor? v, int v_head_dim, Tensor? block_table, Tensor? lo, "
+      "Tensor? hi, Tensor? bias, Tensor? slopes, Tensor? qpos, Tensor? sinks, float scale, float softcap, "
+      "int num_kv_heads, bool return_lse) -> (Tensor, Tensor)");
   m.impl("splitk_attention", c10::DispatchKey::CPU, TORCH_FN(splitk_attention));
 }

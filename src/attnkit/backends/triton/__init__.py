@@ -13,6 +13,7 @@ runs under Triton's interpreter (``TRITON_INTERPRET=1``), for tests only: ``auto
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -31,6 +32,12 @@ MAX_HEAD_DIM, MAX_V_HEAD_DIM = 1024, 512
 #: q_start meaning "not causal": every key below seq_lens is visible. (Constants live here, not in
 #: decode.py, so refusing a call never imports Triton.)
 NO_CAUSAL = 1 << 30
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_installed() -> bool:
+    """Looked up once per process: ``auto`` asks on every call."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def interpreting() -> bool:
@@ -73,7 +80,7 @@ class TritonBackend(BackendBase):
     layouts = ("dense", "paged")
 
     def available(self) -> str | None:
-        if importlib.util.find_spec("triton") is None:
+        if not _triton_installed():
             return "triton is not installed (pip install triton)"
         if not torch.cuda.is_available() and not interpreting():
             return "needs CUDA (or TRITON_INTERPRET=1 to run on CPU tensors in Triton's interpreter)"
