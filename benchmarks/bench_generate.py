@@ -10,6 +10,13 @@ compile on a machine takes longer). "Weights only" applies every weight matrix o
 batch once per token and nothing else: the memory traffic any fp32 implementation pays per decode
 step, so an upper bound on tokens/s (batch-1 decoding on a CPU is bound by it).
 
+Roofline (issue 16's size: hidden 1024, 8 layers, 16 heads, 4 KV heads, intermediate 2816,
+vocab 32000), batch 1, fp32 and bf16: the steady decode rate, (N - 1) tokens over the time a
+generation of N tokens takes beyond one of a single token (prefill cancels), for attnkit and
+Hugging Face side by side, against the weight-streaming roofline: the bytes of the weights a step
+reads (every Linear and norm; one embedding row) over the read bandwidth of a plain sum over a
+buffer that size, measured in the same interleaved runs.
+
     python benchmarks/bench_generate.py           # full: 128 new tokens, 5 repetitions, compile
     python benchmarks/bench_generate.py --quick   # 16 new tokens, 2 repetitions, no compile
 """
@@ -28,18 +35,78 @@ HIDDEN, LAYERS, HEADS, KV_HEADS, INTER, VOCAB, PROMPT = 512, 4, 8, 2, 1376, 4096
 EAGER = ("attnkit_dynamic", "attnkit_static")
 
 
-def build():
+#: The roofline rows' model (hidden, layers, heads, KV heads, intermediate, vocab); --quick: tiny.
+ROOF, ROOF_QUICK = (1024, 8, 16, 4, 2816, 32000), (256, 2, 4, 2, 688, 4096)
+
+
+def build(shape=(HIDDEN, LAYERS, HEADS, KV_HEADS, INTER, VOCAB), dtype=torch.float32):
     import transformers
-    cfg = transformers.LlamaConfig(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                                   num_key_value_heads=KV_HEADS, intermediate_size=INTER, vocab_size=VOCAB,
+    hidden, layers, heads, kv_heads, inter, vocab = shape
+    cfg = transformers.LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                                   num_key_value_heads=kv_heads, intermediate_size=inter, vocab_size=vocab,
                                    initializer_range=0.1)  # decisive logits: greedy ties are unlikely
     torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(cfg).eval()
+    hf = transformers.LlamaForCausalLM(cfg).eval().to(dtype)
     hf.generation_config.eos_token_id = None  # always generate every token
     hf.generation_config.pad_token_id = 0
-    ours = Decoder(config_from_hf(cfg), init_std=None).eval()
+    ours = Decoder(config_from_hf(cfg), init_std=None).eval().to(dtype)
     ours.load_state_dict(hf.state_dict(), strict=True)
     return hf, ours
+
+
+def step_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights one decode step reads: every parameter but the embedding table, of
+    which it reads one row (an untied head counts whole, as a Linear)."""
+    emb = model.get_input_embeddings().weight if hasattr(model, "get_input_embeddings") else None
+    total = 0
+    for p in {id(p): p for p in model.parameters()}.values():
+        total += p.shape[1] * p.element_size() if p is emb else p.numel() * p.element_size()
+    return total
+
+
+def roofline(quick: bool) -> list[dict]:
+    """Batch-1 steady decode tokens/s of attnkit and Hugging Face against bytes / read bandwidth."""
+    new, reps = (8, 2) if quick else (64, 3)
+    rows = []
+    for dname, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        hf, ours = build(ROOF_QUICK if quick else ROOF, dt)
+        ids = torch.randint(0, hf.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(0))
+        nbytes = step_bytes(hf)
+        probe = torch.ones(nbytes // 4)
+
+        def hf_gen(n):
+            def fn():
+                with torch.inference_mode():
+                    t0 = time.perf_counter()
+                    hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                do_sample=False)
+                    return time.perf_counter() - t0
+            return fn
+
+        def ours_gen(n):
+            def fn():
+                t0 = time.perf_counter()
+                ours.generate(ids, n, cache="dynamic")
+                return time.perf_counter() - t0
+            return fn
+
+        def read():
+            t0 = time.perf_counter()
+            probe.sum()
+            return time.perf_counter() - t0
+
+        secs = interleaved_medians({"hf_n": hf_gen(new), "hf_1": hf_gen(1), "ours_n": ours_gen(new),
+                                    "ours_1": ours_gen(1), "read": read}, reps, warmup=1)
+        bw = nbytes / secs["read"]
+        roof = bw / nbytes
+        row = {"dtype": dname, "weights_mb": nbytes / 2**20, "read_gb_s": bw / 1e9, "roofline_tok_s": roof,
+               "new_tokens": new}
+        for name in ("hf", "ours"):
+            row[f"{name}_tok_s"] = (new - 1) / max(1e-9, secs[f"{name}_n"] - secs[f"{name}_1"])
+            row[f"{name}_share"] = row[f"{name}_tok_s"] / roof
+        rows.append(row)
+        del hf, ours, probe
+    return rows
 
 
 def run(quick: bool) -> dict:
@@ -104,7 +171,9 @@ def run(quick: bool) -> dict:
             row["compile_s"] = compile_s
             row["compiled_speedup"] = row["attnkit_compiled_tok_s"] / row["hf_tok_s"]
         rows.append(row)
-    return {"machine": machine(), "quick": quick,
+    return {"machine": machine(), "quick": quick, "roofline": roofline(quick),
+            "roofline_config": dict(zip(("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab"),
+                                        ROOF_QUICK if quick else ROOF)),
             "config": {"hidden": HIDDEN, "layers": LAYERS, "heads": HEADS, "kv_heads": KV_HEADS,
                        "intermediate": INTER, "vocab": VOCAB, "dtype": "fp32"},
             "rows": rows}
@@ -137,6 +206,20 @@ def to_markdown(res: dict) -> str:
         lines.append(f"| {r['batch']} | {r['prompt']} | {r['new_tokens']} | {r['hf_tok_s']:.0f} | "
                      f"{cell(r, 'attnkit_dynamic')} | {cell(r, 'attnkit_static')} | {cell(r, 'attnkit_compiled')} | "
                      f"{r['floor_tok_s']:.0f} | {r['eager_speedup']:.2f}x | {comp} | {cs} |")
+    if res.get("roofline"):
+        rc = res["roofline_config"]
+        lines += ["", f"Roofline: Llama hidden {rc['hidden']}, {rc['layers']} layers, {rc['heads']} heads, "
+                  f"{rc['kv_heads']} KV heads, intermediate {rc['intermediate']}, vocab {rc['vocab']}; batch 1, "
+                  f"prompt {PROMPT}; steady decode tokens/s = (N - 1) / (time of N new tokens - time of 1), "
+                  f"N = {res['roofline'][0]['new_tokens']}; roofline = read bandwidth (a plain sum over a buffer "
+                  "the size of the weights, same runs) / weight bytes per step.", "",
+                  "| dtype | weights MiB | read GB/s | roofline tok/s | HF tok/s | HF share | attnkit tok/s | "
+                  "attnkit share | attnkit / HF |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in res["roofline"]:
+            lines.append(f"| {r['dtype']} | {r['weights_mb']:.0f} | {r['read_gb_s']:.1f} | {r['roofline_tok_s']:.1f} | "
+                         f"{r['hf_tok_s']:.1f} | {100 * r['hf_share']:.0f}% | {r['ours_tok_s']:.1f} | "
+                         f"{100 * r['ours_share']:.0f}% | {r['ours_tok_s'] / r['hf_tok_s']:.2f}x |")
     return "\n".join(lines) + "\n"
 
 
