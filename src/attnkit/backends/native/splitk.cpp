@@ -539,7 +539,12 @@ void run_unit(const Args& a, const Unit& u, float* m, float* l, float* acc_out) 
       if (a.slopes != nullptr) {
         const float slope = a.slopes[hq];
         const int64_t p = a.qpos[u.b * a.Sq + i];
-        for (int64_t jj = 0; jj < n; ++jj) s[jj] += slope * static_cast<float>(t0 + jj - p);
+        // distances t0 + jj - p as exact floats (|d| < 2^24), a vector at a time (lanes past n are
+        // overwritten with -inf below)
+        vf dist;
+        for (int64_t x = 0; x < VL; ++x) dist[x] = static_cast<float>(t0 - p + x);
+        const vf sl = vsplat(slope), step = vsplat(static_cast<float>(VL));
+        for (int64_t jj = 0; jj < n; jj += VL, dist += step) vstore(s + jj, vload(s + jj) + sl * dist);
       }
       for (int64_t jj = 0; jj < jlo; ++jj) s[jj] = kNegInf;
       for (int64_t jj = jhi; jj < TILE; ++jj) s[jj] = kNegInf;  // also the padding past n
