@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..masks import Mask, shifted_bias, split_alibi
+from ..masks import KeyPadding, Mask, shifted_bias, split_alibi
 from . import native
 
 __all__ = ["splitk_attention", "merge_partials", "finite", "engine_name", "v_is_prefix_of_k"]
@@ -71,6 +71,12 @@ def v_is_prefix_of_k(k: Tensor, v: Tensor) -> bool:
     """True when v is k[..., :Dv] in memory (MLA's latent cache: V = the first channels of K)."""
     return (v.dtype == k.dtype and v.device == k.device and v.dim() == k.dim() and v.shape[:-1] == k.shape[:-1]
             and v.shape[-1] <= k.shape[-1] and v.stride() == k.stride() and v.data_ptr() == k.data_ptr())
+
+
+def _pages_only(mask: Mask | None, batch: int) -> bool:
+    """True for the mask a paged call carries alone: right key padding by one length per row."""
+    return (type(mask) is KeyPadding and mask.side == "right" and mask.lengths is not None
+            and mask.lengths.numel() == batch)
 
 
 def _bounds(mask: Mask | None, B: int, Hq: int, Sq: int, Sk: int, device,
@@ -125,6 +131,12 @@ def splitk_attention(q: Tensor, k: Tensor, v: Tensor | None, *, scale: float, ma
     ops = native.load()
     if ops is not None and mask is None and block_table is None:
         lo = hi = bias = None  # the kernel's default: every row sees all Sk keys
+    elif ops is not None and block_table is not None and Sq == 1 and _pages_only(mask, B):
+        # A paged decode step: each row sees its sequence's keys [0, length), the lengths the
+        # pages were validated against. No interval tensors to build: one view of the lengths.
+        lo, bias, hi = None, None, mask.lengths.to(device=q.device, dtype=torch.long).reshape(B, 1)
+        if not hi.is_contiguous():
+            hi = hi.contiguous()
     else:
         lo, hi, bias = _bounds(mask, B, Hq, Sq, Sk, q.device, shift=sinks is None)
     slopes = qpos = None

@@ -130,14 +130,17 @@ class PagedStep(CacheStep):
         if base is None:  # (B, W); entries past a row's last block are 0 (never read)
             self.table = torch.tensor([x + [0] * (width - len(x)) for x in blocks],
                                       dtype=torch.long).view(len(blocks), width)
-        else:  # the committed table of the same rows: copy it and write the entries this step changes
-            self.table = torch.zeros(len(blocks), width, dtype=torch.long)
-            w = min(width, base.shape[1])
-            self.table[:, :w] = base[:, :w]
+        else:  # the committed table of the same rows, with the entries this step changes
             at = [(b, i, x[i]) for b, (x, f) in enumerate(zip(blocks, first_changed)) for i in range(f, len(x))]
-            if at:
-                rows, cols, ids = torch.tensor(at, dtype=torch.long).unbind(1)
-                self.table[rows, cols] = ids
+            if not at and width == base.shape[1]:
+                self.table = base  # unchanged (most decode steps): shared, never written in place
+            else:
+                self.table = torch.zeros(len(blocks), width, dtype=torch.long)
+                w = min(width, base.shape[1])
+                self.table[:, :w] = base[:, :w]
+                if at:
+                    rows, cols, ids = torch.tensor(at, dtype=torch.long).unbind(1)
+                    self.table[rows, cols] = ids
         self._on: dict = {}
 
     def on(self, device) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor]:

@@ -111,8 +111,8 @@ struct Args {
   bool paged;
   const int64_t* table;  // (B, W) block ids (paged)
   int64_t table_s0, block_size, num_blocks, table_w;
-  const int64_t* lo;  // (B, Sq), or nullptr: every row sees [0, Sk)
-  const int64_t* hi;  // (B, Sq)
+  const int64_t* lo;  // (B, Sq), or nullptr: rows start at key 0
+  const int64_t* hi;  // (B, Sq), or nullptr: rows end at Sk (dense)
   const float* bias;  // optional, strides (b, h, i, j)
   int64_t bs0, bs1, bs2, bs3;
   const float* slopes;  // optional (Hq,)
@@ -765,7 +765,7 @@ void run_all(const Args& a, at::Tensor& out, float* lse, const float* sinks) {
 
 // q (B, Hq, Sq, D) contiguous fp32 / bf16 / fp16 (multiplied by ``scale`` here); k / v: dense
 // (B, Hkv, Sk, D) or paged pools (N, bs, Hkv, D) (v undefined: V = K[..., :Dv]); lo / hi (B, Sq)
-// int64, both or neither (then every row sees all Sk keys of a dense cache); bias fp32
+// int64, each optional (lo: 0; hi: all Sk keys of a dense cache; paged pools need hi); bias fp32
 // broadcastable (B, Hq, Sq, Sk) (expanded strides); slopes / sinks (Hq,) fp32; qpos (B, Sq) int64.
 // Returns out (B, Hq, Sq, Dv) in q's dtype and lse (B, Hq, Sq) fp32 (empty unless return_lse).
 // Everything a decode step needs happens in this one op: no scaled copy of q, no default bounds,
@@ -825,15 +825,16 @@ std::tuple<at::Tensor, at::Tensor> splitk_attention(
     TORCH_CHECK(a.Dv <= a.D, "v_head_dim must be <= D when V is read from K");
     a.v = nullptr;
   }
-  TORCH_CHECK(lo.has_value() == hi.has_value(), "pass both lo and hi, or neither");
-  TORCH_CHECK(lo.has_value() || !paged, "paged pools need lo / hi (the sequences' lengths)");
+  TORCH_CHECK(hi.has_value() || !paged, "paged pools need hi (the sequences' lengths)");
   a.lo = a.hi = nullptr;
   if (lo.has_value()) {
     TORCH_CHECK(lo->scalar_type() == at::kLong && lo->is_contiguous() && lo->numel() == a.B * a.Sq,
                 "lo must be (B, Sq) int64");
+    a.lo = lo->data_ptr<int64_t>();
+  }
+  if (hi.has_value()) {
     TORCH_CHECK(hi->scalar_type() == at::kLong && hi->is_contiguous() && hi->numel() == a.B * a.Sq,
                 "hi must be (B, Sq) int64");
-    a.lo = lo->data_ptr<int64_t>();
     a.hi = hi->data_ptr<int64_t>();
   }
   if (bias.has_value()) {
