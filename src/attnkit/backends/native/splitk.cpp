@@ -663,6 +663,22 @@ Plan plan_units(const Args& a) {
   const int64_t nh = a.paged ? a.Hkv : 1;  // heads per unit
   // keys (of one head) per unit: ~4 units per thread, at least 256 key rows of work
   const int64_t per_unit = std::max<int64_t>(256, (total + 4 * threads - 1) / (4 * threads)) / nh;
+  std::vector<int64_t> npieces(a.B);
+  int64_t units = 0;
+  for (int64_t b = 0; b < a.B; ++b) {
+    npieces[b] = std::max<int64_t>(1, (end[b] - start[b] + per_unit - 1) / std::max<int64_t>(1, per_unit));
+    units += npieces[b] * (a.Hkv / nh);
+  }
+  // torch's threads take equal runs of the unit list: a count that does not divide leaves one
+  // thread a unit more (4097 keys over 9 units on 2 threads: 5 against 4). Split the sequence with
+  // the longest pieces once more until the count divides (at most ``threads`` rounds).
+  for (int64_t round = 0; round < threads && units % threads != 0; ++round) {
+    int64_t b = 0;
+    for (int64_t c = 1; c < a.B; ++c)
+      if ((end[c] - start[c]) * npieces[b] > (end[b] - start[b]) * npieces[c]) b = c;
+    npieces[b] += 1;
+    units += a.Hkv / nh;
+  }
   Plan plan;
   const int64_t P = a.B * a.Hkv;
   plan.first.assign(P, 0);
@@ -670,7 +686,7 @@ Plan plan_units(const Args& a) {
   plan.count.assign(P, 0);
   for (int64_t b = 0; b < a.B; ++b) {
     const int64_t len = end[b] - start[b];
-    const int64_t pieces = std::max<int64_t>(1, (len + per_unit - 1) / std::max<int64_t>(1, per_unit));
+    const int64_t pieces = npieces[b];
     const int64_t base = plan.slots;  // slots of b: (head, piece) dense, (piece, head) paged
     for (int64_t h = 0; h < a.Hkv; ++h) {
       plan.first[b * a.Hkv + h] = a.paged ? base + h : base + h * pieces;
