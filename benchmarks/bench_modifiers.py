@@ -4,8 +4,9 @@ side by side in one run.
 
 Decode: one query per sequence over a 4k cache (B 1, 32 query / 8 KV heads, D 128), fp32 and
 bf16: the modifiers run inside the split-K engine (fused: nothing is materialized), so the goal is
-at most 15% over the plain call. Prefill: causal S 1024 (B 1, 8 / 8 heads, D 64): softcap and
-sinks go to the math backend (SDPA cannot express them), ALiBi to SDPA with its bias materialized.
+at most 15% over the plain call. Prefill: causal S 1024 (B 1, 8 / 8 heads, D 64): softcap goes to
+the math backend (SDPA cannot express it), sinks to SDPA's CPU flash kernel (its log-sum-exp
+carries them), ALiBi to SDPA with its bias materialized.
 
     python benchmarks/bench_modifiers.py            # the table -> benchmarks/results/modifiers.*
     python benchmarks/bench_modifiers.py --quick    # small sizes, seconds

@@ -14,6 +14,11 @@ takes the materialized mask directly).
 
 :func:`sdpa_kernel_name` says which SDPA kernel a call reaches ("flash", "efficient", "cudnn",
 "math", "overrideable"; "unknown" where torch cannot say).
+
+Sinks (gpt-oss) on CPU, for inference: SDPA's CPU flash kernel returns each row's log-sum-exp
+beside its output, which is all a sink needs (:func:`attnkit.backends.splitk.with_sinks`), so
+unmasked and causal prefill with sinks runs the fused kernel (K/V expanded per query head, as
+the op has no grouped heads). Soft-capping changes every score, which no SDPA kernel can do.
 """
 
 from __future__ import annotations
@@ -28,6 +33,20 @@ from torch.nn.attention.bias import CausalBias, CausalVariant, causal_lower_righ
 
 from ..masks import And, Causal, Mask, shifted_bias
 from .registry import AttentionCall, BackendBase
+from .splitk import with_sinks
+
+
+def _cpu_flash_ops():
+    """torch's fused CPU flash-attention forward / backward ops, which return and take each row's
+    log-sum-exp, or None in a torch without them (shared with the ring's blocks)."""
+    aten = torch.ops.aten
+    try:
+        return aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention_for_cpu_backward
+    except AttributeError:
+        return None
+
+
+CPU_FLASH = _cpu_flash_ops()
 
 #: torch's own kernel chooser (private; absent in some builds, then kernels read "unknown").
 _FUSED_SDP_CHOICE = getattr(torch, "_fused_sdp_choice", None)
@@ -152,9 +171,10 @@ class SdpaBackend(BackendBase):
         why = []
         if call.return_weights:
             why.append("return_weights=True (SDPA does not return probabilities)")
-        for name in ("softcap", "sinks"):
-            if name in call.modifiers:
-                why.append(f"{name} (SDPA cannot express it)")
+        if call.softcap is not None:
+            why.append("softcap (SDPA cannot express it)")
+        if call.sinks is not None:
+            why += _sinks_refusals(call)
         return why
 
     def sdpa_args(self, q: Tensor, k: Tensor, v: Tensor, call: AttentionCall):
@@ -181,6 +201,13 @@ class SdpaBackend(BackendBase):
     def run(self, q, k, v, call: AttentionCall):
         Dv = v.shape[-1]
         q, k, v = _equal_widths(q, k, v)
+        if call.sinks is not None:  # the CPU flash kernel's log-sum-exp carries the sinks
+            G = call.groups
+            if G > 1:
+                k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+            out, lse = CPU_FLASH[0](q, k, v, 0.0, call.mask is not None, scale=call.scale)
+            out = with_sinks(out.float(), lse.float(), call.sinks.detach())[0].to(q.dtype)
+            return out[..., :Dv], None
         attn_mask, row_ok, is_causal = self.sdpa_args(q, k, v, call)
         with _kernel_choice(call):
             out = F.scaled_dot_product_attention(
@@ -192,6 +219,23 @@ class SdpaBackend(BackendBase):
         if row_ok is not None:
             out = out.masked_fill(~row_ok, 0.0)
         return out, None
+
+
+def _sinks_refusals(call: AttentionCall) -> list[str]:
+    """Why this backend cannot run ``call``'s sinks (empty: the CPU flash kernel can)."""
+    why = []
+    if call.device.type != "cpu" or CPU_FLASH is None:
+        why.append("sinks (SDPA cannot express them; on CPU, without gradients, its flash kernel's "
+                   "log-sum-exp carries them)")
+    elif call.needs_grad:
+        why.append("sinks with gradients (SDPA cannot express them; the CPU flash path is inference-only)")
+    elif call.dropout_p > 0:
+        why.append("sinks with dropout (SDPA cannot express them)")
+    elif call.mask is not None and not call.mask.is_top_left_causal(call.q_len, call.kv_len):
+        why.append("sinks with a mask other than causal (SDPA cannot express them)")
+    elif call.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        why.append(f"sinks in {call.dtype}")
+    return why
 
 
 def _equal_widths(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..backends.sdpa import CPU_FLASH
 from ..backends.splitk import finite, merge_partials  # the engine's merge rule, written once
 from ..masks import Mask, has_bias
 from ..reference import group_heads
@@ -73,17 +74,7 @@ def _scores(q: Tensor, k: Tensor, allowed: Tensor | None, scale: float, softcap:
     return s, th
 
 
-def _cpu_flash_ops():
-    """torch's fused CPU flash-attention forward / backward ops (they return and take the
-    log-sum-exp), or None in a torch without them."""
-    aten = torch.ops.aten
-    try:
-        return aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention_for_cpu_backward
-    except AttributeError:
-        return None
-
-
-_FUSED = _cpu_flash_ops()
+_FUSED = CPU_FLASH  # torch's fused CPU flash forward / backward (log-sum-exp in and out), or None
 
 
 def _use_fused(q: Tensor, allowed: Tensor | None, softcap: float | None, bias: Tensor | None) -> bool:
