@@ -128,6 +128,8 @@ def splitk_attention(q: Tensor, k: Tensor, v: Tensor | None, *, scale: float, ma
     Hkv = k.shape[2] if block_table is not None else k.shape[1]
     Sk = kv_len if block_table is not None else k.shape[2]
     mask, alibi = split_alibi(mask)  # ALiBi is computed per score, never materialized
+    if mask is not None and alibi is not None and mask.allows_all(Sq, Sk):
+        mask = None  # e.g. decode's causal, kept beside ALiBi until ALiBi was split off
     ops = native.load()
     if ops is not None and mask is None and block_table is None:
         lo = hi = bias = None  # the kernel's default: every row sees all Sk keys
@@ -142,7 +144,8 @@ def splitk_attention(q: Tensor, k: Tensor, v: Tensor | None, *, scale: float, ma
     slopes = qpos = None
     if alibi is not None:
         slopes = alibi.slopes.to(q.device).contiguous()
-        qpos = alibi.positions(Sq, Sk, q.device).expand(B, Sq).contiguous()
+        if not (ops is not None and block_table is None and alibi.offsets is None and alibi.align == "bottom_right"):
+            qpos = alibi.positions(Sq, Sk, q.device).expand(B, Sq).contiguous()  # else the kernel's default
     sinks32 = None if sinks is None else sinks.detach().float().contiguous()
     if ops is not None:
         if k.stride(-1) != 1:

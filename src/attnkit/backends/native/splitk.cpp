@@ -116,7 +116,7 @@ struct Args {
   const float* bias;  // optional, strides (b, h, i, j)
   int64_t bs0, bs1, bs2, bs3;
   const float* slopes;  // optional (Hq,)
-  const int64_t* qpos;  // (B, Sq) with slopes
+  const int64_t* qpos;  // (B, Sq) with slopes, or nullptr: bottom-right, query i at i + Sk - Sq (dense)
   float softcap;        // 0: off
 };
 
@@ -538,7 +538,7 @@ void run_unit(const Args& a, const Unit& u, float* m, float* l, float* acc_out) 
       }
       if (a.slopes != nullptr) {
         const float slope = a.slopes[hq];
-        const int64_t p = a.qpos[u.b * a.Sq + i];
+        const int64_t p = a.qpos ? a.qpos[u.b * a.Sq + i] : i + a.Sk - a.Sq;
         // distances t0 + jj - p as exact floats (|d| < 2^24), a vector at a time (lanes past n are
         // overwritten with -inf below)
         vf dist;
@@ -782,7 +782,8 @@ void run_all(const Args& a, at::Tensor& out, float* lse, const float* sinks) {
 // q (B, Hq, Sq, D) contiguous fp32 / bf16 / fp16 (multiplied by ``scale`` here); k / v: dense
 // (B, Hkv, Sk, D) or paged pools (N, bs, Hkv, D) (v undefined: V = K[..., :Dv]); lo / hi (B, Sq)
 // int64, each optional (lo: 0; hi: all Sk keys of a dense cache; paged pools need hi); bias fp32
-// broadcastable (B, Hq, Sq, Sk) (expanded strides); slopes / sinks (Hq,) fp32; qpos (B, Sq) int64.
+// broadcastable (B, Hq, Sq, Sk) (expanded strides); slopes / sinks (Hq,) fp32; qpos (B, Sq) int64
+// (optional for a dense cache: bottom-right positions).
 // Returns out (B, Hq, Sq, Dv) in q's dtype and lse (B, Hq, Sq) fp32 (empty unless return_lse).
 // Everything a decode step needs happens in this one op: no scaled copy of q, no default bounds,
 // no output cast (each a dispatch of several microseconds, on every layer of every step).
@@ -862,13 +863,14 @@ std::tuple<at::Tensor, at::Tensor> splitk_attention(
     a.bs3 = bias->stride(3);
   }
   if (slopes.has_value()) {
-    TORCH_CHECK(qpos.has_value(), "ALiBi slopes need qpos");
+    TORCH_CHECK(qpos.has_value() || !paged, "ALiBi over paged pools needs qpos");
     TORCH_CHECK(slopes->scalar_type() == at::kFloat && slopes->is_contiguous() && slopes->numel() == a.Hq,
                 "slopes must be (Hq,) fp32");
-    TORCH_CHECK(qpos->scalar_type() == at::kLong && qpos->is_contiguous() && qpos->numel() == a.B * a.Sq,
+    TORCH_CHECK(!qpos.has_value() || (qpos->scalar_type() == at::kLong && qpos->is_contiguous() &&
+                                      qpos->numel() == a.B * a.Sq),
                 "qpos must be (B, Sq) int64");
     a.slopes = slopes->data_ptr<float>();
-    a.qpos = qpos->data_ptr<int64_t>();
+    a.qpos = qpos.has_value() ? qpos->data_ptr<int64_t>() : nullptr;
   }
   const float* sink_ptr = nullptr;
   if (sinks.has_value()) {
