@@ -213,6 +213,9 @@ class KVCache(nn.Module):
             raise ValueError(f"num_new must be in [0, S={tokens}], got {host}")
         return batch, tokens, n, host
 
+    def _cache_device(self) -> torch.device:
+        return self.lengths.device
+
     def _check_kv(self, step: CacheStep, k: Tensor, v: Tensor | None) -> Tensor:
         """Validate this step's K/V against the cache and the step; returns v (a view of k with
         value_from_key)."""
@@ -233,8 +236,8 @@ class KVCache(nn.Module):
                              f"(Hkv={self.kv_heads}, D={self.head_dim}, Dv={self.v_head_dim})")
         if (B, S) != (step.batch, step.tokens):
             raise ValueError(f"k {_shape(k)} does not fit the step (B={step.batch}, S={step.tokens})")
-        if k.device != self.lengths.device:
-            raise ValueError(f"k is on {k.device} but the cache is on {self.lengths.device}")
+        if k.device != self._cache_device():
+            raise ValueError(f"k is on {k.device} but the cache is on {self._cache_device()}")
         if id(self) in step.writers:
             raise RuntimeError("this cache already wrote this step (each layer writes a step once)")
         return v

@@ -105,6 +105,9 @@ class PagedKVCache(KVCache):
 
     # ---------------------------------------------------------------- state
 
+    def _cache_device(self) -> torch.device:
+        return self.k_pool.device  # without building the lengths from the allocator
+
     @property
     def lengths(self) -> Tensor:
         """(B,) tokens each batch row holds (committed)."""
