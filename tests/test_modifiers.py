@@ -59,14 +59,16 @@ def test_modifiers_match_the_oracle(backend, Sq, Sk, mask_name, mod):
     mask, causal = _masks(2, Hq, Sq, Sk, g)[mask_name]
     kw = _mods(mod, Hq, g)
     q, k, v = make_qkv(2, Hq, Hkv, Sq, Sk, 16, dtype=DTYPES[dtype], seed=seed)
-    if backend == "decode" and Sq > 16:
-        with pytest.raises(BackendNotSupported):
+    sdpa_takes_sinks = mask_name == "none" or (mask_name == "causal" and Sq in (1, Sk))
+    if backend == "decode" and Sq > 16 and "softcap" not in kw and "alibi" not in mask_name and \
+            ("sinks" not in kw or sdpa_takes_sinks):
+        with pytest.raises(BackendNotSupported):  # soft-capped, ALiBi or masked-sinks calls: any length
             attnkit.attention(q, k, v, mask, causal=causal, backend=backend, **kw)
         return
     grad = True
     if backend == "sdpa" and ("softcap" in kw or "sinks" in kw):
         # Sinks ride on the CPU flash kernel's log-sum-exp: inference, unmasked or is_causal only.
-        flash_sinks = "softcap" not in kw and (mask_name == "none" or (mask_name == "causal" and Sq in (1, Sk)))
+        flash_sinks = "softcap" not in kw and sdpa_takes_sinks
         if flash_sinks:  # with gradients SDPA still refuses them
             leaf = q.detach().clone().requires_grad_()
             with pytest.raises(BackendNotSupported, match="SDPA cannot express"):
@@ -107,6 +109,47 @@ def test_both_engines_and_paged_kv_apply_every_modifier(engine, dtype):
                              sinks=kw["sinks"].double())
     rule_r(got, want, gold, n_terms=Sk)
     assert attnkit.describe_call(q, paged, None, mask_p, detail=True, **kw) == f"paged[{engine}]"
+
+
+@pytest.mark.parametrize("case", ["causal", "window_alibi_padding", "cross_sinks", "paged"])
+def test_soft_capped_prefill_runs_the_engine_a_chunk_of_queries_at_a_time(engine, case):
+    """Soft-capped calls longer than a decode step take the split-K engine (SDPA cannot cap) in
+    chunks of queries; every chunk keeps its rows' intervals, bias and ALiBi positions."""
+    from attnkit.backends import splitk
+    g = torch.Generator().manual_seed(11)
+    Hq, Hkv, D = 8, 2, 32
+    Sq, Sk = (150, 150) if case != "cross_sinks" else (130, 400)
+    assert Sq > splitk.Q_CHUNK
+    q, k, v = make_qkv(2, Hq, Hkv, Sq, Sk, D, dtype=torch.bfloat16 if case == "paged" else torch.float32, seed=12)
+    lens = torch.tensor([Sk, Sk // 3])
+    kw = dict(softcap=3.0)
+    mask, causal = None, True
+    if case == "window_alibi_padding":  # with sinks, a row's ALiBi offset is not softmax-invariant
+        mask = M.SlidingWindow(40) & M.ALiBi(M.alibi_slopes(Hq)) & M.KeyPadding(lens)
+        kw["sinks"] = torch.randn(Hq, generator=g)
+    if case == "cross_sinks":
+        mask, causal = M.KeyPadding(lens), False
+        kw["sinks"] = torch.randn(Hq, generator=g)
+    if case == "paged":
+        bs, W = 16, -(-Sk // 16)
+        table = torch.randperm(2 * W + 3, generator=g)[:2 * W].view(2, W)
+        pool_k = torch.zeros(2 * W + 3, bs, Hkv, D, dtype=q.dtype)
+        pool_v = torch.zeros_like(pool_k)
+        for b in range(2):
+            rows = torch.arange(Sk)
+            pool_k[table[b, rows // bs], rows % bs] = k[b].transpose(0, 1)
+            pool_v[table[b, rows // bs], rows % bs] = v[b].transpose(0, 1)
+        paged = attnkit.PagedKV(pool_k, pool_v, table, torch.tensor([Sk, Sk]))
+        assert attnkit.describe_call(q, paged, None, causal=True, detail=True, **kw) == f"paged[{engine}]"
+        got = attnkit.attention(q, paged, None, causal=True, **kw)
+        want = attnkit.attention(q, k, v, causal=True, backend="math", **kw)
+        gold = attnkit.attention_reference(q.double(), k.double(), v.double(), causal=True, softcap=3.0)
+        rule_r(got, want, gold, n_terms=Sk)
+        return
+    assert attnkit.describe_call(q, k, v, mask, causal=causal, detail=True, **kw) == f"decode[{engine}]"
+    out = check_against_oracle(q, k, v, mask, causal=causal, backend="decode", **kw)
+    if case == "window_alibi_padding":
+        assert out.shape == (2, Hq, Sq, D)
 
 
 @pytest.mark.slow

@@ -2,7 +2,8 @@
 (:mod:`attnkit.backends.splitk`), over contiguous K/V (``decode``) or pages (``paged``).
 
 Both read each KV head once for all the query heads of its group and every query of the step
-(decode, speculative verification: Sq <= 16), take the mask as key intervals, and run on the
+(decode, speculative verification: Sq <= 16; soft-capped or ALiBi calls of any length, which
+SDPA cannot fuse, a chunk of queries at a time), take the mask as key intervals, and run on the
 compiled native kernel when the machine has a compiler (``describe_call(detail=True)`` says
 ``decode[native]`` or ``decode[torch]``). They are inference paths: calls that need gradients,
 dropout or the weights go to ``sdpa`` / ``math`` (paged K/V gathered first).
@@ -15,15 +16,17 @@ import torch
 from .._sysinfo import cpu_flags
 from . import splitk
 from .registry import AttentionCall, BackendBase
+from .sdpa import sinks_refusals
 
 #: Largest Sq these backends take: past this the work is matmul-bound and SDPA's tiled kernels win.
 MAX_DECODE_Q_LEN = 16
 
 
-def decode_refusals(call: AttentionCall, max_q_len: int = MAX_DECODE_Q_LEN) -> list[str]:
-    """What every decode kernel (these, ``triton``) refuses: long queries, weights, dropout."""
+def decode_refusals(call: AttentionCall, max_q_len: int | None = MAX_DECODE_Q_LEN) -> list[str]:
+    """What every decode kernel (these, ``triton``) refuses: long queries (past ``max_q_len``;
+    None: any length), weights, dropout."""
     why = []
-    if call.q_len > max_q_len:
+    if max_q_len is not None and call.q_len > max_q_len:
         why.append(f"Sq={call.q_len} > {max_q_len} (a decode path: small query lengths only)")
     if call.return_weights:
         why.append("return_weights=True")
@@ -46,6 +49,16 @@ def min_auto_kv_elems(engine: str) -> int:
     return 1 << 14 if engine == "native" else 1 << 20
 
 
+def _fuses_what_sdpa_cannot(call: AttentionCall) -> bool:
+    """Calls the engine takes at any length: a soft cap (no SDPA kernel caps scores: the
+    alternative is the math path), ALiBi (SDPA takes it only as a materialized (B, H, Sq, Sk)
+    bias) or sinks SDPA's flash path cannot take (a window, padding). The engine runs them a chunk
+    of queries at a time, several times faster."""
+    if call.softcap is not None or "ALiBi" in call.modifiers:
+        return True
+    return call.sinks is not None and bool(sinks_refusals(call))
+
+
 class SplitKBackend(BackendBase):
     """One backend over the split-K engine; ``layout`` is the K/V it reads in place."""
 
@@ -53,7 +66,7 @@ class SplitKBackend(BackendBase):
         self.name, self.layouts = name, (layout,)
 
     def not_supported_reasons(self, call: AttentionCall) -> list[str]:
-        why = decode_refusals(call)
+        why = decode_refusals(call, None if _fuses_what_sdpa_cannot(call) else MAX_DECODE_Q_LEN)
         if call.kv_layout not in self.layouts:
             why.append(f"{call.kv_layout} K/V (this backend reads {self.layouts[0]} K/V)")
         if call.device.type != "cpu":
@@ -67,7 +80,7 @@ class SplitKBackend(BackendBase):
     def auto_skip_reason(self, call: AttentionCall) -> str | None:
         if torch.compiler.is_compiling():
             return "under torch.compile (an eager kernel; SDPA traces)"
-        if call.kv_layout == "dense" and call.head_dim == call.v_head_dim:
+        if call.kv_layout == "dense" and call.head_dim == call.v_head_dim and not _fuses_what_sdpa_cannot(call):
             engine = splitk.engine_name()
             kv_elems = call.batch * call.kv_heads * call.kv_len * (call.head_dim + call.v_head_dim)
             if kv_elems < min_auto_kv_elems(engine):

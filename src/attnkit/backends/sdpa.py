@@ -174,7 +174,7 @@ class SdpaBackend(BackendBase):
         if call.softcap is not None:
             why.append("softcap (SDPA cannot express it)")
         if call.sinks is not None:
-            why += _sinks_refusals(call)
+            why += sinks_refusals(call)
         return why
 
     def sdpa_args(self, q: Tensor, k: Tensor, v: Tensor, call: AttentionCall):
@@ -221,7 +221,7 @@ class SdpaBackend(BackendBase):
         return out, None
 
 
-def _sinks_refusals(call: AttentionCall) -> list[str]:
+def sinks_refusals(call: AttentionCall) -> list[str]:
     """Why this backend cannot run ``call``'s sinks (empty: the CPU flash kernel can)."""
     why = []
     if call.device.type != "cpu" or CPU_FLASH is None:

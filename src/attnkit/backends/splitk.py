@@ -131,6 +131,8 @@ def splitk_attention(q: Tensor, k: Tensor, v: Tensor | None, *, scale: float, ma
     if mask is not None and alibi is not None and mask.allows_all(Sq, Sk):
         mask = None  # e.g. decode's causal, kept beside ALiBi until ALiBi was split off
     ops = native.load()
+    if Sq > Q_CHUNK:
+        return _chunked(q, k, v, Dv, Hkv, Sk, scale, mask, alibi, block_table, sinks, softcap, return_lse)
     if ops is not None and mask is None and block_table is None:
         lo = hi = bias = None  # the kernel's default: every row sees all Sk keys
     elif ops is not None and block_table is not None and Sq == 1 and _pages_only(mask, B):
@@ -162,6 +164,52 @@ def splitk_attention(q: Tensor, k: Tensor, v: Tensor | None, *, scale: float, ma
     if sinks32 is not None:
         out = with_sinks(out, lse, sinks32)[0]
     return out.to(q.dtype), (lse if return_lse else None)
+
+
+#: Query rows per engine call. A call scores all G * Sq rows of a KV head against each key tile,
+#: with partial results per key slice: longer calls (prefill with a soft cap, which no SDPA kernel
+#: takes) go a chunk of queries at a time, which bounds those buffers and lets each chunk stop at
+#: the last key its rows see (causal prefill does about half the work).
+Q_CHUNK = 64
+
+
+def _chunked(q, k, v, Dv, Hkv, Sk, scale, mask, alibi, block_table, sinks, softcap, return_lse):
+    """:func:`splitk_attention` a chunk of Q_CHUNK queries at a time: the intervals, bias and
+    ALiBi positions of the whole call, sliced per chunk."""
+    B, Hq, Sq, _ = q.shape
+    lo, hi, bias = _bounds(mask, B, Hq, Sq, Sk, q.device, shift=sinks is None)
+    slopes = qpos = None
+    if alibi is not None:
+        slopes = alibi.slopes.to(q.device).contiguous()
+        qpos = alibi.positions(Sq, Sk, q.device).expand(B, Sq).contiguous()
+    ops = native.load()
+    out = torch.empty(B, Hq, Sq, Dv, dtype=q.dtype if ops is not None else torch.float32, device=q.device)
+    lse = torch.empty(B, Hq, Sq, dtype=torch.float32, device=q.device) if return_lse or ops is None else None
+    sinks32 = None if sinks is None else sinks.detach().float().contiguous()
+    if ops is not None:
+        k = k if k.stride(-1) == 1 else k.contiguous()
+        v = v if v is None or v.stride(-1) == 1 else v.contiguous()
+    table = None if block_table is None else block_table.long().contiguous()
+    for i0 in range(0, Sq, Q_CHUNK):
+        i1 = min(Sq, i0 + Q_CHUNK)
+        lo_c, hi_c = lo[:, i0:i1].contiguous(), hi[:, i0:i1].contiguous()
+        b_c = None if bias is None else bias.expand(B, Hq, Sq, Sk)[:, :, i0:i1]
+        p_c = None if qpos is None else qpos[:, i0:i1].contiguous()
+        if ops is not None:
+            o, l_c = ops.splitk_attention(q[:, :, i0:i1].detach().contiguous(), k.detach(),
+                                          None if v is None else v.detach(), Dv, table, lo_c, hi_c, b_c, slopes, p_c,
+                                          sinks32, float(scale), float(softcap or 0.0), Hkv, return_lse)
+        else:
+            o, l_c = _torch_splitk(q[:, :, i0:i1], k, v, Dv, Hkv, Sk, scale, lo_c, hi_c, b_c, block_table, softcap,
+                                   slopes, p_c)
+        out[:, :, i0:i1] = o
+        if lse is not None:
+            lse[:, :, i0:i1] = l_c
+    if ops is None:
+        if sinks32 is not None:
+            out = with_sinks(out, lse, sinks32)[0]
+        out = out.to(q.dtype)
+    return out, (lse if return_lse else None)
 
 
 def _torch_splitk(q, k, v, Dv, Hkv, Sk, scale, lo, hi, bias, block_table, softcap, slopes, qpos):
