@@ -213,3 +213,18 @@ def test_bad_paged_tables_are_refused(engine):
     if engine == "native":  # a lying "checked" table raises in the kernel, it never reads outside the pool
         with pytest.raises(RuntimeError, match="outside the pool"):
             attnkit.attention(q, trusted, None, backend="paged")
+
+
+def test_native_build_targets_the_running_cpu_unless_told(monkeypatch, tmp_path):
+    """-march=native by default; ATTNKIT_NATIVE_MARCH builds another target (the AVX2 code path
+    on an AVX-512 machine, say), under its own cache key."""
+    from pathlib import Path
+
+    from attnkit.backends import native
+
+    monkeypatch.delenv("ATTNKIT_NATIVE_MARCH", raising=False)
+    cmd = native._command("c++", Path("src.cpp"), Path("out.so"), True)
+    assert "-march=native" in cmd
+    assert not any(c.startswith("-march") for c in native._command("c++", Path("src.cpp"), Path("out.so"), False))
+    monkeypatch.setenv("ATTNKIT_NATIVE_MARCH", "haswell")
+    assert "-march=haswell" in native._command("c++", Path("src.cpp"), Path("out.so"), True)

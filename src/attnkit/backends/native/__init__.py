@@ -8,6 +8,9 @@ by the source, the torch version, the compiler and the CPU, and loads it as the 
 ``torch.ops.attnkit_cpu.splitk_attention``. A second process finds the cached library; two
 processes compiling at once each write a private file and rename it into place.
 
+``ATTNKIT_NATIVE_MARCH`` names another target for ``-march=`` (``haswell``: the AVX2 build on an
+AVX-512 machine, to compare the two code paths on one CPU); it is part of the cache key.
+
 When no compiler is found, the build fails, or ``ATTNKIT_NATIVE=0`` is set, ``load()`` returns
 None and :func:`status` says why; the split-K engine then runs its pure-torch path
 (:mod:`attnkit.backends.splitk`), with the same results.
@@ -66,6 +69,11 @@ def _cache_dir() -> Path:
     return Path(xdg) / "attnkit" if xdg else Path.home() / ".cache" / "attnkit"
 
 
+def _march() -> str:
+    """The ``-march=`` target: the CPU that runs the build, unless ``ATTNKIT_NATIVE_MARCH`` says."""
+    return os.environ.get("ATTNKIT_NATIVE_MARCH", "").strip() or "native"
+
+
 def _command(cxx: str, src: Path, out: Path, native_arch: bool) -> list[str]:
     from torch.utils import cpp_extension
 
@@ -82,7 +90,7 @@ def _command(cxx: str, src: Path, out: Path, native_arch: bool) -> list[str]:
     else:
         cmd.append("-fopenmp-simd")
     if native_arch:
-        cmd.append("-march=native")
+        cmd.append(f"-march={_march()}")
     cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
     cmd += [f"-L{lib}", "-lc10", "-ltorch_cpu"]
     if sys.platform == "darwin":
