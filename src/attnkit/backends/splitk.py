@@ -106,7 +106,8 @@ def splitk_attention(q: Tensor, k: Tensor, v: Tensor | None, *, scale: float, ma
                      block_table: Tensor | None = None, v_head_dim: int | None = None, kv_len: int | None = None,
                      sinks: Tensor | None = None, softcap: float | None = None,
                      return_lse: bool = False) -> tuple[Tensor, Tensor | None]:
-    """Few-query attention on CPU without autograd.
+    """Attention on CPU without autograd: a decode step's few queries in one engine call, longer
+    calls (soft-capped or ALiBi prefill) a chunk of :data:`Q_CHUNK` queries at a time.
 
     Args:
         q: (B, Hq, Sq, D).

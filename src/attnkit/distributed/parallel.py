@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..masks import ALiBi, as_mask
-from ..modules.attention import MultiHeadAttention, _and, window_mask
+from ..masks import ALiBi, And, as_mask
+from ..modules.attention import MultiHeadAttention, window_mask
 from ..rope import RotaryAngles, RotaryEmbedding
 from .ring import ring_attention
 from .sharding import SHARDINGS, shard_positions
@@ -83,9 +83,9 @@ class ContextParallel(nn.Module):
         elif positions is not None:
             raise ValueError("positions given, but the module has no rope")
         q, k, v = m._project(x, x, x, angles)  # (B, H, S/P, hd), (B, Hkv, S/P, hd), (B, Hkv, S/P, hdv)
-        mask = _and(as_mask(mask), window_mask(m.window, None, B, x.device))
-        if m.alibi:
-            mask = _and(mask, ALiBi(m.alibi_slopes))
+        parts = [as_mask(mask), window_mask(m.window, None, B, x.device), ALiBi(m.alibi_slopes) if m.alibi else None]
+        parts = [p for p in parts if p is not None]
+        mask = None if not parts else parts[0] if len(parts) == 1 else And(*parts)
         out = ring_attention(q, k, v, causal=m.causal, mask=mask, scale=m.scale, softcap=m.softcap, sinks=m.sinks,
                              group=self.group, sharding=self.sharding)
         out = m.o_proj(out.transpose(1, 2).flatten(2))
