@@ -557,3 +557,28 @@ BAD = [
 def test_bad_input(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize("rotary", [64, 24], ids=["full", "partial"])
+def test_compiled_rotation_is_the_torch_rotation_bit_for_bit(monkeypatch, dtype, interleaved, rotary):
+    """Inference on CPU rotates in one compiled pass; it must give the torch ops' floats exactly
+    (products and sum rounded on their own: no fused multiply-add), in both layouts."""
+    from attnkit import rope as R
+
+    if R._native_ops() is None:
+        pytest.skip("no native kernel on this machine (no C++ compiler)")
+    g = torch.Generator().manual_seed(rotary)
+    x = torch.randn(2, 130, 6, 64, generator=g).to(dtype)
+    cos = torch.randn(1, 130, 1, rotary, generator=g)
+    sin = torch.randn(1, 130, 1, rotary, generator=g)
+    for xs, c, s in ((x, cos, sin), (x.transpose(1, 2), cos.transpose(1, 2), sin.transpose(1, 2))):
+        assert R._native_ok(xs, c, s)
+        got = R._rotate_signed(xs, c, s, interleaved)
+        with monkeypatch.context() as m:
+            m.setattr(R, "_native_ok", lambda *a: False)
+            want = R._rotate_signed(xs, c, s, interleaved)
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    leaf = x.float().requires_grad_()  # autograd keeps the torch ops
+    assert not R._native_ok(leaf, cos, sin)

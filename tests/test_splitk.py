@@ -223,8 +223,8 @@ def test_native_build_targets_the_running_cpu_unless_told(monkeypatch, tmp_path)
     from attnkit.backends import native
 
     monkeypatch.delenv("ATTNKIT_NATIVE_MARCH", raising=False)
-    cmd = native._command("c++", Path("src.cpp"), Path("out.so"), True)
+    cmd = native._command("c++", [Path("src.cpp")], Path("out.so"), True)
     assert "-march=native" in cmd
-    assert not any(c.startswith("-march") for c in native._command("c++", Path("src.cpp"), Path("out.so"), False))
+    assert not any(c.startswith("-march") for c in native._command("c++", [Path("src.cpp")], Path("out.so"), False))
     monkeypatch.setenv("ATTNKIT_NATIVE_MARCH", "haswell")
-    assert "-march=haswell" in native._command("c++", Path("src.cpp"), Path("out.so"), True)
+    assert "-march=haswell" in native._command("c++", [Path("src.cpp")], Path("out.so"), True)

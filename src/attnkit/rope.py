@@ -452,6 +452,23 @@ def _sign(rotary_dim: int, interleaved: bool, device=None) -> Tensor:
     return sign
 
 
+def _native_ops():
+    from .backends import native
+    return native.load()
+
+
+def _native_ok(x: Tensor, cos: Tensor, sin_signed: Tensor) -> bool:
+    """The compiled one-pass rotation applies: a 4-D CPU fp32 / bf16 / fp16 x outside autograd
+    and outside torch.compile (which fuses the torch ops itself), fp32 angles of x's rank, and the
+    native library built on this machine."""
+    return (x.device.type == "cpu" and x.dim() == 4 and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and x.stride(-1) == 1 and cos.dtype == torch.float32 and sin_signed.dtype == torch.float32
+            and cos.dim() == 4 and cos.stride(-1) == 1 and sin_signed.stride() == cos.stride()
+            and cos.shape == sin_signed.shape
+            and not (torch.is_grad_enabled() and x.requires_grad) and not torch.compiler.is_compiling()
+            and _native_ops() is not None)
+
+
 def _rotate_signed(x: Tensor, cos: Tensor, sin_signed: Tensor, interleaved: bool) -> Tensor:
     """RoPE as ``x * cos + partner(x) * sin_signed`` on the first R dims of x (any layout whose
     last dim is D; cos / sin_signed broadcast against ``x[..., :R]``), in fp32 (fp64 for fp64 x)
@@ -461,6 +478,8 @@ def _rotate_signed(x: Tensor, cos: Tensor, sin_signed: Tensor, interleaved: bool
     the rotation's minus sign lives in ``sin_signed``. The products are the same floats as
     :func:`_apply_rotary`'s (``-a * b == a * -b`` exactly), with one op fewer."""
     R, D = cos.shape[-1], x.shape[-1]
+    if _native_ok(x, cos, sin_signed):  # inference on CPU: one pass, the same floats
+        return _native_ops().rope_rotate(x, cos, sin_signed, interleaved)
     ct = torch.float64 if x.dtype == torch.float64 else torch.float32
     xr = x if R == D else x[..., :R]
     if xr.dtype != ct:

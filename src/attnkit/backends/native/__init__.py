@@ -1,11 +1,12 @@
-"""The native CPU kernel (``splitk.cpp``), compiled on first use for the machine it runs on.
+"""The native CPU kernels, compiled on first use for the machine it runs on: ``splitk.cpp`` (the
+split-K attention engine) and ``rope.cpp`` (the one-pass rotary embedding of inference calls).
 
-``load()`` compiles ``splitk.cpp`` against the installed torch with the system C++ compiler
+``load()`` compiles both into one library against the installed torch with the system C++ compiler
 (``$CXX``, else ``c++`` / ``g++`` / ``clang++``) and ``-march=native`` (the kernel is built for
 the instruction set of the CPU that runs it: AVX2, AVX-512, ... decided by the compiler, not by
 us), caches the shared library under ``$ATTNKIT_CACHE_DIR`` (default ``~/.cache/attnkit``) keyed
-by the source, the torch version, the compiler and the CPU, and loads it as the torch op
-``torch.ops.attnkit_cpu.splitk_attention``. A second process finds the cached library; two
+by the sources, the torch version, the compiler and the CPU, and loads it as the torch ops
+``torch.ops.attnkit_cpu.splitk_attention`` and ``torch.ops.attnkit_cpu.rope_rotate``. A second process finds the cached library; two
 processes compiling at once each write a private file and rename it into place.
 
 ``ATTNKIT_NATIVE_MARCH`` names another target for ``-march=`` (``haswell``: the AVX2 build on an
@@ -35,7 +36,7 @@ from ..._sysinfo import cpu_flags, cpu_isa, cpu_name
 
 __all__ = ["load", "status", "cpu_description"]
 
-_SOURCE = Path(__file__).with_name("splitk.cpp")
+_SOURCES = (Path(__file__).with_name("splitk.cpp"), Path(__file__).with_name("rope.cpp"))
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -74,11 +75,11 @@ def _march() -> str:
     return os.environ.get("ATTNKIT_NATIVE_MARCH", "").strip() or "native"
 
 
-def _command(cxx: str, src: Path, out: Path, native_arch: bool) -> list[str]:
+def _command(cxx: str, srcs, out: Path, native_arch: bool) -> list[str]:
     from torch.utils import cpp_extension
 
     lib = Path(torch.__file__).parent / "lib"
-    cmd = [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-w", str(src), "-o", str(out),
+    cmd = [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-w", *map(str, srcs), "-o", str(out),
            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
     # at::parallel_for is inlined into this library: it must be built with the OpenMP torch uses
     # (and link torch's own libgomp when it ships one, so both share one thread pool and settings).
@@ -101,8 +102,8 @@ def _command(cxx: str, src: Path, out: Path, native_arch: bool) -> list[str]:
 
 
 def _build(cxx: str) -> Path:
-    source = _SOURCE.read_bytes()
-    flags = " ".join(_command(cxx, Path("src"), Path("out"), True))
+    source = b"|".join(p.read_bytes() for p in _SOURCES)
+    flags = " ".join(_command(cxx, [Path("src")], Path("out"), True))
     key = hashlib.sha256(b"|".join([source, torch.__version__.encode(), flags.encode(), _cpu_key().encode(),
                                     sys.version.encode()])).hexdigest()[:20]
     root = _cache_dir()
@@ -115,7 +116,7 @@ def _build(cxx: str) -> Path:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=root)
         os.close(fd)
         try:
-            res = subprocess.run(_command(cxx, _SOURCE, Path(tmp), native_arch), capture_output=True, text=True,
+            res = subprocess.run(_command(cxx, _SOURCES, Path(tmp), native_arch), capture_output=True, text=True,
                                  timeout=600)
             if res.returncode == 0:
                 os.replace(tmp, target)
