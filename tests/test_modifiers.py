@@ -111,6 +111,15 @@ def test_both_engines_and_paged_kv_apply_every_modifier(engine, dtype):
     assert attnkit.describe_call(q, paged, None, mask_p, detail=True, **kw) == f"paged[{engine}]"
 
 
+def test_sinks_on_sdpas_flash_kernel_keep_fp64_precision():
+    """fp64 calls with sinks stay fp64 through the kernel's log-sum-exp and the sink's rescale."""
+    q, k, v = make_qkv(2, 4, 2, 20, 20, 8, dtype=torch.float64, seed=5)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    out = attnkit.attention(q, k, v, causal=True, sinks=sinks, backend="sdpa")
+    torch.testing.assert_close(out, attnkit.attention_reference(q, k, v, causal=True, sinks=sinks),
+                               atol=1e-12, rtol=1e-12)
+
+
 @pytest.mark.parametrize("case", ["causal", "window_alibi_padding", "cross_sinks", "paged"])
 def test_soft_capped_prefill_runs_the_engine_a_chunk_of_queries_at_a_time(engine, case):
     """Soft-capped calls longer than a decode step take the split-K engine (SDPA cannot cap) in
@@ -127,8 +136,8 @@ def test_soft_capped_prefill_runs_the_engine_a_chunk_of_queries_at_a_time(engine
     if case == "window_alibi_padding":  # with sinks, a row's ALiBi offset is not softmax-invariant
         mask = M.SlidingWindow(40) & M.ALiBi(M.alibi_slopes(Hq)) & M.KeyPadding(lens)
         kw["sinks"] = torch.randn(Hq, generator=g)
-    if case == "cross_sinks":
-        mask, causal = M.KeyPadding(lens), False
+    if case == "cross_sinks":  # sequence 0 has no key: its rows stay exactly 0, sinks or not
+        mask, causal = M.KeyPadding(torch.tensor([0, Sk // 3])), False
         kw["sinks"] = torch.randn(Hq, generator=g)
     if case == "paged":
         bs, W = 16, -(-Sk // 16)
@@ -148,8 +157,8 @@ def test_soft_capped_prefill_runs_the_engine_a_chunk_of_queries_at_a_time(engine
         return
     assert attnkit.describe_call(q, k, v, mask, causal=causal, detail=True, **kw) == f"decode[{engine}]"
     out = check_against_oracle(q, k, v, mask, causal=causal, backend="decode", **kw)
-    if case == "window_alibi_padding":
-        assert out.shape == (2, Hq, Sq, D)
+    if case == "cross_sinks":
+        assert (out[0] == 0).all()
 
 
 @pytest.mark.slow

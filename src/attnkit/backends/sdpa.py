@@ -206,7 +206,8 @@ class SdpaBackend(BackendBase):
             if G > 1:
                 k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
             out, lse = CPU_FLASH[0](q, k, v, 0.0, call.mask is not None, scale=call.scale)
-            out = with_sinks(out.float(), lse.float(), call.sinks.detach())[0].to(q.dtype)
+            ct = torch.float64 if q.dtype == torch.float64 else torch.float32  # the kernel's own precision
+            out = with_sinks(out.to(ct), lse.to(ct), call.sinks.detach())[0].to(q.dtype)
             return out[..., :Dv], None
         attn_mask, row_ok, is_causal = self.sdpa_args(q, k, v, call)
         with _kernel_choice(call):
