@@ -52,6 +52,41 @@ def test_custom_backend_takes_part_in_auto(custom_backend):
         attnkit.attention(q32, k32, v32, backend="only_fp64_test")
 
 
+class _Counting(_OnlyFp64):
+    """Accepts fp64 like its parent, counting how often it is asked."""
+
+    def __init__(self, name, **attrs):
+        super().__init__()
+        self.name, self.asked = name, 0
+        self.__dict__.update(attrs)
+
+    def not_supported_reasons(self, call):
+        self.asked += 1
+        return super().not_supported_reasons(call)
+
+
+@pytest.mark.parametrize("attrs, asked", [
+    ({}, True),  # the protocol's defaults: any device, dense K/V
+    ({"auto_devices": ("cpu",)}, True),
+    ({"auto_devices": ("cuda",)}, False),  # auto skips it without asking on a CPU call
+    ({"layouts": ("paged",)}, False),  # dense K/V cannot become paged
+])
+def test_auto_asks_only_backends_that_could_run_the_call(attrs, asked):
+    b = _Counting("counting_test", **attrs)
+    before = registry.auto_order()
+    attnkit.register_backend(b, before="decode")
+    try:
+        q, k, v = make_qkv(1, 2, 1, 3, 5, 4, dtype=torch.float64)
+        attnkit.attention(q, k, v)
+        assert (b.asked, b.calls) == ((1, 1) if asked else (0, 0))
+        before_asked = b.asked
+        attnkit.attention(q, k, v, backend="counting_test")  # forcing asks it whatever auto skips
+        assert b.asked == before_asked + 1
+    finally:
+        registry._REGISTRY.pop(b.name)
+        registry._AUTO_ORDER[:] = before
+
+
 def test_unknown_backend_names_the_choices():
     q, k, v = make_qkv(1, 2, 1, 3, 5, 4)
     with pytest.raises(ValueError, match="backend must be 'auto' or one of"):

@@ -79,6 +79,11 @@ def check_qkv(q, k, v, scale=None, *, layout: str = "(B, H, S, D)") -> float:
     """Check q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv) and ``scale``; errors name
     the argument and the shapes (``layout`` is how the 4 dims are described in them). ``k`` may
     be a :class:`attnkit.PagedKV` (then ``v`` is None). Returns the scale (default 1 / sqrt(D))."""
+    return _check_qkv(q, k, v, scale, layout)[0]
+
+
+def _check_qkv(q, k, v, scale, layout: str = "(B, H, S, D)"):
+    """:func:`check_qkv`, also returning (B, Hq, Sq, D, Hkv, Sk, Dv)."""
     if isinstance(k, PagedKV):
         if v is not None:
             raise ValueError("v must be None when k is a PagedKV (it holds both K and V)")
@@ -97,15 +102,15 @@ def check_qkv(q, k, v, scale=None, *, layout: str = "(B, H, S, D)") -> float:
         raise TypeError(f"q, k, v must share a dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
-    B, Hq, Sq, D = q.shape
-    _, Hkv, Sk, Dv = v.shape
-    if k.shape[0] != B or v.shape[0] != B:
+    # Each shape is read once: this runs on every attention call, and every read builds a tuple.
+    (B, Hq, Sq, D), (Bk, Hk, Sk_, Dk), (Bv, Hkv, Sk, Dv) = q.shape, k.shape, v.shape
+    if Bk != B or Bv != B:
         raise ValueError(f"batch sizes differ: q {_shape(q)}, k {_shape(k)}, v {_shape(v)}")
-    if k.shape[1] != Hkv:
+    if Hk != Hkv:
         raise ValueError(f"k and v must have the same number of heads: k {_shape(k)}, v {_shape(v)}")
-    if k.shape[2] != Sk:
+    if Sk_ != Sk:
         raise ValueError(f"k and v must have the same sequence length: k {_shape(k)}, v {_shape(v)}")
-    if k.shape[3] != D:
+    if Dk != D:
         raise ValueError(f"q and k must have the same head dim: q {_shape(q)}, k {_shape(k)}")
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv}): "
@@ -113,10 +118,10 @@ def check_qkv(q, k, v, scale=None, *, layout: str = "(B, H, S, D)") -> float:
     if D == 0:
         raise ValueError(f"head dim must be at least 1: q {_shape(q)}")
     if scale is None:
-        return 1.0 / math.sqrt(D)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        scale = 1.0 / math.sqrt(D)
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise TypeError(f"scale must be a finite float or None, got {scale!r}")
-    return float(scale)
+    return float(scale), (B, Hq, Sq, D, Hkv, Sk, Dv)
 
 
 class _PagedShape:
@@ -154,12 +159,10 @@ def _check_sinks(sinks, q: Tensor) -> Tensor | None:
 
 def _validate(q, k, v, mask, causal, scale, dropout_p, return_weights, backend="auto", softcap=None,
               sinks=None) -> AttentionCall:
-    scale = check_qkv(q, k, v, scale)
+    scale, (B, Hq, Sq, D, Hkv, Sk, Dv) = _check_qkv(q, k, v, scale)
     softcap = _check_softcap(softcap)
     sinks = _check_sinks(sinks, q)
     paged = isinstance(k, PagedKV)
-    B, Hq, Sq, D = q.shape
-    _, Hkv, Sk, Dv = _PagedShape(k, "v").shape if paged else v.shape
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     if not isinstance(return_weights, bool):
@@ -179,7 +182,7 @@ def _validate(q, k, v, mask, causal, scale, dropout_p, return_weights, backend="
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, *kv, sinks))
     return AttentionCall(
         batch=B, q_heads=Hq, kv_heads=Hkv, q_len=Sq, kv_len=Sk, head_dim=D, v_head_dim=Dv,
-        dtype=q.dtype, device=q.device, mask=m, scale=float(scale), dropout_p=float(dropout_p),
+        dtype=q.dtype, device=q.device, mask=m, scale=scale, dropout_p=float(dropout_p),
         return_weights=return_weights, needs_grad=needs_grad, kv_layout="paged" if paged else "dense",
         softcap=softcap, sinks=sinks,
     )

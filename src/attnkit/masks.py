@@ -792,5 +792,9 @@ def as_mask(mask, causal: bool = False) -> Mask | None:
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if causal:
-        m = Causal() if m is None else Causal() & m
+        m = _CAUSAL if m is None else _CAUSAL & m
     return m
+
+
+#: The mask ``causal=True`` adds (masks hold no state to change, so one instance serves every call).
+_CAUSAL = Causal()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from .._sysinfo import cpu_flags
+from ..masks import has_alibi
 from . import splitk
 from .registry import AttentionCall, BackendBase
 from .sdpa import sinks_refusals
@@ -54,13 +55,15 @@ def _fuses_what_sdpa_cannot(call: AttentionCall) -> bool:
     alternative is the math path), ALiBi (SDPA takes it only as a materialized (B, H, Sq, Sk)
     bias) or sinks SDPA's flash path cannot take (a window, padding). The engine runs them a chunk
     of queries at a time, several times faster."""
-    if call.softcap is not None or "ALiBi" in call.modifiers:
+    if call.softcap is not None or has_alibi(call.mask):
         return True
     return call.sinks is not None and bool(sinks_refusals(call))
 
 
 class SplitKBackend(BackendBase):
     """One backend over the split-K engine; ``layout`` is the K/V it reads in place."""
+
+    auto_devices = ("cpu",)
 
     def __init__(self, name: str, layout: str):
         self.name, self.layouts = name, (layout,)
@@ -69,8 +72,8 @@ class SplitKBackend(BackendBase):
         why = decode_refusals(call, None if _fuses_what_sdpa_cannot(call) else MAX_DECODE_Q_LEN)
         if call.kv_layout not in self.layouts:
             why.append(f"{call.kv_layout} K/V (this backend reads {self.layouts[0]} K/V)")
-        if call.device.type != "cpu":
-            why.append(f"{call.device.type} tensors (a CPU engine)")
+        if call.device_type != "cpu":
+            why.append(f"{call.device_type} tensors (a CPU engine)")
         if call.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             why.append(f"dtype {call.dtype} (fp32, bf16, fp16; fp64 goes to math)")
         if call.needs_grad:

@@ -303,8 +303,8 @@ class FlashBackend(BackendBase):
 
     def not_supported_reasons(self, call: AttentionCall) -> list[str]:
         why = []
-        if call.device.type != "cuda":
-            why.append(f"device {call.device.type} (flash_attn runs on CUDA only)")
+        if call.device_type != "cuda":
+            why.append(f"device {call.device_type} (flash_attn runs on CUDA only)")
         if call.dtype not in _HALF:
             why.append(f"dtype {call.dtype} (flash_attn takes fp16 or bf16)")
         if call.head_dim > MAX_HEAD_DIM or call.head_dim % 8:

@@ -107,16 +107,16 @@ class FlexBackend(BackendBase):
             why.append("return_weights=True")
         if call.dropout_p > 0:
             why.append("dropout_p > 0 (FlexAttention has no dropout)")
-        if call.needs_grad and call.device.type in ("cpu", "mps"):
-            why.append(f"backward on {call.device.type.upper()} (FlexAttention's {call.device.type.upper()} "
+        if call.needs_grad and call.device_type in ("cpu", "mps"):
+            why.append(f"backward on {call.device_type.upper()} (FlexAttention's {call.device_type.upper()} "
                        "kernel is forward-only)")
-        if call.sinks is not None and call.device.type in ("cpu", "mps"):
-            why.append(f"sinks on {call.device.type.upper()} (FlexAttention's compiled CPU kernel cannot return the "
+        if call.sinks is not None and call.device_type in ("cpu", "mps"):
+            why.append(f"sinks on {call.device_type.upper()} (FlexAttention's compiled CPU kernel cannot return the "
                        "log-sum-exp they need)")
-        if call.dtype == torch.float64 and call.device.type == "cpu":
+        if call.dtype == torch.float64 and call.device_type == "cpu":
             why.append("fp64 on CPU")
-        if call.device.type not in ("cpu", "mps") and min(call.head_dim, call.v_head_dim) < 16:
-            why.append(f"D={call.head_dim}, Dv={call.v_head_dim} on {call.device.type} (FlexAttention's Triton "
+        if call.device_type not in ("cpu", "mps") and min(call.head_dim, call.v_head_dim) < 16:
+            why.append(f"D={call.head_dim}, Dv={call.v_head_dim} on {call.device_type} (FlexAttention's Triton "
                        "kernel needs D and Dv >= 16)")
         return why
 

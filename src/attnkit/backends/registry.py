@@ -6,8 +6,9 @@ machine, else why not), ``not_supported_reasons(call) -> list[str]``,
 faster, so ``auto`` passes it over; forcing it still works), ``layouts`` (the K/V layouts it reads
 in place: "dense" tensors, "paged" :class:`attnkit.PagedKV`) and
 ``run(q, k, v, call) -> (out, weights | None)`` (for a paged call ``k`` is the ``PagedKV`` and ``v``
-None). ``auto`` walks the registry in priority order and takes the first backend with no reasons;
-a forced backend that refuses raises :class:`BackendNotSupported` listing every backend's reasons.
+None), and optionally ``auto_devices`` (the device types ``auto`` considers it for; None: any).
+``auto`` walks the registry in priority order and takes the first backend with no reasons; a
+forced backend that refuses raises :class:`BackendNotSupported` listing every backend's reasons.
 
 Paged calls: backends that read pages in place are tried first; any other backend can still run
 the call on the gathered dense K/V (:meth:`attnkit.PagedKV.gather`, done by ``attention()``), and
@@ -16,7 +17,7 @@ is judged on that dense call.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -46,6 +47,12 @@ class AttentionCall:
     kv_layout: str = "dense"  # "dense" tensors or "paged" (attnkit.PagedKV)
     softcap: float | None = None  # scores -> c * tanh(scores / c) after scaling
     sinks: Tensor | None = None  # (Hq,) logits joining each row's denominator
+    #: ``device.type``, read once: ``torch.device.type`` builds a new string on every read, and
+    #: the refusals ask for it on every call.
+    device_type: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "device_type", self.device.type)
 
     @property
     def modifiers(self) -> list[str]:
@@ -80,6 +87,11 @@ class BackendBase:
 
     name = ""
     layouts: tuple[str, ...] = ("dense",)
+    #: Device types ``auto`` considers this backend for (None: every type). A pure shortcut: the
+    #: backend's own refusals or skip reasons must already turn other devices away, since
+    #: ``explain`` and forced calls ignore it. ``auto`` runs on every attention call, so what it
+    #: need not ask costs nothing.
+    auto_devices: tuple[str, ...] | None = None
 
     def available(self) -> str | None:
         return None
@@ -166,6 +178,11 @@ def select(call: AttentionCall, backend: str = "auto") -> Backend:
         for name in _AUTO_ORDER:
             b = _REGISTRY[name]
             if in_place_only and not reads_in_place(b, call):
+                continue
+            devices = getattr(b, "auto_devices", None)
+            if devices is not None and call.device_type not in devices:
+                continue
+            if call.kv_layout == "dense" and not reads_in_place(b, call):  # dense K/V cannot be paged
                 continue
             c = call if call.kv_layout == "dense" or reads_in_place(b, call) else replace(call, kv_layout="dense")
             if not reasons(b, c) and b.auto_skip_reason(c) is None:

@@ -145,7 +145,7 @@ def _lower_right_bias(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> b
     Sq < Sk (no empty rows), not being traced by torch.compile, and, with grouped heads, SDPA's
     flash kernel usable (CausalBias's memory-efficient branch calls the kernel without
     ``enable_gqa``, so grouped calls that cannot go to flash keep the materialized mask)."""
-    if call.device.type != "cuda" or not call.q_len < call.kv_len or torch.compiler.is_compiling():
+    if call.device_type != "cuda" or not call.q_len < call.kv_len or torch.compiler.is_compiling():
         return False
     if torch.is_autocast_enabled("cuda"):  # CausalBias calls kernels autocast does not cast
         return False
@@ -154,14 +154,12 @@ def _lower_right_bias(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> b
     return call.q_heads == call.kv_heads or _flash_usable(q, k, v, call)
 
 
-def _kernel_choice(call: AttentionCall):
+def _math_for_grads(call: AttentionCall) -> bool:
     """Torch's CPU flash kernel's backward in fp16/bf16 is up to ~10x less accurate than the
     eager path for dq (tests/test_attention.py's grid measured it against the fp64 oracle), so
     calls that will be differentiated in half precision on CPU use SDPA's math kernel, which
     upcasts to fp32. Everything else keeps torch's own choice."""
-    if call.needs_grad and call.device.type == "cpu" and call.dtype in (torch.float16, torch.bfloat16):
-        return sdpa_kernel([SDPBackend.MATH])
-    return contextlib.nullcontext()
+    return call.needs_grad and call.device_type == "cpu" and call.dtype in (torch.float16, torch.bfloat16)
 
 
 class SdpaBackend(BackendBase):
@@ -194,7 +192,7 @@ class SdpaBackend(BackendBase):
         """The SDPA kernel :meth:`run` reaches for ``call`` (see :func:`sdpa_kernel_name`)."""
         q, k, v = _equal_widths(q, k, v)
         attn_mask, _, is_causal = self.sdpa_args(q, k, v, call)
-        with _kernel_choice(call):
+        with sdpa_kernel([SDPBackend.MATH]) if _math_for_grads(call) else contextlib.nullcontext():
             return sdpa_kernel_name(q, k, v, attn_mask, call.dropout_p, is_causal, call.scale,
                                     call.q_heads != call.kv_heads)
 
@@ -210,11 +208,13 @@ class SdpaBackend(BackendBase):
             out = with_sinks(out.to(ct), lse.to(ct), call.sinks.detach())[0].to(q.dtype)
             return out[..., :Dv], None
         attn_mask, row_ok, is_causal = self.sdpa_args(q, k, v, call)
-        with _kernel_choice(call):
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attn_mask, dropout_p=call.dropout_p, is_causal=is_causal,
-                scale=call.scale, enable_gqa=call.q_heads != call.kv_heads,
-            )
+        args = dict(attn_mask=attn_mask, dropout_p=call.dropout_p, is_causal=is_causal, scale=call.scale,
+                    enable_gqa=call.q_heads != call.kv_heads)
+        if _math_for_grads(call):
+            with sdpa_kernel([SDPBackend.MATH]):
+                out = F.scaled_dot_product_attention(q, k, v, **args)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, **args)
         if out.shape[-1] != Dv:
             out = out[..., :Dv]
         if row_ok is not None:
@@ -225,7 +225,7 @@ class SdpaBackend(BackendBase):
 def sinks_refusals(call: AttentionCall) -> list[str]:
     """Why this backend cannot run ``call``'s sinks (empty: the CPU flash kernel can)."""
     why = []
-    if call.device.type != "cpu" or CPU_FLASH is None:
+    if call.device_type != "cpu" or CPU_FLASH is None:
         why.append("sinks (SDPA cannot express them; on CPU, without gradients, its flash kernel's "
                    "log-sum-exp carries them)")
     elif call.needs_grad:

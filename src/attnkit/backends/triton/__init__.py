@@ -78,6 +78,7 @@ def decode_limits(mask: Mask | None, batch: int, q_len: int, kv_len: int, device
 class TritonBackend(BackendBase):
     name = "triton"
     layouts = ("dense", "paged")
+    auto_devices = ("cuda",)  # auto_skip_reason: the interpreter on CPU is for tests
 
     def available(self) -> str | None:
         if not _triton_installed():
@@ -94,16 +95,16 @@ class TritonBackend(BackendBase):
             why.append(f"dtype {call.dtype}")
         if call.head_dim > MAX_HEAD_DIM or call.v_head_dim > MAX_V_HEAD_DIM:
             why.append(f"head dims D={call.head_dim} / Dv={call.v_head_dim} above {MAX_HEAD_DIM} / {MAX_V_HEAD_DIM}")
-        if call.device.type == "cpu" and not interpreting():
+        if call.device_type == "cpu" and not interpreting():
             why.append("CPU tensors without TRITON_INTERPRET=1")
-        elif call.device.type not in ("cpu", "cuda"):
-            why.append(f"device {call.device.type}")
+        elif call.device_type not in ("cpu", "cuda"):
+            why.append(f"device {call.device_type}")
         if _limit_parts(split_alibi(call.mask)[0]) is None:
             why.append(f"mask {call.mask!r} (takes causal and right-side key padding only)")
         return why
 
     def auto_skip_reason(self, call: AttentionCall) -> str | None:
-        if call.device.type != "cuda":
+        if call.device_type != "cuda":
             return "not CUDA (on CPU it runs in Triton's interpreter: for tests)"
         if call.head_dim == call.v_head_dim:
             return "equal K and V widths: SDPA's fused kernels serve these (GPU timing against them still to do)"
