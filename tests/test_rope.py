@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from attnkit.backends import native
 from attnkit.rope import (
     ROPE_TYPES,
     RopeConfig,
@@ -567,7 +568,7 @@ def test_compiled_rotation_is_the_torch_rotation_bit_for_bit(monkeypatch, dtype,
     (products and sum rounded on their own: no fused multiply-add), in both layouts."""
     from attnkit import rope as R
 
-    if R._native_ops() is None:
+    if native.load() is None:
         pytest.skip("no native kernel on this machine (no C++ compiler)")
     g = torch.Generator().manual_seed(rotary)
     x = torch.randn(2, 130, 6, 64, generator=g).to(dtype)

@@ -57,6 +57,8 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor, nn
 
+from .backends import native
+
 __all__ = [
     "ROPE_TYPES",
     "RopeConfig",
@@ -452,11 +454,6 @@ def _sign(rotary_dim: int, interleaved: bool, device=None) -> Tensor:
     return sign
 
 
-def _native_ops():
-    from .backends import native
-    return native.load()
-
-
 def _native_ok(x: Tensor, cos: Tensor, sin_signed: Tensor) -> bool:
     """The compiled one-pass rotation applies: a 4-D CPU fp32 / bf16 / fp16 x outside autograd
     and outside torch.compile (which fuses the torch ops itself), fp32 angles of x's rank, and the
@@ -466,7 +463,7 @@ def _native_ok(x: Tensor, cos: Tensor, sin_signed: Tensor) -> bool:
             and cos.dim() == 4 and cos.stride(-1) == 1 and sin_signed.stride() == cos.stride()
             and cos.shape == sin_signed.shape
             and not (torch.is_grad_enabled() and x.requires_grad) and not torch.compiler.is_compiling()
-            and _native_ops() is not None)
+            and native.load() is not None)
 
 
 def _rotate_signed(x: Tensor, cos: Tensor, sin_signed: Tensor, interleaved: bool) -> Tensor:
@@ -479,7 +476,7 @@ def _rotate_signed(x: Tensor, cos: Tensor, sin_signed: Tensor, interleaved: bool
     :func:`_apply_rotary`'s (``-a * b == a * -b`` exactly), with one op fewer."""
     R, D = cos.shape[-1], x.shape[-1]
     if _native_ok(x, cos, sin_signed):  # inference on CPU: one pass, the same floats
-        return _native_ops().rope_rotate(x, cos, sin_signed, interleaved)
+        return native.load().rope_rotate(x, cos, sin_signed, interleaved)
     ct = torch.float64 if x.dtype == torch.float64 else torch.float32
     xr = x if R == D else x[..., :R]
     if xr.dtype != ct:

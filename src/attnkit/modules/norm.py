@@ -12,6 +12,11 @@ Gemma 2 / 3                     ``(rms(x.float()) * (1 + weight.float())).to(x.d
 ==============================  ====================================================================
 
 For fp32 inputs the three orders are the same floats.
+
+Inference on CPU (no autograd, not under torch.compile, contiguous x, weight in x's dtype) runs
+the same arithmetic in one compiled pass (``torch.ops.attnkit_cpu.rms_norm``,
+:mod:`attnkit.backends.native`) instead of seven torch ops; only the order of the sum of squares
+differs (torch's own order depends on the CPU's vector width). Without a compiler the torch ops run.
 """
 
 from __future__ import annotations
@@ -20,7 +25,21 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..backends import native
+
 __all__ = ["RMSNorm"]
+
+
+def _native_ok(x: Tensor, w: Tensor) -> bool:
+    """The compiled one-pass norm applies: a contiguous CPU fp32 / bf16 / fp16 x with a weight of
+    its dtype, outside autograd and torch.compile (which fuses the torch ops itself), and the
+    native library built on this machine. (Runs on every norm of a decode step: cheap checks.)"""
+    return (x.is_cpu and w.is_cpu and x.dtype in _NATIVE_DTYPES and w.dtype == x.dtype and x.is_contiguous()
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+            and not torch.compiler.is_compiling() and native.load() is not None)
+
+
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class RMSNorm(nn.Module):
@@ -58,6 +77,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         w = self.weight
+        if _native_ok(x, w):
+            return native.load().rms_norm(x, w, self.eps, 2 if self.unit_offset else 1 if self.scale_in_fp32 else 0)
         if x.dtype == torch.float32 and w.dtype == torch.float32:  # one dtype: the orders agree
             y = F.rms_norm(x, (x.shape[-1],), eps=self.eps)
             return y * (w + 1.0) if self.unit_offset else y * w

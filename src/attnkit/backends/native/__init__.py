@@ -1,13 +1,15 @@
 """The native CPU kernels, compiled on first use for the machine it runs on: ``splitk.cpp`` (the
-split-K attention engine) and ``rope.cpp`` (the one-pass rotary embedding of inference calls).
+split-K attention engine), ``rope.cpp`` (the one-pass rotary embedding of inference calls) and
+``norm.cpp`` (the one-pass RMSNorm of inference calls).
 
-``load()`` compiles both into one library against the installed torch with the system C++ compiler
+``load()`` compiles them into one library against the installed torch with the system C++ compiler
 (``$CXX``, else ``c++`` / ``g++`` / ``clang++``) and ``-march=native`` (the kernel is built for
 the instruction set of the CPU that runs it: AVX2, AVX-512, ... decided by the compiler, not by
 us), caches the shared library under ``$ATTNKIT_CACHE_DIR`` (default ``~/.cache/attnkit``) keyed
 by the sources, the torch version, the compiler and the CPU, and loads it as the torch ops
-``torch.ops.attnkit_cpu.splitk_attention`` and ``torch.ops.attnkit_cpu.rope_rotate``. A second process finds the cached library; two
-processes compiling at once each write a private file and rename it into place.
+``torch.ops.attnkit_cpu.splitk_attention``, ``.rope_rotate`` and ``.rms_norm``. A second process
+finds the cached library; two processes compiling at once each write a private file and rename it
+into place.
 
 ``ATTNKIT_NATIVE_MARCH`` names another target for ``-march=`` (``haswell``: the AVX2 build on an
 AVX-512 machine, to compare the two code paths on one CPU); it is part of the cache key.
@@ -36,7 +38,7 @@ from ..._sysinfo import cpu_flags, cpu_isa, cpu_name
 
 __all__ = ["load", "status", "cpu_description"]
 
-_SOURCES = (Path(__file__).with_name("splitk.cpp"), Path(__file__).with_name("rope.cpp"))
+_SOURCES = tuple(Path(__file__).with_name(f) for f in ("splitk.cpp", "rope.cpp", "norm.cpp"))
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
