@@ -145,11 +145,11 @@ class PagedStep(CacheStep):
 
     def on(self, device) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor]:
         """(table, slots, src, old, new) on ``device`` (copied once per device)."""
-        key = str(device)
-        if key not in self._on:
+        got = self._on.get(device)
+        if got is None:
             mv = lambda t: None if t is None else t.to(device)  # noqa: E731
-            self._on[key] = (mv(self.table), mv(self.slots), mv(self.src), mv(self.old), mv(self.new))
-        return self._on[key]
+            got = self._on[device] = (mv(self.table), mv(self.slots), mv(self.src), mv(self.old), mv(self.new))
+        return got
 
 
 class BlockAllocator:
