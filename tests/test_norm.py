@@ -72,3 +72,20 @@ def test_torch_ops_run_where_the_native_norm_does_not_apply():
     y = m(x)
     y.sum().backward()  # the torch path, differentiable
     assert m.weight.grad is not None and torch.isfinite(m.weight.grad).all()
+
+
+@pytest.mark.parametrize("x", [torch.randn(3, 7), torch.tensor(1.0), [1.0] * 8])
+def test_rms_norm_names_the_width_it_expects(x):
+    with pytest.raises(ValueError, match=r"x must be a \(\.\.\., 8\) tensor for RMSNorm\(8\)"):
+        with torch.inference_mode():
+            RMSNorm(8)(x)
+
+
+def test_native_rms_norm_skips_a_strided_weight():
+    _native_needed()
+    m = RMSNorm(8)
+    with torch.no_grad():
+        m.weight = torch.nn.Parameter(torch.randn(16)[::2])
+        x = torch.randn(2, 8)
+        assert not N._native_ok(x, m.weight)
+        torch.testing.assert_close(m(x), torch.nn.functional.rms_norm(x, (8,), eps=m.eps) * m.weight)

@@ -35,6 +35,7 @@ def _native_ok(x: Tensor, w: Tensor) -> bool:
     its dtype, outside autograd and torch.compile (which fuses the torch ops itself), and the
     native library built on this machine. (Runs on every norm of a decode step: cheap checks.)"""
     return (x.is_cpu and w.is_cpu and x.dtype in _NATIVE_DTYPES and w.dtype == x.dtype and x.is_contiguous()
+            and w.is_contiguous()
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
             and not torch.compiler.is_compiling() and native.load() is not None)
 
@@ -77,6 +78,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         w = self.weight
+        if not isinstance(x, Tensor) or x.dim() == 0 or x.shape[-1] != w.shape[0]:
+            raise ValueError(f"x must be a (..., {w.shape[0]}) tensor for RMSNorm({w.shape[0]}), got "
+                             f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
         if _native_ok(x, w):
             return native.load().rms_norm(x, w, self.eps, 2 if self.unit_offset else 1 if self.scale_in_fp32 else 0)
         if x.dtype == torch.float32 and w.dtype == torch.float32:  # one dtype: the orders agree
