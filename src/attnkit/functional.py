@@ -84,26 +84,33 @@ def check_qkv(q, k, v, scale=None, *, layout: str = "(B, H, S, D)") -> float:
 
 def _check_qkv(q, k, v, scale, layout: str = "(B, H, S, D)"):
     """:func:`check_qkv`, also returning (B, Hq, Sq, D, Hkv, Sk, Dv)."""
+    # Each shape is read once: this runs on every attention call, and every read builds a tuple.
     if isinstance(k, PagedKV):
         if v is not None:
             raise ValueError("v must be None when k is a PagedKV (it holds both K and V)")
         k.validate()
-        if not isinstance(q, Tensor):
-            raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
-        k, v = _PagedShape(k, "k"), _PagedShape(k, "v")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, (Tensor, _PagedShape)):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must have 4 dims {layout}, got shape {_shape(t)}")
-        if t.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"{name} must be fp16, bf16, fp32 or fp64, got {t.dtype}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share a dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
-    # Each shape is read once: this runs on every attention call, and every read builds a tuple.
-    (B, Hq, Sq, D), (Bk, Hk, Sk_, Dk), (Bv, Hkv, Sk, Dv) = q.shape, k.shape, v.shape
+        _check_tensor("q", q, layout)
+        pool = k.k_pool
+        _, _, Hkv, Dk = pool.shape
+        Bk = Bv = k.block_table.shape[0]
+        Hk, Sk_ = Hkv, k.kv_len()
+        Sk, Dv = Sk_, k.value_dim
+        kv_dtype, kv_device = pool.dtype, pool.device  # the pools share them (validate)
+        if q.dtype != kv_dtype:
+            raise TypeError(f"q and the pages must share a dtype, got q {q.dtype}, pages {kv_dtype}")
+        if q.device != kv_device:
+            raise ValueError(f"q and the pages must be on one device, got q {q.device}, pages {kv_device}")
+        if Bk != q.shape[0]:
+            raise ValueError(f"batch sizes differ: q {_shape(q)}, block_table {_shape(k.block_table)}")
+    else:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            _check_tensor(name, t, layout)
+        if not (q.dtype == k.dtype == v.dtype):
+            raise TypeError(f"q, k, v must share a dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+        if not (q.device == k.device == v.device):
+            raise ValueError(f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
+        (Bk, Hk, Sk_, Dk), (Bv, Hkv, Sk, Dv) = k.shape, v.shape
+    B, Hq, Sq, D = q.shape
     if Bk != B or Bv != B:
         raise ValueError(f"batch sizes differ: q {_shape(q)}, k {_shape(k)}, v {_shape(v)}")
     if Hk != Hkv:
@@ -124,15 +131,14 @@ def _check_qkv(q, k, v, scale, layout: str = "(B, H, S, D)"):
     return float(scale), (B, Hq, Sq, D, Hkv, Sk, Dv)
 
 
-class _PagedShape:
-    """The logical dense shape (B, Hkv, L, D|Dv) of a PagedKV's K or V, for the shape checks."""
-
-    def __init__(self, kv: PagedKV, which: str):
-        self.shape = torch.Size((kv.batch, kv.kv_heads, kv.kv_len(), kv.head_dim if which == "k" else kv.value_dim))
-        self.dtype, self.device = kv.dtype, kv.device
-
-    def dim(self) -> int:
-        return 4
+def _check_tensor(name: str, t, layout: str) -> None:
+    """A 4-dim floating tensor, or a TypeError / ValueError naming ``name`` and its shape."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 4:
+        raise ValueError(f"{name} must have 4 dims {layout}, got shape {_shape(t)}")
+    if t.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name} must be fp16, bf16, fp32 or fp64, got {t.dtype}")
 
 
 def _check_softcap(softcap) -> float | None:

@@ -126,6 +126,8 @@ def _coerce(other, op: str) -> Mask:
 
 
 def _as_index_tensor(x, name: str) -> Tensor:
+    if isinstance(x, Tensor) and x.dtype == torch.long:
+        return x  # what as_tensor(x).long() returns, without its two dispatches (every paged call)
     t = torch.as_tensor(x)
     if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
         raise TypeError(f"{name} must hold integers, got dtype {t.dtype}")

@@ -139,9 +139,10 @@ def splitk_attention(q: Tensor, k: Tensor, v: Tensor | None, *, scale: float, ma
     elif ops is not None and block_table is not None and Sq == 1 and _pages_only(mask, B):
         # A paged decode step: each row sees its sequence's keys [0, length), the lengths the
         # pages were validated against. No interval tensors to build: one view of the lengths.
-        lo, bias, hi = None, None, mask.lengths.to(device=q.device, dtype=torch.long).reshape(B, 1)
-        if not hi.is_contiguous():
-            hi = hi.contiguous()
+        # The kernel reads hi as B * Sq contiguous int64: the (B,) lengths as they are.
+        lo, bias, hi = None, None, mask.lengths
+        if hi.dtype != torch.long or hi.device != q.device or not hi.is_contiguous():
+            hi = hi.to(device=q.device, dtype=torch.long).contiguous()
     else:
         lo, hi, bias = _bounds(mask, B, Hq, Sq, Sk, q.device, shift=sinks is None)
     slopes = qpos = None
@@ -151,20 +152,32 @@ def splitk_attention(q: Tensor, k: Tensor, v: Tensor | None, *, scale: float, ma
             qpos = alibi.positions(Sq, Sk, q.device).expand(B, Sq).contiguous()  # else the kernel's default
     sinks32 = None if sinks is None else sinks.detach().float().contiguous()
     if ops is not None:
-        if k.stride(-1) != 1:
-            k = k.contiguous()
-        if v is not None and v.stride(-1) != 1:
-            v = v.contiguous()
-        table = None if block_table is None else block_table.long().contiguous()
         b32 = None if bias is None else bias.expand(B, Hq, Sq, Sk)
-        out, lse = ops.splitk_attention(q.detach().contiguous(), k.detach(), None if v is None else v.detach(), Dv,
-                                        table, lo, hi, b32, slopes, qpos, sinks32, float(scale),
+        out, lse = ops.splitk_attention(_plain(q, whole=True), _plain(k), None if v is None else _plain(v), Dv,
+                                        _table(block_table), lo, hi, b32, slopes, qpos, sinks32, float(scale),
                                         float(softcap or 0.0), Hkv, return_lse)
         return out, (lse if return_lse else None)
     out, lse = _torch_splitk(q, k, v, Dv, Hkv, Sk, scale, lo, hi, bias, block_table, softcap, slopes, qpos)
     if sinks32 is not None:
         out = with_sinks(out, lse, sinks32)[0]
     return out.to(q.dtype), (lse if return_lse else None)
+
+
+def _plain(t: Tensor, whole: bool = False) -> Tensor:
+    """``t`` as the kernel reads it: detached, unit stride in the last dim (``whole``: contiguous).
+    Copies and detaches only when needed: each skipped no-op is a dispatch on every decode step."""
+    if t.requires_grad:
+        t = t.detach()
+    if not (t.is_contiguous() if whole else t.stride(-1) == 1):
+        t = t.contiguous()
+    return t
+
+
+def _table(block_table: Tensor | None) -> Tensor | None:
+    """The block table as the kernel reads it: int64, contiguous."""
+    if block_table is None or (block_table.dtype == torch.long and block_table.is_contiguous()):
+        return block_table
+    return block_table.long().contiguous()
 
 
 #: Query rows per engine call. A call scores all G * Sq rows of a KV head against each key tile,
@@ -188,18 +201,17 @@ def _chunked(q, k, v, Dv, Hkv, Sk, scale, mask, alibi, block_table, sinks, softc
     lse = torch.empty(B, Hq, Sq, dtype=torch.float32, device=q.device) if return_lse or ops is None else None
     sinks32 = None if sinks is None else sinks.detach().float().contiguous()
     if ops is not None:
-        k = k if k.stride(-1) == 1 else k.contiguous()
-        v = v if v is None or v.stride(-1) == 1 else v.contiguous()
-    table = None if block_table is None else block_table.long().contiguous()
+        k = _plain(k)
+        v = None if v is None else _plain(v)
+    table = _table(block_table)
     for i0 in range(0, Sq, Q_CHUNK):
         i1 = min(Sq, i0 + Q_CHUNK)
         lo_c, hi_c = lo[:, i0:i1].contiguous(), hi[:, i0:i1].contiguous()
         b_c = None if bias is None else bias.expand(B, Hq, Sq, Sk)[:, :, i0:i1]
         p_c = None if qpos is None else qpos[:, i0:i1].contiguous()
         if ops is not None:
-            o, l_c = ops.splitk_attention(q[:, :, i0:i1].detach().contiguous(), k.detach(),
-                                          None if v is None else v.detach(), Dv, table, lo_c, hi_c, b_c, slopes, p_c,
-                                          sinks32, float(scale), float(softcap or 0.0), Hkv, return_lse)
+            o, l_c = ops.splitk_attention(_plain(q[:, :, i0:i1], whole=True), k, v, Dv, table, lo_c, hi_c, b_c,
+                                          slopes, p_c, sinks32, float(scale), float(softcap or 0.0), Hkv, return_lse)
         else:
             o, l_c = _torch_splitk(q[:, :, i0:i1], k, v, Dv, Hkv, Sk, scale, lo_c, hi_c, b_c, block_table, softcap,
                                    slopes, p_c)

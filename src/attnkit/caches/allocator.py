@@ -117,15 +117,18 @@ class PagedStep(CacheStep):
                 slots.append(blks[p // bs] * bs + p % bs)
                 src.append(b * S + j)
         dense = len(src) == B * S
-        # one host-to-tensor conversion for the small vectors: [old | num_new | slots | src]
-        packed = torch.tensor(old + n + slots + ([] if dense else src), dtype=torch.long)
+        new = [o + k for o, k in zip(old, n)]
+        # one host-to-tensor conversion and one split for the small vectors:
+        # [old | num_new | new | slots | src]
         T = len(slots)
-        super().__init__(packed[:B], packed[B:2 * B], S, old_host=old, num_new_host=n)
+        src = [] if dense else src
+        packed = torch.tensor(old + n + new + slots + src, dtype=torch.long)
+        old_t, n_t, new_t, self.slots, src_t = packed.split_with_sizes((B, B, B, T, len(src)))
+        super().__init__(old_t, n_t, S, old_host=old, num_new_host=n, new=new_t)
         self.alloc, self.seq_ids, self.blocks, self.cow, self.taken = alloc, seq_ids, blocks, cow, taken
         self.token_ids = token_ids
         self.copied: set[int] = set()  # ids of the layer caches that made their CoW copies
-        self.slots = packed[2 * B:2 * B + T]
-        self.src = None if dense else packed[2 * B + T:]
+        self.src = None if dense else src_t
         width = max((len(x) for x in blocks), default=0)
         if base is None:  # (B, W); entries past a row's last block are 0 (never read)
             self.table = torch.tensor([x + [0] * (width - len(x)) for x in blocks],
@@ -147,8 +150,10 @@ class PagedStep(CacheStep):
         """(table, slots, src, old, new) on ``device`` (copied once per device)."""
         got = self._on.get(device)
         if got is None:
-            mv = lambda t: None if t is None else t.to(device)  # noqa: E731
-            got = self._on[device] = (mv(self.table), mv(self.slots), mv(self.src), mv(self.old), mv(self.new))
+            host = (self.table, self.slots, self.src, self.old, self.new)
+            # built on the CPU: a CPU cache takes them as they are (no five no-op copies per step)
+            got = self._on[device] = host if device.type == "cpu" else tuple(
+                None if t is None else t.to(device) for t in host)
         return got
 
 
@@ -442,19 +447,24 @@ class BlockAllocator:
             raise OutOfBlocks(need, self.num_free, self.num_blocks, f"writing {sum(n)} tokens for a batch of {batch}")
         bs, dropped, cow, taken, plans, first = self.block_size, {}, [], [], [], []
         for seq, k in zip(seqs, n):
-            blocks = list(seq.blocks)
+            # The sequence's own list while the step changes nothing in it (most decode steps):
+            # a copy of a long table per row per step is what this saves; commit assigns it back.
+            blocks = seq.blocks
             first.append(len(blocks))  # the first table entry this step changes
             if k > 0 and seq.length % bs:
                 last = blocks[-1]
                 if self._ref[last] - dropped.get(last, 0) > 1:  # shared partial block: write a private copy
                     dropped[last] = dropped.get(last, 0) + 1
+                    blocks = list(blocks)
                     blocks[-1] = self._reserve(taken)
                     cow.append((last, blocks[-1]))
                     first[-1] -= 1
                 elif last in self._block_key:  # a cached block cropped into: its content will change
                     del self._cached[self._block_key.pop(last)]
-            while len(blocks) * bs < seq.length + k:
-                blocks.append(self._reserve(taken))
+            if len(blocks) * bs < seq.length + k:
+                blocks = list(blocks) if blocks is seq.blocks else blocks
+                while len(blocks) * bs < seq.length + k:
+                    blocks.append(self._reserve(taken))
             plans.append(blocks)
         base = known[1] if known is not None and seq_ids is None and ids is not None else None
         step = PagedStep(self, ids, [s.length for s in seqs], n, S, plans, cow, taken, tok, base, first)
@@ -464,8 +474,9 @@ class BlockAllocator:
     def commit(self, step: PagedStep) -> None:
         """Make ``step`` the sequences' state: blocks, lengths, confirmed token ids, refcounts."""
         self._check_open(step, "commit")
-        for cache in list(self._caches):  # pools that did not write this step still need the copies
-            cache._cow_copy(step)
+        if step.cow:
+            for cache in list(self._caches):  # pools that did not write this step still need the copies
+                cache._cow_copy(step)
         for blk in step.taken:
             self._ref[blk] = 1
         self._used += len(step.taken)

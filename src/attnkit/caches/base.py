@@ -52,8 +52,9 @@ class CacheStep:
     and the same as host lists when known (``*_host``; None in a traced, compiled step)."""
 
     def __init__(self, old: Tensor, num_new: Tensor, tokens: int, *, old_host: list[int] | None = None,
-                 num_new_host: list[int] | None = None):
-        self.old, self.num_new, self.new, self.tokens = old, num_new, old + num_new, tokens
+                 num_new_host: list[int] | None = None, new: Tensor | None = None):
+        self.old, self.num_new, self.tokens = old, num_new, tokens
+        self.new = old + num_new if new is None else new  # ``new``: the caller has the sum already
         self.batch = old.shape[0]
         self.old_host, self.num_new_host = old_host, num_new_host
         self.new_host = None if old_host is None else [o + n for o, n in zip(old_host, num_new_host)]

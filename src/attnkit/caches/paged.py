@@ -181,11 +181,14 @@ class PagedKVCache(KVCache):
         v = self._check_kv(step, k, v)
         if step.alloc is not self.allocator:
             raise ValueError("the step was begun on another allocator")
-        self._cow_copy(step)
+        if step.cow:
+            self._cow_copy(step)
         B, H, S, _ = k.shape
-        _, slots, src, _, _ = step.on(self.k_pool.device)
-        for pool, t in zip(self._pools(), (k, v)):
-            rows = t.transpose(1, 2).reshape(B * S, H, t.shape[3])  # (B * S, Hkv, ·)
+        pools = self._pools()
+        _, slots, src, _, _ = step.on(pools[0].device)
+        for pool, t in zip(pools, (k, v)):
+            # (B * S, Hkv, ·) token rows; a decode step's (B, Hkv, 1, ·) is one select away
+            rows = t.select(2, 0) if S == 1 else t.transpose(1, 2).reshape(B * S, H, t.shape[3])
             if src is not None:
                 rows = rows.index_select(0, src)
             pool.flatten(0, 1).index_copy_(0, slots, rows)
