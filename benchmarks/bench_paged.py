@@ -13,6 +13,9 @@ sequences of 4096 tokens and attends, for B 1 and 8, block sizes 16 and 64, fp32
 * paged, scattered: every block table a random permutation of the pool (no two consecutive
   blocks adjacent), the worst case for locality.
 
+Kernel alone: the same K/V contiguous, in pages in order and in scattered pages, one engine call
+each (no cache step around it): what of a step's gap is the kernel's.
+
 Both paged contenders run the ``paged`` backend (the split-K engine reading pages in place), the
 contiguous one the ``decode`` backend (the same engine over strided rows). Timings: medians of
 interleaved steps; every step's outputs are checked equal across the three.
@@ -31,6 +34,7 @@ import torch
 from _common import bench_main, interleaved_medians, machine, timed
 from attnkit.backends import splitk
 from attnkit.caches import BlockAllocator, DynamicCache, PagedKVCache
+from attnkit.masks import KeyPadding
 
 HQ, HKV, D = 16, 4, 64
 
@@ -100,12 +104,48 @@ def decode_row(dtype, batch: int, ctx: int, block_size: int, steps: int, seed: i
             **{f"{k}_ms": v * 1e3 for k, v in t.items()}}
 
 
+def kernel_row(dtype, batch: int, ctx: int, block_size: int, reps: int, seed: int = 0) -> dict:
+    """The engine call alone on the same K/V laid out three ways: contiguous (B, Hkv, L, D), pages
+    in order, pages scattered (a random permutation of the pool). Splits a step's gap into the
+    kernel's share and the cache step's (begin, write, commit: the decode table minus this)."""
+    g = torch.Generator().manual_seed(seed)
+    nb = batch * ctx // block_size
+    q = torch.randn(batch, HQ, 1, D, generator=g).to(dtype)
+    k_pool = torch.randn(nb, block_size, HKV, D, generator=g).to(dtype)
+    v_pool = torch.randn(nb, block_size, HKV, D, generator=g).to(dtype)
+    tables = {"in order": torch.arange(nb).view(batch, -1),
+              "scattered": torch.randperm(nb, generator=g).view(batch, -1)}
+    pools = {"in order": (k_pool, v_pool)}
+    order = tables["scattered"].flatten()  # the scattered pools hold the same tokens elsewhere
+    pools["scattered"] = tuple(torch.empty_like(p).index_copy_(0, order, p) for p in (k_pool, v_pool))
+    dense = tuple(p.view(batch, ctx, HKV, D).transpose(1, 2).contiguous() for p in (k_pool, v_pool))
+    lengths = torch.full((batch,), ctx, dtype=torch.long)
+    mask = KeyPadding(lengths)
+    scale = D ** -0.5
+
+    def call(name):
+        if name == "contiguous":
+            return splitk.splitk_attention(q, *dense, scale=scale)[0]
+        kp, vp = pools[name]
+        return splitk.splitk_attention(q, kp, vp, scale=scale, mask=mask, block_table=tables[name], kv_len=ctx)[0]
+
+    names = ("contiguous", "in order", "scattered")
+    want = call("contiguous")
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for name in names[1:]:  # the same keys, the same answer (up to the order of the slices' merge)
+        torch.testing.assert_close(call(name), want, **tol)
+    t = interleaved_medians({n: timed(lambda n=n: call(n)) for n in names}, reps, warmup=2)
+    return {"dtype": str(dtype).replace("torch.", ""), "batch": batch, "context": ctx, "block_size": block_size,
+            "reps": reps, **{f"{n.replace(' ', '_')}_ms": v * 1e3 for n, v in t.items()}}
+
+
 def run(quick: bool) -> dict:
     ctx, steps = (512, 5) if quick else (4096, 201)  # a step is ~0.5 ms: many for a settled median
-    rows = [decode_row(dt, B, ctx, bs, steps)
-            for dt in (torch.float32, torch.bfloat16) for B in (1, 8) for bs in (16, 64)]
+    shapes = [(dt, B, bs) for dt in (torch.float32, torch.bfloat16) for B in (1, 8) for bs in (16, 64)]
+    rows = [decode_row(dt, B, ctx, bs, steps) for dt, B, bs in shapes]
+    kernel = [kernel_row(dt, B, ctx, bs, steps) for dt, B, bs in shapes]
     return {"machine": machine(), "quick": quick, "heads": {"q": HQ, "kv": HKV, "head_dim": D},
-            "memory": memory(quick=quick), "rows": rows}
+            "memory": memory(quick=quick), "rows": rows, "kernel": kernel}
 
 
 def to_markdown(res: dict) -> str:
@@ -134,6 +174,17 @@ def to_markdown(res: dict) -> str:
         lines.append(f"| {r['dtype']} | {r['batch']} | {r['context']} | {r['block_size']} | {r['contiguous_ms']:.2f} | "
                      f"{r['paged_ms']:.2f} | {r['contiguous_ms'] / r['paged_ms']:.2f}x | {r['scattered_ms']:.2f} | "
                      f"{r['contiguous_ms'] / r['scattered_ms']:.2f}x |")
+    if res.get("kernel"):
+        lines += ["", "Kernel alone: the same K/V contiguous and in pages (in order, scattered), one engine call "
+                  "(`splitk_attention`) per layout, medians of interleaved calls; speed = contiguous / paged.", "",
+                  "| dtype | batch | context | block | contiguous ms | in order ms | in order speed | scattered ms | "
+                  "scattered speed |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in res["kernel"]:
+            c = r["contiguous_ms"]
+            lines.append(f"| {r['dtype']} | {r['batch']} | {r['context']} | {r['block_size']} | {c:.3f} | "
+                         f"{r['in_order_ms']:.3f} | {c / r['in_order_ms']:.2f}x | {r['scattered_ms']:.3f} | "
+                         f"{c / r['scattered_ms']:.2f}x |")
     return "\n".join(lines) + "\n"
 
 
