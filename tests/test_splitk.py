@@ -215,6 +215,25 @@ def test_bad_paged_tables_are_refused(engine):
             attnkit.attention(q, trusted, None, backend="paged")
 
 
+def test_queries_that_do_not_fit_the_pages_name_both():
+    """Paged K/V: q is checked against the pools and the table, with errors naming both."""
+    pk = torch.zeros(4, 2, 2, 8)
+    kv = attnkit.PagedKV(pk, pk, torch.tensor([[0, 1], [2, 3]]), torch.tensor([4, 3]))
+    cases = [
+        (torch.randn(2, 4, 1, 8, dtype=torch.float64), TypeError, r"q and the pages must share a dtype.*float64"),
+        (torch.randn(3, 4, 1, 8), ValueError, r"batch sizes differ: q \(3, 4, 1, 8\), block_table \(2, 2\)"),
+        (torch.randn(2, 4, 1, 16), ValueError, r"same head dim: q \(2, 4, 1, 16\), k paged"),
+        (torch.randn(2, 3, 1, 8), ValueError, r"multiple of key/value heads"),
+        (torch.randn(2, 4, 8), ValueError, r"q must have 4 dims"),
+        ("q", TypeError, r"q must be a torch.Tensor"),
+        (torch.zeros(2, 4, 1, 8, dtype=torch.long), TypeError, r"q must be fp16, bf16, fp32 or fp64"),
+    ]
+    for q, err, msg in cases:
+        with pytest.raises(err, match=msg):
+            attnkit.attention(q, kv, None)
+    assert attnkit.attention(torch.randn(2, 4, 1, 8), kv, None).shape == (2, 4, 1, 8)
+
+
 def test_native_build_targets_the_running_cpu_unless_told(monkeypatch, tmp_path):
     """-march=native by default; ATTNKIT_NATIVE_MARCH builds another target (the AVX2 code path
     on an AVX-512 machine, say), under its own cache key."""

@@ -138,8 +138,8 @@ def splitk_attention(q: Tensor, k: Tensor, v: Tensor | None, *, scale: float, ma
         lo = hi = bias = None  # the kernel's default: every row sees all Sk keys
     elif ops is not None and block_table is not None and Sq == 1 and _pages_only(mask, B):
         # A paged decode step: each row sees its sequence's keys [0, length), the lengths the
-        # pages were validated against. No interval tensors to build: one view of the lengths.
-        # The kernel reads hi as B * Sq contiguous int64: the (B,) lengths as they are.
+        # pages were validated against. No interval tensors to build: the kernel reads hi as
+        # B * Sq = B contiguous int64, which the (B,) lengths already are.
         lo, bias, hi = None, None, mask.lengths
         if hi.dtype != torch.long or hi.device != q.device or not hi.is_contiguous():
             hi = hi.to(device=q.device, dtype=torch.long).contiguous()
@@ -174,7 +174,7 @@ def _plain(t: Tensor, whole: bool = False) -> Tensor:
 
 
 def _table(block_table: Tensor | None) -> Tensor | None:
-    """The block table as the kernel reads it: int64, contiguous."""
+    """The (B, W) block table as the kernel reads it: int64, contiguous."""
     if block_table is None or (block_table.dtype == torch.long and block_table.is_contiguous()):
         return block_table
     return block_table.long().contiguous()
