@@ -63,6 +63,38 @@ def test_flex_refuses_cpu_backward_and_dropout():
         attnkit.attention(q.detach(), k, v, dropout_p=0.1, backend="flex")
 
 
-def test_auto_never_picks_flex():
+def test_auto_never_picks_flex_on_cpu():
     q, k, v = make_qkv(1, 2, 2, 64, 64, 16)
     assert attnkit.describe_call(q, k, v, M.SlidingWindow(4)) != "flex"
+
+
+@pytest.mark.slow
+def test_new_calls_of_the_same_shape_reuse_the_compiled_kernel():
+    """`auto` sends CUDA prefill with modifiers to flex, so a call must not recompile: the score
+    modifiers are closures built per call from the same code, over tensors whose values (ALiBi
+    slopes and positions, a bias) dynamo does not guard on. Counted on CPU (the compile is the
+    same machinery on CUDA)."""
+    from torch._dynamo.utils import counters
+
+    q, k, v = make_qkv(1, 4, 2, 32, 32, 16, seed=3)
+
+    def run(slopes, lens):
+        mask = M.ALiBi(slopes) & M.Causal() & M.KeyPadding(lens)
+        return attnkit.attention(q, k, v, mask, softcap=20.0, backend="flex")
+
+    run(M.alibi_slopes(4), torch.tensor([32]))
+    graphs = counters["stats"]["unique_graphs"]
+    again = run(M.alibi_slopes(4) * 0.5, torch.tensor([20]))  # new objects, new values, same shapes
+    assert counters["stats"]["unique_graphs"] == graphs
+    gold = attnkit.attention_reference(q.double(), k.double(), v.double(),
+                                       M.ALiBi(M.alibi_slopes(4) * 0.5) & M.Causal() & M.KeyPadding(torch.tensor([20])),
+                                       softcap=20.0)
+    torch.testing.assert_close(again.double(), gold, atol=1e-5, rtol=1e-4)
+
+
+def test_flex_zeroes_rows_with_no_key():
+    """Rows the mask leaves empty are exactly 0 on flex too (whatever the kernel leaves there)."""
+    q, k, v = make_qkv(2, 2, 2, 8, 12, 16, seed=4)
+    mask = M.SlidingWindow(2) & M.KeyPadding(torch.tensor([12, 2]))  # sequence 1 sees no key
+    out = attnkit.attention(q, k, v, mask, backend="flex")
+    assert (out[1] == 0).all() and (out[0] != 0).any()

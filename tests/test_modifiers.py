@@ -270,26 +270,30 @@ def test_bad_alibi_names_the_slopes_and_heads():
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_triton_kernel_applies_every_modifier(dtype, paged):
-    """The Triton split-K kernel (in Triton's interpreter on CPU): softcap on the scaled scores,
-    ALiBi per score from the slopes and each sequence's query positions, sinks once in the merge."""
+    """The Triton split-K kernel (compiled on CUDA, in Triton's interpreter on CPU): softcap on the
+    scaled scores, ALiBi per score from the slopes and each sequence's query positions, sinks once
+    in the merge. Every tensor lives where the kernel runs: CPU tensors on a CUDA machine (no
+    interpreter there) are refused, which failed this test on an H100."""
     from attnkit.backends import get_backend
+    from attnkit.backends.triton import interpreting
     if get_backend("triton").available() is not None:
         pytest.skip(get_backend("triton").available())
+    dev = "cpu" if interpreting() else "cuda"
     g = torch.Generator().manual_seed(11)
     Hq, Hkv, Sk, D = 8, 2, 70, 16
-    q, k, v = make_qkv(2, Hq, Hkv, 2, Sk, D, dtype=DTYPES[dtype], seed=12)
-    lens = torch.tensor([70, 23])
-    kw = dict(softcap=2.0, sinks=torch.randn(Hq, generator=g))
+    q, k, v = (t.to(dev) for t in make_qkv(2, Hq, Hkv, 2, Sk, D, dtype=DTYPES[dtype], seed=12))
+    lens = torch.tensor([70, 23], device=dev)
+    kw = dict(softcap=2.0, sinks=torch.randn(Hq, generator=g).to(dev))
     alibi = M.ALiBi(M.alibi_slopes(Hq), offsets=lens - 2)
     mask = alibi & M.Causal(offsets=lens - 2) & M.KeyPadding(lens)
     if not paged:
         check_against_oracle(q, k, v, mask, backend="triton", **kw)
         return
     bs, W = 16, 5
-    table = torch.randperm(12, generator=g)[:2 * W].view(2, W)
-    pool_k = torch.zeros(12, bs, Hkv, D, dtype=q.dtype)
+    table = torch.randperm(12, generator=g)[:2 * W].view(2, W).to(dev)
+    pool_k = torch.zeros(12, bs, Hkv, D, dtype=q.dtype, device=dev)
     pool_v = torch.zeros_like(pool_k)
-    pos = torch.arange(Sk)
+    pos = torch.arange(Sk, device=dev)
     for b in range(2):
         pool_k[table[b, pos // bs], pos % bs] = k[b].transpose(0, 1)
         pool_v[table[b, pos // bs], pos % bs] = v[b].transpose(0, 1)

@@ -44,6 +44,7 @@ __all__ = [
     "as_mask",
     "has_bias",
     "has_alibi",
+    "has_structure",
     "shifted_bias",
 ]
 
@@ -527,7 +528,9 @@ class Additive(Mask):
     def __init__(self, bias: Tensor):
         if not isinstance(bias, Tensor) or not bias.dtype.is_floating_point:
             raise TypeError(f"Additive needs a floating tensor, got {getattr(bias, 'dtype', type(bias).__name__)}")
-        if torch.isnan(bias).any() or torch.isposinf(bias).any():
+        # Reading the values is a data-dependent branch, which torch.compile(fullgraph=True)
+        # cannot trace: the check runs in eager only (a compiled graph gets the same bias).
+        if not torch.compiler.is_compiling() and (torch.isnan(bias).any() or torch.isposinf(bias).any()):
             raise ValueError("additive mask contains NaN or +inf (only finite values and -inf are meaningful)")
         self.tensor = bias if bias.dtype == torch.float64 else bias.float()
 
@@ -739,17 +742,27 @@ class Or(_Compose):
         return mod
 
 
-def shifted_bias(mask: Mask, batch: int, q_len: int, kv_len: int, device=None) -> Tensor | None:
-    """``mask.bias(...)`` minus each row's largest finite value, or None without a bias.
+def shifted_bias(mask: Mask, batch: int, q_len: int, kv_len: int, device=None,
+                 allowed: Tensor | None = None) -> Tensor | None:
+    """``mask.bias(...)`` minus, in each row, the largest value of the keys the mask allows, or
+    None without a bias.
 
     Softmax is unchanged by a per-row constant, and after the shift the values that decide the
-    result are small, so adding them to fp32 scores (or handing them to a kernel) loses nothing
-    to a large common offset such as two stacked -6e4 masks.
+    result sit at or below 0, so adding them to fp32 scores (or handing them to a kernel in a
+    half-precision dtype) loses nothing to a large common offset such as two stacked -6e4 masks.
+    The maximum is taken over the allowed keys only: a bias can be largest where the mask
+    forbids attending (ALiBi's ``slope * (j - i)`` grows toward the future keys a causal part
+    removes), and shifting by such a value would push the allowed keys to large magnitudes,
+    where a half-precision copy has no resolution left. Rows with no allowed key are not shifted.
+
+    ``allowed``: the mask's materialization (B|1, H|1, Sq, Sk) when the caller has it already.
     """
     b = mask.bias(batch, q_len, kv_len, device)
     if b is None or b.shape[-1] == 0:
         return b
-    row_max = b.amax(-1, keepdim=True)
+    if allowed is None:
+        allowed = mask.materialize(batch, q_len, kv_len, b.device)
+    row_max = b.masked_fill(~allowed, float("-inf")).amax(-1, keepdim=True)
     return b - torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
 
 
@@ -758,6 +771,20 @@ def has_alibi(m: Mask | None) -> bool:
     if isinstance(m, ALiBi):
         return True
     return isinstance(m, _Compose) and any(has_alibi(x) for x in m.masks)
+
+
+def has_structure(m: Mask | None) -> bool:
+    """True when ``m`` holds a part whose allowed keys form a pattern (a window, packed documents,
+    a prefix, per-sequence causal offsets, an OR) rather than plain causal, padding, dense or
+    additive parts. Kernels that skip whole blocks of keys (FlexAttention) save work on these;
+    SDPA computes every (query, key) pair of them through a materialized mask."""
+    if m is None:
+        return False
+    if isinstance(m, (SlidingWindow, Document, PrefixLM, Or)):
+        return True
+    if isinstance(m, Causal):
+        return m.offsets is not None
+    return isinstance(m, And) and any(has_structure(x) for x in m.masks)
 
 
 def has_bias(m: Mask) -> bool:

@@ -78,10 +78,12 @@ def attention_math(
     if mask is not None:
         # The per-row shift of shifted_bias leaves a softmax unchanged, but not its ratio to a sink
         # logit: with sinks the bias is added as given.
-        bias = mask.bias(B, Sq, Sk, q.device) if sinks is not None else shifted_bias(mask, B, Sq, Sk, q.device)
+        allowed = mask.materialize(B, Sq, Sk, q.device)
+        bias = (mask.bias(B, Sq, Sk, q.device) if sinks is not None
+                else shifted_bias(mask, B, Sq, Sk, q.device, allowed=allowed))
         if bias is not None:
             scores = scores + group_heads(bias.to(compute_dtype), Hkv)
-        allowed = group_heads(mask.materialize(B, Sq, Sk, q.device), Hkv)
+        allowed = group_heads(allowed, Hkv)
         scores = scores.masked_fill(~allowed, float("-inf"))
         row_ok = allowed.any(-1, keepdim=True)  # the mask alone decides which rows are empty
     if sinks is not None:  # an extra column per row: the head's sink logit, no value

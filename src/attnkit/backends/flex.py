@@ -2,25 +2,22 @@
 
 The block mask of a call is built once per (mask key, batch, Sq, Sk, device) and kept in an LRU
 cache (:func:`block_mask_for`); the kernel is ``torch.compile``d once per shape
-(``dynamic=False``). Forward runs on CPU and CUDA; backward on CUDA only (FlexAttention's CPU
-kernel is forward-only). Grouped heads go in unrepeated (``enable_gqa``).
+(``dynamic=False``). Score modifiers (soft-cap, ALiBi from its slopes, an additive bias, sinks
+through the log-sum-exp) are closures built per call from the same code, over tensors and the
+soft-cap value: dynamo guards on their code and on the captured tensors' shapes and dtypes, not
+on the tensors' values or the closures' identity, so a new call of the same shape, dtype and
+modifiers reuses the compiled kernel (tests/test_flex.py counts the compiles on CPU).
+Forward runs on CPU and CUDA; backward on CUDA only (FlexAttention's CPU kernel is forward-only).
+Grouped heads go in unrepeated (``enable_gqa``).
 
-``auto`` never picks it: its first call per shape compiles (seconds: about 6-30 s on a 2-core
-CPU, several on a GPU), and without a GPU to measure on, the point where that pays off is not
-known. Force it with ``backend="flex"`` when all of these hold:
-
-* the mask is one SDPA has to materialize densely: :class:`~attnkit.masks.SlidingWindow`,
-  :class:`~attnkit.masks.Document` (packed sequences), :class:`~attnkit.masks.PrefixLM`,
-  per-sequence ``offsets``, or an AND/OR of those. SDPA then computes every (query, key) pair
-  through its memory-efficient or cuDNN kernel (or math); FlexAttention skips fully masked
-  blocks, so its work shrinks with the fraction of blocks the mask removes (a 4k window over
-  32k tokens touches ~1/8 of the (Sq, Sk) grid SDPA computes). Plain and causal masks are not
-  in this list: SDPA's flash / cuDNN kernels run them without a mask tensor or a compile. Key
-  padding alone runs on SDPA's fused kernels with a bool mask; flex only pays off there when
-  a large share of the batch is padding;
-* the same shapes repeat many times (a training loop, fixed-size prefill buckets), so the
-  compile is paid once. Varying lengths (every decode step has a new Sk) recompile;
-* the call needs neither dropout nor ``return_weights``, and on CUDA D and Dv are >= 16.
+``auto`` picks it on CUDA for the calls SDPA has no fused kernel for (:func:`sdpa_cannot_fuse`):
+a soft cap or sinks (SDPA cannot express them), a bias (ALiBi is computed per score from its
+slopes instead of a materialized (B, H, Sq, Sk) bias, and any bias is added in fp32 inside the
+kernel rather than rounded to the input dtype), and masks with a pattern of whole blocks to skip
+(windows, packed documents, prefix-LM, ragged causal offsets: SDPA computes every pair of them).
+Decode-sized calls (Sq <= 16) are left to the Triton decode kernel and the others: each decode
+step has a new Sk, which would compile a new kernel per step. On CPU ``auto`` never picks it: its
+first call per shape compiles for seconds, and the CPU engines run these modifiers fused already.
 
 With the optional ``flash_attn`` package installed, a sliding window (with or without padding)
 on fp16/bf16 CUDA also runs on the ``flash`` backend, which needs no compile.
@@ -28,23 +25,46 @@ on fp16/bf16 CUDA also runs on the ``flash`` backend, which needs no compile.
 
 from __future__ import annotations
 
+import importlib.util
 from collections import OrderedDict
 
 import torch
 
-from ..masks import shifted_bias, split_alibi
+from ..masks import has_bias, has_structure, shifted_bias, split_alibi
 from .registry import AttentionCall, BackendBase
+
+#: Longest query ``auto`` leaves to the decode kernels instead (a new Sk per step would recompile).
+MAX_DECODE_Q_LEN = 16
+
+
+def sdpa_cannot_fuse(call: AttentionCall) -> str | None:
+    """What in ``call`` no SDPA kernel runs fused (None: SDPA's fused kernels serve it): a pure
+    function of the call's description, so the CUDA decision is tested on CPU."""
+    if call.softcap is not None:
+        return "soft-capping"
+    if call.sinks is not None:
+        return "sinks"
+    if call.mask is not None and has_bias(call.mask):
+        return "a bias (ALiBi or additive)"
+    if has_structure(call.mask):
+        return "a mask with blocks to skip (window, documents, prefix, ragged offsets)"
+    return None
 
 _COMPILED = None
 _BLOCK_MASKS: "OrderedDict[tuple, object]" = OrderedDict()
 _MAX_CACHED = 64
 
 
+#: Whether this torch has FlexAttention (torch >= 2.5), found without importing it (the import
+#: pulls in torch._dynamo) and once, outside any code torch.compile traces.
+_HAS_FLEX = importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
+
+
 def _flex_module():
-    try:
-        from torch.nn.attention import flex_attention as fa
-    except ImportError:  # torch < 2.5
+    if not _HAS_FLEX:
         return None
+    from torch.nn.attention import flex_attention as fa
+
     return fa
 
 
@@ -93,12 +113,34 @@ def _bias_score_mod(bias):
     return score_mod
 
 
+def _empty_rows(call: AttentionCall, device):
+    """(B|1, 1, Sq) bool, True where the mask leaves a query no key, for a mask that is one key
+    interval per row (read without materializing it); None otherwise."""
+    rng = None if call.mask is None else call.mask.key_range(call.batch, call.q_len, call.kv_len, device)
+    if rng is None:
+        return None
+    lo, hi = (t.to(device).clamp(0, call.kv_len) for t in rng)
+    empty = lo >= hi
+    return empty.reshape((1,) * (2 - empty.dim()) + tuple(empty.shape)).expand(-1, call.q_len)[:, None]
+
+
 class FlexBackend(BackendBase):
     name = "flex"
 
     def available(self) -> str | None:
-        if _flex_module() is None:
+        if not _HAS_FLEX:
             return f"torch {torch.__version__} has no torch.nn.attention.flex_attention"
+        return None
+
+    auto_devices = ("cuda",)  # auto_skip_reason turns every other device away too
+
+    def auto_skip_reason(self, call: AttentionCall) -> str | None:
+        if call.device_type != "cuda":
+            return "not CUDA (its first call per shape compiles; the CPU engines fuse these calls already)"
+        if call.q_len <= MAX_DECODE_Q_LEN:
+            return f"Sq={call.q_len} <= {MAX_DECODE_Q_LEN}: decode steps change Sk every call (a compile each)"
+        if sdpa_cannot_fuse(call) is None:
+            return "SDPA's fused kernels run this call without a compile"
         return None
 
     def not_supported_reasons(self, call: AttentionCall) -> list[str]:
@@ -142,10 +184,17 @@ class FlexBackend(BackendBase):
             kwargs["score_mod"] = _compose(mods)
         if not call.needs_grad:  # e.g. leaves that require grad under no_grad: FlexAttention
             q, k, v = q.detach(), k.detach(), v.detach()  # looks at .requires_grad alone (CPU refuses)
+        # The log-sum-exp comes back where the kernel can return it (CUDA): it carries the sinks,
+        # and -inf marks the rows with no key to attend to, which attnkit's contract makes exactly
+        # 0 whatever FlexAttention's kernel of this torch version leaves there.
+        want_lse = call.sinks is not None or call.device_type == "cuda"
         res = _compiled()(q, k, v, scale=call.scale, enable_gqa=call.q_heads != call.kv_heads,
-                          return_lse=call.sinks is not None, **kwargs)
-        if call.sinks is None:
-            return res, None
-        out, lse = res  # the sinks join each row's denominator once: out * e^lse / (e^lse + e^sink)
-        gate = torch.sigmoid(lse.float() - call.sinks.float().view(1, -1, 1))
-        return (out.float() * gate.unsqueeze(-1)).to(out.dtype), None
+                          return_lse=want_lse, **kwargs)
+        out, lse = res if want_lse else (res, None)
+        empty = torch.isneginf(lse) if lse is not None else _empty_rows(call, q.device)  # (B|1, Hq|1, Sq)
+        if call.sinks is not None:  # the sinks join each row's denominator once: out * e^lse / (e^lse + e^sink)
+            gate = torch.sigmoid(lse.float() - call.sinks.float().view(1, -1, 1))
+            out = (out.float() * gate.unsqueeze(-1)).to(out.dtype)
+        if empty is not None:
+            out = out.masked_fill(empty.unsqueeze(-1), 0.0)
+        return out, None

@@ -114,6 +114,7 @@ _AUTO_ORDER: list[str] = []
 def register_backend(backend: Backend, *, auto: bool = True, before: str | None = None) -> None:
     """Add ``backend``; with ``auto=True`` it takes part in ``backend="auto"``, before ``before``."""
     _REGISTRY[backend.name] = backend
+    _AVAILABLE.pop(backend.name, None)
     if backend.name in _AUTO_ORDER:
         _AUTO_ORDER.remove(backend.name)
     if auto:
@@ -143,8 +144,35 @@ def reads_in_place(backend: Backend, call: AttentionCall) -> bool:
     return call.kv_layout in getattr(backend, "layouts", ("dense",))
 
 
-def reasons(backend: Backend, call: AttentionCall) -> list[str]:
+#: Each backend's ``available()`` answer, asked once per process outside traced code: a package
+#: or device probe (``find_spec``, a CUDA query) must never run inside torch.compile's tracing,
+#: where it fails or answers differently (tests/test_compile_safety.py).
+_AVAILABLE: dict[str, str | None] = {}
+
+
+def availability(backend: Backend) -> str | None:
+    """``backend.available()``, cached per backend name once asked outside ``torch.compile``."""
+    try:
+        return _AVAILABLE[backend.name]
+    except KeyError:
+        pass
     why = backend.available()
+    if not torch.compiler.is_compiling():
+        _AVAILABLE[backend.name] = why
+    return why
+
+
+def resolve_availability() -> None:
+    """Ask every registered backend whether it is usable here, now (eagerly), so that calls
+    traced by torch.compile only read the answers."""
+    if torch.compiler.is_compiling():
+        return
+    for b in list(_REGISTRY.values()):
+        availability(b)
+
+
+def reasons(backend: Backend, call: AttentionCall) -> list[str]:
+    why = availability(backend)
     if why:
         return [why]
     if call.kv_layout != "dense" and not reads_in_place(backend, call):  # judged on the gathered dense call
@@ -166,6 +194,8 @@ def _refusal(header: str, call: AttentionCall) -> str:
 
 def select(call: AttentionCall, backend: str = "auto") -> Backend:
     """The backend that will run ``call``: the forced one, or the first in auto order that accepts."""
+    if len(_AVAILABLE) < len(_REGISTRY):
+        resolve_availability()
     if backend != "auto":
         b = get_backend(backend)
         if reasons(b, call):

@@ -29,7 +29,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import CausalBias, CausalVariant, causal_lower_right
 
 from ..masks import And, Causal, Mask, shifted_bias
 from .registry import AttentionCall, BackendBase
@@ -47,6 +46,15 @@ def _cpu_flash_ops():
 
 
 CPU_FLASH = _cpu_flash_ops()
+
+
+def _causal_bias_module():
+    """``torch.nn.attention.bias``, imported on first use: it imports ``torch._dynamo``, which
+    would double the time of ``import attnkit``; only CUDA calls with a lower-right causal mask
+    (and the kernel-name report for them) need it."""
+    import torch.nn.attention.bias as bias_module
+
+    return bias_module
 
 #: torch's own kernel chooser (private; absent in some builds, then kernels read "unknown").
 _FUSED_SDP_CHOICE = getattr(torch, "_fused_sdp_choice", None)
@@ -68,7 +76,7 @@ def sdpa_kernel_name(q: Tensor, k: Tensor, v: Tensor, attn_mask=None, dropout_p:
     if _FUSED_SDP_CHOICE is None:
         return "unknown"
     try:
-        if isinstance(attn_mask, CausalBias):
+        if type(attn_mask).__name__ == "CausalBias":  # without importing its module (see above)
             return _causal_bias_kernel(q, k, v, attn_mask, dropout_p, scale, enable_gqa)
         choice = _FUSED_SDP_CHOICE(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     except (TypeError, ValueError, RuntimeError):
@@ -76,11 +84,11 @@ def sdpa_kernel_name(q: Tensor, k: Tensor, v: Tensor, attn_mask=None, dropout_p:
     return _KERNEL_NAMES.get(int(choice), "unknown")
 
 
-def _causal_bias_kernel(q, k, v, bias: CausalBias, dropout_p, scale, enable_gqa) -> str:
+def _causal_bias_kernel(q, k, v, bias, dropout_p, scale, enable_gqa) -> str:
     """Mirror of ``CausalBias._dispatch``: square or upper-left -> ``is_causal``; lower-right ->
     flash if usable, else efficient if usable, else SDPA with the materialized mask."""
     Sq, Sk = bias.seq_len_q, bias.seq_len_kv
-    if Sq == Sk or bias.variant == CausalVariant.UPPER_LEFT:
+    if Sq == Sk or bias.variant == _causal_bias_module().CausalVariant.UPPER_LEFT:
         return sdpa_kernel_name(q, k, v, None, dropout_p, True, scale, enable_gqa)
     params = torch.backends.cuda.SDPAParams(q, k, v, None, dropout_p, False, enable_gqa)
     if torch.backends.cuda.can_use_flash_attention(params, False):
@@ -91,25 +99,37 @@ def _causal_bias_kernel(q, k, v, bias: CausalBias, dropout_p, scale, enable_gqa)
     return sdpa_kernel_name(q, k, v, dense, dropout_p, False, scale, enable_gqa)
 
 
-def sdpa_mask(call: AttentionCall, dtype: torch.dtype, device) -> tuple[Tensor | None, Tensor | None]:
+def sdpa_bias_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a float bias is handed to SDPA in, for inputs of ``dtype`` on ``device_type``.
+
+    fp64 inputs: fp64 (exact). CPU: fp32, which SDPA's CPU kernels add to the fp32 scores of
+    fp16/bf16 inputs exactly. Elsewhere (CUDA): the input dtype, the only float bias SDPA's fused
+    CUDA kernels (memory-efficient, cuDNN) take. A pure function of the call's description, so
+    tests run the CUDA decision on CPU and hold the bias the kernel will see to rule R
+    (tests/test_sdpa_bias.py)."""
+    if dtype == torch.float64:
+        return torch.float64
+    return torch.float32 if device_type == "cpu" else dtype
+
+
+def sdpa_mask(call: AttentionCall, dtype: torch.dtype, device,
+              bias_dtype: torch.dtype | None = None) -> tuple[Tensor | None, Tensor | None]:
     """(attn_mask for SDPA, row_ok (B|1, H|1, Sq, 1) bool or None when every row attends).
 
-    A float bias is shifted per row (see :func:`attnkit.masks.shifted_bias`) and handed over in
-    fp32 on CPU, where SDPA adds an fp32 mask to fp16/bf16 scores exactly; elsewhere it is cast
-    to the input dtype with finite values clamped into its range (never overflowing to -inf).
-    """
+    A float bias is shifted per row over the keys the mask allows (see
+    :func:`attnkit.masks.shifted_bias`), so every allowed key's value is at most 0 and the ones
+    that matter are small, then cast to ``bias_dtype`` (default :func:`sdpa_bias_dtype`) with
+    finite values clamped into its range (never overflowing to -inf)."""
     m = call.mask
     allowed = m.materialize(call.batch, call.q_len, call.kv_len, device)
-    bias = shifted_bias(m, call.batch, call.q_len, call.kv_len, device)
+    bias = shifted_bias(m, call.batch, call.q_len, call.kv_len, device, allowed=allowed)
     if bias is not None:
-        if dtype == torch.float64:
-            bias = bias.double()  # an fp32 / fp16 mask with fp64 inputs: exact in fp64
-        elif device.type == "cpu":
-            bias = bias.float()
-        else:
-            fin = torch.finfo(dtype)
-            bias = bias.float()
-            bias = torch.where(torch.isneginf(bias), bias, bias.clamp(fin.min, fin.max)).to(dtype)
+        bt = sdpa_bias_dtype(call.device_type, dtype) if bias_dtype is None else bias_dtype
+        bias = bias.float() if bias.dtype != torch.float64 else bias
+        if bt not in (torch.float32, torch.float64):
+            fin = torch.finfo(bt)
+            bias = torch.where(torch.isneginf(bias), bias, bias.clamp(fin.min, fin.max))
+        bias = bias.to(bt)
     row_ok = allowed.any(-1, keepdim=True)
     # Under torch.compile the fix-up is applied unconditionally (no data-dependent branch).
     all_ok = False if torch.compiler.is_compiling() else bool(row_ok.all())
@@ -184,7 +204,7 @@ class SdpaBackend(BackendBase):
         if m.is_top_left_causal(call.q_len, call.kv_len):
             return None, None, True
         if _lower_right_bias(q, k, v, call):
-            return causal_lower_right(call.q_len, call.kv_len), None, False
+            return _causal_bias_module().causal_lower_right(call.q_len, call.kv_len), None, False
         attn_mask, row_ok = sdpa_mask(call, q.dtype, q.device)
         return attn_mask, row_ok, False
 

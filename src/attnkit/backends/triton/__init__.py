@@ -6,14 +6,14 @@ turns into per-sequence limits: query j of sequence b sees keys ``< min(q_start[
 seq_lens[b])``. When V is a prefix view of K (MLA's latent cache) each K tile serves as V too.
 
 ``auto`` uses it on CUDA only where SDPA has no fused kernel for the call: K and V of different
-widths, as in MLA's absorbed decode (576 / 512). Calls with equal widths stay with SDPA until the
-kernel's speed against SDPA's is measured on a GPU; force ``backend="triton"`` to use it. On CPU it
-runs under Triton's interpreter (``TRITON_INTERPRET=1``), for tests only: ``auto`` never picks it.
+widths, as in MLA's absorbed decode (576 / 512), and score modifiers (soft-cap, sinks, ALiBi),
+which SDPA cannot run or runs only from a materialized bias. Plain calls with equal widths stay
+with SDPA's kernels; force ``backend="triton"`` to use it there. On CPU it runs under Triton's
+interpreter (``TRITON_INTERPRET=1``), for tests only: ``auto`` never picks it.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 
@@ -34,10 +34,14 @@ MAX_HEAD_DIM, MAX_V_HEAD_DIM = 1024, 512
 NO_CAUSAL = 1 << 30
 
 
-@functools.lru_cache(maxsize=None)
+#: Looked up once, at import: ``auto`` asks on every call, and a module search must never run
+#: inside code torch.compile traces (dynamo cannot trace ``find_spec``: it raised on torch 2.11
+#: and answered None on 2.13; tests/test_compile_safety.py).
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+
+
 def _triton_installed() -> bool:
-    """Looked up once per process: ``auto`` asks on every call."""
-    return importlib.util.find_spec("triton") is not None
+    return _TRITON_INSTALLED
 
 
 def interpreting() -> bool:
@@ -106,8 +110,8 @@ class TritonBackend(BackendBase):
     def auto_skip_reason(self, call: AttentionCall) -> str | None:
         if call.device_type != "cuda":
             return "not CUDA (on CPU it runs in Triton's interpreter: for tests)"
-        if call.head_dim == call.v_head_dim:
-            return "equal K and V widths: SDPA's fused kernels serve these (GPU timing against them still to do)"
+        if call.head_dim == call.v_head_dim and not call.modifiers:
+            return "equal K and V widths and no score modifier: SDPA's fused kernels serve these"
         return None
 
     def run(self, q, k, v, call: AttentionCall):

@@ -1,0 +1,247 @@
+"""The whole GPU side of attnkit in one command, for the short windows a GPU is at hand.
+
+    python benchmarks/gpu_check.py --out DIR            # on a CUDA machine: about 5-8 minutes on an H100
+    python benchmarks/gpu_check.py --quick --out DIR    # on CPU, Triton in its interpreter: a smoke test (CI)
+
+It runs, in order, each step with its own time limit so that one hang cannot eat the window:
+
+1. the environment: GPU, compute capability, torch / CUDA / Triton / transformers versions, CPU;
+2. the native CPU kernel's build (once, before the tests, so no test waits on a compile);
+3. the test suite under ``pytest -n`` (every CUDA test and every Triton kernel compiled for the
+   GPU; ``--tests`` narrows it), the failures' full text kept in ``pytest.log``;
+4. the oracle sweep: ``auto`` and every backend that accepts the call, against the fp64 oracle
+   under rule R (docs/testing.md) for every mask kind and score modifier, in bf16 and fp16,
+   prefill (forward and backward) and decode, with the kernel ``auto`` picked;
+5. ``benchmarks/bench_gpu.py`` (its tables go to ``DIR/bench``).
+
+Everything lands in ``DIR``: ``summary.md`` (read this first), ``summary.json``, ``pytest.log``,
+``pytest.xml``, ``sweep.json`` and the benchmark tables. The exit status is 0 when every test and
+every sweep row passed. ``--quick`` runs the sweep on small shapes (Triton in its interpreter on
+CPU), the compile-safety tests and ``bench_gpu.py --quick``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if not torch.cuda.is_available():  # Triton reads this when a kernel is defined: before attnkit imports it
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, str(ROOT / "tests"))  # rule R and the eager base live with the tests
+
+import attnkit  # noqa: E402
+from attnkit import masks as M  # noqa: E402
+from attnkit._sysinfo import cpu_isa, cpu_name  # noqa: E402
+from attnkit.backends import BackendNotSupported, backend_names  # noqa: E402
+
+#: Test files the quick mode runs: the CUDA branch's decisions, checked on CPU (the smoke test is
+#: for this script; the whole suite runs on its own).
+QUICK_TESTS = ["tests/test_compile_safety.py"]
+
+
+# ---------------------------------------------------------------------------- steps
+
+
+def environment() -> dict:
+    info = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "cpu": f"{cpu_name()} ({cpu_isa()})", "threads": torch.get_num_threads()}
+    for name in ("triton", "transformers", "flash_attn"):
+        try:
+            info[name] = __import__(name).__version__
+        except Exception:  # noqa: BLE001 - not installed, or broken: say so
+            info[name] = None
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info.update(gpu=p.name, capability=f"sm_{p.major}{p.minor}", gpu_memory_gib=round(p.total_memory / 2**30, 1),
+                    sms=p.multi_processor_count)
+    else:
+        info["gpu"] = None
+    return info
+
+
+def run_step(cmd: list[str], log: Path, timeout: int) -> dict:
+    """Run ``cmd`` from the repository root with its output in ``log``; never raises."""
+    t0 = time.time()
+    with open(log, "w") as f:
+        try:
+            rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+            f.write(f"\n[gpu_check] stopped after {timeout} s\n")
+    return {"cmd": " ".join(cmd), "rc": rc, "seconds": round(time.time() - t0, 1), "log": log.name}
+
+
+def pytest_counts(log: Path) -> str:
+    """pytest's closing line ("N passed, M failed in ...") from its log."""
+    lines = [ln.strip("= \n") for ln in log.read_text(errors="replace").splitlines() if " in " in ln and
+             any(w in ln for w in ("passed", "failed", "error", "skipped"))]
+    return lines[-1] if lines else "(no summary line)"
+
+
+# ---------------------------------------------------------------------------- the oracle sweep
+
+
+def sweep_cases(B: int, H: int, Sq: int, Sk: int) -> dict:
+    """name -> (mask, kwargs of attention()) for every mask kind and score modifier."""
+    g = torch.Generator().manual_seed(0)
+    pad = torch.tensor([Sk, max(1, Sk // 3)])[:B]
+    slopes = M.alibi_slopes(H)
+    return {
+        "none": (None, {}),
+        "causal": (M.Causal(), {}),
+        "causal-topleft": (M.Causal("top_left"), {}),
+        "key-padding": (M.KeyPadding(pad), {}),
+        "query+key-padding": (M.KeyPadding(pad) & M.QueryPadding(torch.tensor([Sq, max(1, Sq // 2)])[:B]), {}),
+        "window": (M.SlidingWindow(max(1, Sk // 8)), {}),
+        "window+padding": (M.SlidingWindow(max(1, Sk // 8)) & M.KeyPadding(pad), {}),
+        "documents": (M.Causal() & M.Document(torch.tensor([Sq // 4, Sq // 2, Sq - Sq // 4 - Sq // 2]),
+                                              torch.tensor([Sk // 4, Sk // 2, Sk - Sk // 4 - Sk // 2])), {}),
+        "prefix-lm": (M.PrefixLM(torch.tensor([Sk // 3, 0])[:B]), {}),
+        "ragged-causal": (M.Causal(offsets=torch.tensor([Sk - Sq, max(0, Sk - Sq - 5)])[:B]), {}),
+        "dense": (M.Dense(torch.rand(B, 1, Sq, Sk, generator=g) > 0.3), {}),
+        "additive": (M.Additive(torch.randn(B, 1, Sq, Sk, generator=g)) & M.Causal(), {}),
+        "alibi": (M.ALiBi(slopes), {}),
+        "alibi+causal": (M.ALiBi(slopes) & M.Causal(), {}),
+        "alibi+window+padding": (M.ALiBi(slopes) & M.SlidingWindow(max(1, Sk // 8)) & M.KeyPadding(pad), {}),
+        "softcap+causal": (M.Causal(), {"softcap": 30.0}),
+        "softcap+alibi+causal": (M.ALiBi(slopes) & M.Causal(), {"softcap": 20.0}),
+        "sinks+causal": (M.Causal(), {"sinks": torch.randn(H, generator=g)}),
+        "sinks+window": (M.SlidingWindow(max(1, Sk // 8)), {"sinks": torch.randn(H, generator=g)}),
+    }
+
+
+def _check(q, k, v, mask, kw, backend: str, grad: bool) -> dict:
+    """attention() through ``backend`` against the fp64 oracle under rule R: the row of the sweep."""
+    from conftest import check_against_oracle
+
+    try:
+        detail = attnkit.describe_call(q, k, v, mask, backend=backend, detail=True, **kw)
+    except BackendNotSupported:
+        return {"status": "refused"}
+    row = {"kernel": detail}
+    try:
+        check_against_oracle(q, k, v, mask, backend=backend, grad=grad, **kw)
+        row["status"] = "pass"
+    except AssertionError as e:
+        row.update(status="FAIL", why=str(e).splitlines()[0][:300])
+    except Exception as e:  # noqa: BLE001 - a crash is a failed row, with its text
+        row.update(status="ERROR", why=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+    return row
+
+
+def sweep(device: str, quick: bool) -> list[dict]:
+    dtypes = [torch.bfloat16] if quick else [torch.bfloat16, torch.float16]
+    shapes = {"prefill": (2, 8, 2, 24, 40, 16) if quick else (2, 8, 2, 256, 320, 64),
+              "decode": (2, 8, 2, 2, 40, 16) if quick else (2, 8, 2, 2, 2048, 128)}
+    skip = {"flex", "flash"} if quick else set()  # on CPU flex compiles for seconds per case
+    rows = []
+    for phase, (B, Hq, Hkv, Sq, Sk, D) in shapes.items():
+        for dtype in dtypes:
+            cases = sweep_cases(B, Hq, Sq, Sk)
+            for name, (mask, kw) in cases.items():
+                kw = {key: (val.to(device) if isinstance(val, torch.Tensor) else val) for key, val in kw.items()}
+                g = torch.Generator().manual_seed(len(rows))
+                q, k, v = (torch.randn(*s, generator=g).to(dtype).to(device)
+                           for s in ((B, Hq, Sq, D), (B, Hkv, Sk, D), (B, Hkv, Sk, D)))
+                for backend in ["auto"] + [b for b in backend_names() if b not in skip]:
+                    grad = phase == "prefill" and device == "cuda"
+                    t0 = time.time()
+                    row = _check(q, k, v, mask, kw, backend, grad)
+                    if row["status"] == "refused" and backend != "auto":
+                        continue
+                    row.update(phase=phase, dtype=str(dtype).replace("torch.", ""), case=name, backend=backend,
+                               grad=grad, seconds=round(time.time() - t0, 2))
+                    rows.append(row)
+                    print(f"[sweep] {phase:7s} {row['dtype']:8s} {name:24s} {backend:7s} "
+                          f"{row.get('kernel', '-'):18s} {row['status']}", flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def write_summary(out: Path, info: dict, steps: dict, rows: list[dict]) -> bool:
+    failed_rows = [r for r in rows if r["status"] not in ("pass", "refused")]
+    ok = not failed_rows and all(s.get("rc") == 0 for s in steps.values())
+    (out / "sweep.json").write_text(json.dumps(rows, indent=1))
+    (out / "summary.json").write_text(json.dumps({"ok": ok, "environment": info, "steps": steps,
+                                                  "sweep_failures": failed_rows}, indent=1))
+    lines = ["# attnkit GPU check", "",
+             f"**{'PASS' if ok else 'FAIL'}** on {info.get('gpu') or 'CPU (no GPU: quick smoke run)'}", "",
+             "| | |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in info.items()]
+    lines += ["", "## Steps", "", "| step | result | seconds | log |", "|---|---|---|---|"]
+    for name, s in steps.items():
+        res = s.get("summary", "") or ("ok" if s.get("rc") == 0 else f"rc={s.get('rc')}")
+        lines.append(f"| {name} | {res} | {s.get('seconds', '')} | {s.get('log', '')} |")
+    passed = sum(r["status"] == "pass" for r in rows)
+    lines += ["", f"## Oracle sweep: {passed} rows pass, {len(failed_rows)} fail", ""]
+    auto_rows = [r for r in rows if r["backend"] == "auto"]
+    if auto_rows:
+        lines += ["What `auto` picked, per case (prefill / decode, first dtype):", "",
+                  "| case | prefill | decode |", "|---|---|---|"]
+        first = auto_rows[0]["dtype"]
+        by = {(r["phase"], r["case"]): r.get("kernel", "-") for r in auto_rows if r["dtype"] == first}
+        for case in dict.fromkeys(r["case"] for r in auto_rows):
+            lines.append(f"| {case} | {by.get(('prefill', case), '-')} | {by.get(('decode', case), '-')} |")
+    if failed_rows:
+        lines += ["", "### Failures", "", "| phase | dtype | case | backend | kernel | why |", "|---|---|---|---|---|---|"]
+        for r in failed_rows:
+            lines.append(f"| {r['phase']} | {r['dtype']} | {r['case']} | {r['backend']} | {r.get('kernel', '-')} | "
+                         f"{r.get('why', '').replace('|', '/')} |")
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    return ok
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "gpu-check")
+    p.add_argument("--quick", action="store_true", help="small shapes, CPU allowed (Triton's interpreter)")
+    p.add_argument("--workers", default=str(max(1, min(14, (os.cpu_count() or 2) - 2))), help="pytest -n")
+    p.add_argument("--tests", nargs="*", default=None, help="test files for step 3 (default: all of tests/)")
+    p.add_argument("--skip", nargs="*", default=[], choices=["tests", "sweep", "bench"], help="steps to leave out")
+    args = p.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.quick:
+        p.error("no CUDA device here: run with --quick for the CPU smoke test")
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    info = environment()
+    print(f"[gpu_check] {info.get('gpu') or 'CPU'}; writing to {out}", flush=True)
+    steps: dict[str, dict] = {}
+    py = sys.executable
+    steps["native build"] = run_step([py, "-c", "from attnkit.backends import native; print(native.status())"],
+                                     out / "native.log", timeout=600)
+    if "tests" not in args.skip:
+        files = args.tests if args.tests is not None else (QUICK_TESTS if args.quick else ["tests"])
+        xdist = [] if args.quick else ["-n", args.workers]
+        s = run_step([py, "-m", "pytest", *xdist, "-q", "-p", "no:cacheprovider", "-rfE", "--tb=long",
+                      f"--junitxml={out / 'pytest.xml'}", *files], out / "pytest.log", timeout=150 if args.quick else 330)
+        s["summary"] = pytest_counts(out / "pytest.log")
+        steps["tests"] = s
+    rows: list[dict] = []
+    if "sweep" not in args.skip:
+        t0 = time.time()
+        rows = sweep("cuda" if cuda else "cpu", args.quick)
+        bad = sum(r["status"] not in ("pass", "refused") for r in rows)
+        steps["oracle sweep"] = {"rc": 0 if bad == 0 else 1, "seconds": round(time.time() - t0, 1),
+                                 "summary": f"{len(rows)} rows, {bad} failing", "log": "sweep.json"}
+    if "bench" not in args.skip:
+        steps["bench_gpu"] = run_step([py, "benchmarks/bench_gpu.py", *(["--quick"] if args.quick else []),
+                                       "--out", str(out / "bench")], out / "bench.log", timeout=120 if args.quick else 240)
+    ok = write_summary(out, info, steps, rows)
+    print((out / "summary.md").read_text())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""Decisions that run inside code torch.compile traces: availability and capability probes are
+resolved once, eagerly, never inside the trace, and the CUDA policies are checked on CPU.
+
+A ``find_spec`` in the Triton backend's availability check ran inside the compiled decode step of
+``generate(compile=True)`` on CUDA and crashed it (dynamo refuses ``importlib.util.find_spec`` on
+torch 2.11 and silently answers None on 2.13). On CPU ``auto`` never asks the CUDA backends, so
+these tests ask for a CUDA call's decision explicitly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnkit  # noqa: F401  (registers the backends)
+from attnkit.backends import registry
+from attnkit.masks import ALiBi, Causal, alibi_slopes
+
+
+def _cuda_call(q_len, *, softcap=None, mask=None, D=128, Dv=128):
+    return registry.AttentionCall(1, 16, 4, q_len, 512, D, Dv, torch.bfloat16, torch.device("cuda"), mask,
+                                  0.1, 0.0, False, False, softcap=softcap)
+
+
+@pytest.mark.parametrize("name", registry.backend_names())
+def test_backend_availability_traces_under_fullgraph_compile(name):
+    """Every backend's ``available()`` gives the same answer inside a fullgraph trace as eagerly
+    (no graph break, no probe that dynamo refuses or answers differently)."""
+    b = registry.get_backend(name)
+    eager = b.available()
+
+    def probe(x):
+        return x + (1.0 if b.available() is None else 2.0)
+
+    torch._dynamo.reset()
+    out = torch.compile(probe, fullgraph=True, backend="eager")(torch.zeros(1))
+    assert out.item() == (1.0 if eager is None else 2.0), f"{name}: {eager!r}"
+
+
+@pytest.mark.parametrize("call", [
+    _cuda_call(1),  # a plain decode step
+    _cuda_call(1, softcap=30.0),  # Gemma 2 decode
+    _cuda_call(1, D=576, Dv=512, mask=Causal()),  # MLA decode
+    _cuda_call(512, softcap=30.0, mask=Causal()),  # Gemma 2 prefill
+    _cuda_call(512, mask=Causal() & ALiBi(alibi_slopes(16))),
+    _cuda_call(512, mask=Causal()),
+], ids=["decode", "decode-softcap", "mla-decode", "prefill-softcap", "prefill-alibi", "prefill-causal"])
+def test_auto_decision_for_a_cuda_call_is_the_same_under_compile(call):
+    """``auto``'s choice for a CUDA call, made inside a fullgraph trace, equals the eager choice:
+    the registry reads availability resolved beforehand, never probes inside the trace."""
+    eager = registry.select(call).name
+    names = registry.backend_names()
+
+    def pick(x):
+        return x + float(names.index(registry.select(call).name))
+
+    torch._dynamo.reset()
+    out = torch.compile(pick, fullgraph=True, backend="eager")(torch.zeros(1))
+    assert names[int(out.item())] == eager
+
+
+def test_compiled_decode_uses_cuda_graphs_on_cuda_only():
+    from attnkit.models.generation import compile_mode
+
+    assert compile_mode("inductor", "cuda") == "reduce-overhead"
+    assert compile_mode("inductor", "cpu") is None
+    assert compile_mode("aot_eager", "cuda") is None  # a backend that takes no mode
+
+
+def test_import_does_not_pull_in_dynamo():
+    """``import attnkit`` costs about one ``import torch``: nothing imports torch._dynamo at import
+    time (torch.nn.attention.bias and flex_attention do; they are imported on first use)."""
+    import subprocess
+    import sys
+
+    code = "import sys, attnkit; print('torch._dynamo' in sys.modules)"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "False"

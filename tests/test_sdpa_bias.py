@@ -1,0 +1,98 @@
+"""The bias SDPA receives, held to rule R in the precision its kernel sees, on every device policy.
+
+On CUDA the bias goes to SDPA's fused kernels in the input dtype (fp16/bf16); on CPU it stays
+fp32. The CUDA branch once shifted each row by its largest bias over *all* keys, including those
+the causal part removes (ALiBi grows toward future keys), which left an early row's allowed keys
+near ``-slope * (Sk - 1)``, where bf16 has a spacing of 2-4: a relative error of 0.67 on an H100
+that every CPU test missed. Here the CUDA decision (:func:`sdpa_bias_dtype`) runs on CPU: the
+bias is cast as it would be for the GPU and SDPA's CPU kernel adds it to fp32 scores, as the
+CUDA kernels do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attnkit
+from attnkit import masks as M
+from attnkit.backends.sdpa import sdpa_bias_dtype, sdpa_mask
+from attnkit.functional import _validate
+
+from conftest import DTYPES, base_attention, make_qkv, rule_r
+
+CASES = {
+    "alibi-causal": lambda B, H, Sq, Sk: M.ALiBi(M.alibi_slopes(H)) & M.Causal(),
+    "alibi-topleft-causal": lambda B, H, Sq, Sk: M.ALiBi(M.alibi_slopes(H), align="top_left") & M.Causal("top_left"),
+    "alibi-window": lambda B, H, Sq, Sk: M.ALiBi(M.alibi_slopes(H)) & M.SlidingWindow(40),
+    "alibi-padding-causal": lambda B, H, Sq, Sk: (M.ALiBi(M.alibi_slopes(H)) & M.Causal()
+                                                  & M.KeyPadding(torch.tensor([Sk, Sk // 3]))),
+    "alibi-documents": lambda B, H, Sq, Sk: (M.ALiBi(M.alibi_slopes(H)) & M.Causal()
+                                             & M.Document(torch.tensor([Sq // 4, Sq // 2, Sq - Sq // 4 - Sq // 2]))),
+    "alibi-offsets": lambda B, H, Sq, Sk: (M.ALiBi(M.alibi_slopes(H), offsets=torch.tensor([Sk - Sq, 5]))
+                                           & M.Causal(offsets=torch.tensor([Sk - Sq, 5]))),
+    "additive-causal": lambda B, H, Sq, Sk: M.Additive(3 * torch.randn(B, 1, Sq, Sk)) & M.Causal(),
+    "additive-large-offset": lambda B, H, Sq, Sk: M.Additive(torch.randn(Sq, Sk) - 5e4) & M.Causal(),
+    "additive-window-padding": lambda B, H, Sq, Sk: (M.Additive(torch.randn(1, H, Sq, Sk)) & M.SlidingWindow(30)
+                                                     & M.KeyPadding(torch.tensor([Sk, 50]))),
+    "alibi-additive-stacked": lambda B, H, Sq, Sk: (M.ALiBi(M.alibi_slopes(H)) & M.Additive(torch.randn(Sq, Sk))
+                                                    & M.Causal()),
+}
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_bias_sdpa_gets_on_cuda_holds_rule_r(case, dtype):
+    B, H, Sq, Sk, D = 2, 8, 256, 320, 64
+    dt = DTYPES[dtype]
+    torch.manual_seed(1)
+    mask = CASES[case](B, H, Sq, Sk)
+    q, k, v = make_qkv(B, H, H, Sq, Sk, D, dtype=dt, seed=2)
+    call = _validate(q, k, v, mask, False, None, 0.0, False)
+    bias_dtype = sdpa_bias_dtype("cuda", dt)
+    assert bias_dtype == dt  # what the fused CUDA kernels take
+    attn_mask, row_ok = sdpa_mask(call, dt, torch.device("cpu"), bias_dtype=bias_dtype)
+    assert attn_mask.dtype == dt
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=call.scale)
+    if row_ok is not None:
+        out = out.masked_fill(~row_ok, 0.0)
+    gold = attnkit.attention_reference(q.double(), k.double(), v.double(), mask)
+    base = base_attention(q, k, v, mask)
+    # n_terms=1: the rounding floor alone (the accumulation allowance would hide a bias error)
+    rule_r(out, base, gold, n_terms=1)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_shifted_bias_puts_each_rows_allowed_maximum_at_zero(case):
+    B, H, Sq, Sk = 2, 8, 64, 96
+    torch.manual_seed(1)
+    mask = CASES[case](B, H, Sq, Sk)
+    allowed = mask.materialize(B, Sq, Sk).expand(B, H, Sq, Sk)
+    bias = M.shifted_bias(mask, B, Sq, Sk).expand(B, H, Sq, Sk)
+    on_allowed = bias.masked_fill(~allowed, float("-inf")).amax(-1)
+    rows = allowed.any(-1)
+    assert (on_allowed[rows] == 0).all()
+
+
+def test_alibi_on_cuda_policy_matches_the_reported_h100_case():
+    """The reported case: (1, 16, 1024, 128) bf16 ALiBi + causal. With the old shift its error was
+    0.67 relative; now it is within rule R of the fp64 oracle, with the bias cast to bf16."""
+    q, k, v = make_qkv(1, 16, 16, 1024, 1024, 128, dtype=torch.bfloat16, seed=7)
+    mask = M.ALiBi(M.alibi_slopes(16)) & M.Causal()
+    call = _validate(q, k, v, mask, False, None, 0.0, False)
+    attn_mask, _ = sdpa_mask(call, q.dtype, torch.device("cpu"), bias_dtype=sdpa_bias_dtype("cuda", q.dtype))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+    gold = attnkit.attention_reference(q.double(), k.double(), v.double(), mask)
+    rel = ((out.double() - gold).norm() / gold.norm()).item()
+    assert rel < 0.02, rel
+    rule_r(out, base_attention(q, k, v, mask), gold, n_terms=1024)
+
+
+def test_bias_dtype_policy():
+    assert sdpa_bias_dtype("cpu", torch.bfloat16) == torch.float32
+    assert sdpa_bias_dtype("cpu", torch.float16) == torch.float32
+    assert sdpa_bias_dtype("cuda", torch.bfloat16) == torch.bfloat16
+    assert sdpa_bias_dtype("cuda", torch.float16) == torch.float16
+    assert sdpa_bias_dtype("cuda", torch.float32) == torch.float32
+    assert sdpa_bias_dtype("cuda", torch.float64) == torch.float64
+    assert sdpa_bias_dtype("cpu", torch.float64) == torch.float64
