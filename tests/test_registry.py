@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -127,3 +129,43 @@ def test_auto_sends_only_unequal_width_cuda_decode_to_triton():
     assert q_start.tolist() == [297, 297] and seq.tolist() == [300, 300]
     assert decode_limits(None, 2, 1, 300, "cpu")[0].min() > 300
     assert decode_limits(KeyPadding(torch.tensor([500, 3])), 2, 1, 300, "cpu")[1].tolist() == [300, 3]
+
+
+def test_auto_gives_every_modifier_a_fused_path_on_cuda():
+    """`auto`'s decision for CUDA calls, made on CPU from the call's description: prefill with a
+    soft cap, sinks, ALiBi, an additive bias or a block-sparse mask goes to FlexAttention (fused,
+    forward and backward), never to the materialized `math` path; decode-sized calls with a
+    modifier go to the Triton decode kernel; plain and causal calls stay with SDPA."""
+    from attnkit.masks import ALiBi, Additive, Causal, Document, KeyPadding, SlidingWindow, alibi_slopes
+
+    if registry.get_backend("flex").available() is not None:
+        pytest.skip("torch without FlexAttention")
+
+    def call(Sq, mask=None, grad=False, **mods):
+        return registry.AttentionCall(2, 16, 4, Sq, 2048, 128, 128, torch.bfloat16, torch.device("cuda"), mask,
+                                      0.1, 0.0, False, grad, **mods)
+
+    sinks = torch.zeros(16)
+    prefill = {
+        "softcap": call(2048, Causal(), softcap=30.0),
+        "sinks": call(2048, Causal(), sinks=sinks),
+        "sinks+window": call(2048, SlidingWindow(127), sinks=sinks),
+        "alibi": call(2048, ALiBi(alibi_slopes(16)) & Causal()),
+        "alibi+window+padding": call(2048, ALiBi(alibi_slopes(16)) & SlidingWindow(127) & KeyPadding(torch.tensor([9, 2048]))),
+        "additive": call(2048, Additive(torch.zeros(2048, 2048)) & Causal()),
+        "window": call(2048, SlidingWindow(127)),
+        "documents": call(2048, Causal() & Document(torch.tensor([1000, 1048]))),
+        "ragged causal": call(2048, Causal(offsets=torch.tensor([0, 5]))),
+    }
+    for name, c in prefill.items():
+        assert registry.select(c).name == "flex", name
+        assert registry.select(replace(c, needs_grad=True)).name == "flex", f"{name} (backward)"
+    for c in (call(2048), call(2048, Causal()), call(2048, KeyPadding(torch.tensor([9, 2048])))):
+        assert registry.select(c).name == "sdpa"
+    if registry.get_backend("triton").available() is None:
+        for c in (call(1, Causal(), softcap=30.0), call(1, Causal(), sinks=sinks), call(1, ALiBi(alibi_slopes(16)))):
+            assert registry.select(c).name == "triton"
+        assert registry.select(call(1, Causal())).name == "sdpa"
+    # On CPU the same calls never go to flex (its compile does not pay off; the CPU engines fuse them).
+    cpu = replace(prefill["softcap"], device=torch.device("cpu"))
+    assert registry.select(cpu).name != "flex"
