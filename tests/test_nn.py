@@ -258,7 +258,7 @@ def test_unbatched_and_dtypes():
     (lambda m, x: m(x, x, x, key_padding_mask=torch.zeros(3, 2, dtype=torch.bool)), r"key_padding_mask must be \(N, S\) = \(2, 3\)"),
     (lambda m, x: m(x, x, x, key_padding_mask=torch.zeros(2, 3, dtype=torch.long)), r"key_padding_mask must be bool"),
     (lambda m, x: m(torch.randn(2, 3, E + 1), x, x), r"query has 9 channels but embed_dim is 8"),
-    (lambda m, x: m(x, torch.randn(2, 5, E), x), r"disagree on batch or source length"),
+    (lambda m, x: m(x, torch.randn(2, 5, E), x), r"disagree on source length or batch"),
 ], ids=["dims", "4d", "attn2d", "attn3d", "kpm_shape", "kpm_dtype", "embed", "source"])
 def test_bad_input_names_argument_and_shapes(call, match):
     m = ann.MultiheadAttention(E, H, batch_first=True)
@@ -309,3 +309,189 @@ def test_half_precision_rule_r(dtype):
         outs = [m(x.to(dt), x.to(dt), x.to(dt), key_padding_mask=kpm, attn_mask=am.to(dt), need_weights=False)[0]
                 for m, dt in ((ours, dtype), (ref, dtype), (gold, torch.float64))]
     rule_r(*outs, n_terms=max(9, E))
+
+
+# --------------------------------------------------------------------------- issue 29
+
+
+def test_compile_fullgraph_encoder_with_padding_mask():
+    """torch.compile(fullgraph=True) of nn.TransformerEncoder with attnkit's module and a bool
+    src_key_padding_mask (the encoder hands its layers a float one): no graph break (Additive's
+    NaN check reads tensor values, so it runs in eager only), same output as torch's encoder. The
+    case of PyTorch's test_fast_path_check_with_mask_does_not_break_in_compile."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.1, batch_first=True, dtype=torch.float64)
+    enc = nn.TransformerEncoder(layer, 2).eval()
+    ours = ann.replace_multihead_attention(copy.deepcopy(enc))
+    x = torch.randn(2, 9, 16, dtype=torch.float64)
+    pad = torch.zeros(2, 9, dtype=torch.bool)
+    pad[0, 0], pad[1, 5:] = True, True  # not left-aligned, and a plain trailing pad
+    compiled = torch.compile(ours, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x, mask=None, src_key_padding_mask=pad), enc(x, src_key_padding_mask=pad))
+
+
+def test_compile_fullgraph_float_masks_with_sentinel_and_nan_rows():
+    """The float-mask path (torch's rounding of huge finite values, NaN rows) has no branch on
+    values either: compiled equals eager, NaN rows included."""
+    torch.manual_seed(0)
+    ours = ann.MultiheadAttention(E, H, batch_first=True)
+    x = torch.randn(2, 4, E)
+    am = torch.randn(4, 4)
+    am[1], am[2, 0] = -1e30, float("nan")
+    kpm = torch.zeros(2, 4)
+    kpm[1, 3] = float("-inf")
+
+    def f(x):
+        return ours(x, x, x, attn_mask=am, key_padding_mask=kpm, average_attn_weights=False)
+    (o1, w1), (o2, w2) = f(x), torch.compile(f, fullgraph=True, backend="aot_eager")(x)
+    torch.testing.assert_close(o2, o1, equal_nan=True)
+    torch.testing.assert_close(w2, w1, equal_nan=True)
+
+
+def test_additive_mask_still_rejects_nan_in_eager():
+    with pytest.raises(ValueError, match="NaN"):
+        attnkit.masks.Additive(torch.tensor([0.0, float("nan")]))
+
+
+_BAD = {  # name: call on (module E=8, H=2, seq-first) -> what torch raises, checked against torch itself
+    "query_4d": lambda m: m(torch.randn(1, 3, 2, E), torch.randn(3, 2, E), torch.randn(3, 2, E)),
+    "key_2d": lambda m: m(torch.randn(3, 2, E), torch.randn(3, E), torch.randn(3, 2, E)),
+    "value_3d_unbatched": lambda m: m(torch.randn(3, E), torch.randn(3, E), torch.randn(3, 2, E)),
+    "kpm_1d_batched": lambda m: m(*[torch.randn(3, 2, E)] * 3, key_padding_mask=torch.zeros(3, dtype=torch.bool)),
+    "kpm_2d_unbatched": lambda m: m(*[torch.randn(3, E)] * 3, key_padding_mask=torch.zeros(1, 3, dtype=torch.bool)),
+    "kpm_shape": lambda m: m(*[torch.randn(3, 2, E)] * 3, key_padding_mask=torch.zeros(2, 4, dtype=torch.bool)),
+    "kpm_dtype": lambda m: m(*[torch.randn(3, 2, E)] * 3, key_padding_mask=torch.zeros(2, 3, dtype=torch.long)),
+    "attn_mask_dtype": lambda m: m(*[torch.randn(3, 2, E)] * 3, attn_mask=torch.zeros(3, 3, dtype=torch.uint8)),
+    "attn_mask_1d": lambda m: m(*[torch.randn(3, 2, E)] * 3, attn_mask=torch.zeros(3, dtype=torch.bool)),
+    "attn_mask_2d_shape": lambda m: m(*[torch.randn(3, 2, E)] * 3, attn_mask=torch.zeros(3, 4, dtype=torch.bool)),
+    "attn_mask_3d_shape": lambda m: m(*[torch.randn(3, 2, E)] * 3, attn_mask=torch.zeros(3, 3, 3, dtype=torch.bool)),
+    "attn_mask_3d_unbatched": lambda m: m(*[torch.randn(3, E)] * 3, attn_mask=torch.zeros(5, 3, 3, dtype=torch.bool)),
+    "embed_dim": lambda m: m(torch.randn(3, 2, E + 1), torch.randn(3, 2, E), torch.randn(3, 2, E)),
+    "key_value_length": lambda m: m(torch.randn(3, 2, E), torch.randn(4, 2, E), torch.randn(3, 2, E)),
+    "query_key_batch": lambda m: m(torch.randn(3, 2, E), torch.randn(3, 1, E), torch.randn(3, 1, E)),
+    "key_channels": lambda m: m(torch.randn(3, 2, E), torch.randn(3, 2, E + 1), torch.randn(3, 2, E + 1)),
+    "is_causal_without_mask": lambda m: m(*[torch.randn(3, 2, E)] * 3, is_causal=True),
+}
+
+
+@pytest.mark.parametrize("name", list(_BAD))
+def test_bad_input_raises_what_torch_raises(name):
+    """Code written against torch catches AssertionError (or RuntimeError where torch raises that);
+    attnkit's error is an instance of torch's exception type and of ValueError / TypeError, and
+    keeps attnkit's message (it names the argument and the shapes)."""
+    with pytest.raises(Exception) as want:
+        _BAD[name](nn.MultiheadAttention(E, H))
+    with pytest.raises(type(want.value)) as got:
+        _BAD[name](ann.MultiheadAttention(E, H))
+    assert isinstance(got.value, (ValueError, TypeError)), type(got.value).__mro__
+    assert type(want.value) in (AssertionError, RuntimeError)
+    if "shape" in name or name in ("embed_dim", "key_value_length", "query_key_batch"):
+        assert "(" in str(got.value)  # names the shapes
+
+
+def test_bad_input_separate_projections_raises_what_torch_raises():
+    for k_ch, v_ch, S_k in ((6, 7, 3), (5, 6, 3), (5, 7, 4)):  # kdim, vdim, key vs value length
+        args = (torch.randn(3, 2, E), torch.randn(S_k, 2, k_ch), torch.randn(3, 2, v_ch))
+        with pytest.raises(AssertionError):
+            nn.MultiheadAttention(E, H, kdim=5, vdim=7)(*args)
+        with pytest.raises(ann.InputAssertionError, match=r"\(3, 2, \d\)"):
+            ann.MultiheadAttention(E, H, kdim=5, vdim=7)(*args)
+    assert issubclass(ann.InputAssertionError, ValueError) and issubclass(ann.InputAssertionError, AssertionError)
+    assert issubclass(ann.InputRuntimeError, ValueError) and issubclass(ann.InputRuntimeError, RuntimeError)
+    assert issubclass(ann.MaskDtypeError, TypeError) and issubclass(ann.MaskDtypeError, AssertionError)
+
+
+def _torch_and_ours_with_grads(kw_module, args, kwargs):
+    """Outputs, weights and input / parameter gradients of torch's and attnkit's module (same
+    weights, float32, train mode with dropout 0) on the same inputs, loss = out.sum()."""
+    torch.manual_seed(0)
+    ref = nn.MultiheadAttention(E, H, **kw_module)
+    ours = ann.MultiheadAttention.from_torch(copy.deepcopy(ref))
+    res = []
+    for m in (ref, ours):
+        xs = [a.clone().requires_grad_() for a in args]
+        out, w = m(*xs, **kwargs)
+        out.sum().backward()
+        res.append((out, w, [x.grad for x in xs], {n: p.grad for n, p in m.named_parameters()}))
+    return res
+
+
+@pytest.mark.parametrize("value", [-1e30, torch.finfo(torch.float32).min, -1e12], ids=["-1e30", "finfo.min", "-1e12"])
+@pytest.mark.parametrize("need_weights", [True, False], ids=["weights", "sdpa"])
+def test_finite_sentinel_row_gives_uniform_weights_like_torch(value, need_weights):
+    """A float attn_mask row of a very negative finite value everywhere: torch adds it to the
+    scores in fp32, the scores are rounded away and the weights come out uniform (softmax of equal
+    values). A finite value is not "masked" (only -inf is), so attnkit gives the same; its
+    forward equals torch's. In those rows torch's backward differentiates the sum its forward
+    rounded away, and its two paths disagree there (need_weights=False, SDPA, gives another q
+    gradient); attnkit's q gradient equals the baddbmm path's (need_weights=True), its k gradient
+    gets nothing from those rows (see nn._as_torch_adds)."""
+    g = torch.Generator().manual_seed(0)
+    N, L, S = 2, 4, 5
+    q, kv = torch.randn(N, L, E, generator=g), torch.randn(N, S, E, generator=g)
+    am = torch.randn(L, S, generator=g)
+    am[1] = value  # the whole row
+    am[2, 1:] = value  # a row with one ordinary key: that key takes all the weight, as in torch
+    kpm = torch.zeros(N, S)
+    kpm[1, 3:] = float("-inf")  # padding: the uniform row spreads over the other keys only
+    kwargs = dict(attn_mask=am, key_padding_mask=kpm, need_weights=need_weights, average_attn_weights=False)
+    (o_ref, w_ref, g_ref, p_ref), (o, w, g_ours, p_ours) = _torch_and_ours_with_grads(
+        dict(batch_first=True), (q, kv, kv), kwargs)
+    torch.testing.assert_close(o, o_ref)
+    if need_weights:
+        torch.testing.assert_close(w, w_ref)
+        torch.testing.assert_close(w[0, :, 1], torch.full((H, S), 1 / S))
+        torch.testing.assert_close(w[1, :, 1], torch.tensor([1 / 3] * 3 + [0.0] * 2).expand(H, S))
+        torch.testing.assert_close(g_ours[0], g_ref[0])  # dq
+    for name in ("out_proj.weight", "out_proj.bias"):
+        torch.testing.assert_close(p_ours[name], p_ref[name])
+    # without rows whose every finite value is huge, every gradient matches
+    am[1], am[2, 1:] = 0.0, 0.0
+    (o_ref, _, g_ref, p_ref), (o, _, g_ours, p_ours) = _torch_and_ours_with_grads(
+        dict(batch_first=True), (q, kv, kv), kwargs)
+    torch.testing.assert_close(o, o_ref)
+    for a, b in zip(g_ours, g_ref):
+        torch.testing.assert_close(a, b)
+    for name in p_ref:
+        torch.testing.assert_close(p_ours[name], p_ref[name], msg=name)
+
+
+def test_finite_sentinel_key_padding_mask_like_torch():
+    """finfo.min as the padding value of a float key_padding_mask (Hugging Face's convention): a
+    sequence padded everywhere gets uniform weights, as in torch; the others are unchanged."""
+    torch.manual_seed(0)
+    ref = nn.MultiheadAttention(E, H, batch_first=True).eval()
+    ours = ann.MultiheadAttention.from_torch(copy.deepcopy(ref))
+    x = torch.randn(2, 3, E)
+    kpm = torch.zeros(2, 3)
+    kpm[0] = torch.finfo(torch.float32).min
+    kpm[1, 2] = torch.finfo(torch.float32).min
+    with torch.no_grad():
+        (a, wa), (b, wb) = ref(x, x, x, key_padding_mask=kpm), ours(x, x, x, key_padding_mask=kpm)
+    torch.testing.assert_close(b, a)
+    torch.testing.assert_close(wb, wa)
+    torch.testing.assert_close(wb[0], torch.full((3, 3), 1 / 3))
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "+inf"])
+@pytest.mark.parametrize("where", ["attn_mask", "key_padding_mask"])
+def test_nan_or_posinf_in_float_mask_gives_nan_rows_like_torch(value, where):
+    """NaN or +inf in a float mask: torch returns NaN in the rows it reaches (NaN in, NaN out,
+    attnkit's contract too), not an error; the other rows are unchanged."""
+    torch.manual_seed(0)
+    ref = nn.MultiheadAttention(E, H, batch_first=True)
+    ours = ann.MultiheadAttention.from_torch(copy.deepcopy(ref))
+    x = torch.randn(2, 4, E)
+    am, kpm = torch.randn(4, 4), torch.zeros(2, 4)
+    if where == "attn_mask":
+        am[1, 2] = value  # query 1 of every sequence
+    else:
+        kpm[1, 0] = value  # every query of sequence 1
+    for need_weights in (True, False):
+        kw = dict(attn_mask=am, key_padding_mask=kpm, need_weights=need_weights)
+        (a, wa), (b, wb) = ref(x, x, x, **kw), ours(x, x, x, **kw)
+        assert torch.isnan(a).any() and torch.equal(torch.isnan(b), torch.isnan(a))
+        torch.testing.assert_close(b, a, equal_nan=True)
+        if need_weights:
+            torch.testing.assert_close(wb, wa, equal_nan=True)
+        b.nan_to_num().sum().backward()  # NaN rows give NaN gradients, not an error

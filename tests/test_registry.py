@@ -116,7 +116,9 @@ def test_auto_sends_only_unequal_width_cuda_decode_to_triton():
 
     tb = TritonBackend()
     assert tb.auto_skip_reason(call("cuda", 576, 512)) is None
-    assert "equal K and V widths" in tb.auto_skip_reason(call("cuda", 128, 128))
+    assert "equal widths" in tb.auto_skip_reason(call("cuda", 128, 128))
+    from dataclasses import replace as _replace
+    assert tb.auto_skip_reason(_replace(call("cuda", 128, 128), kv_layout="paged")) is None  # read in place
     assert "not CUDA" in tb.auto_skip_reason(call("cpu", 576, 512))
     cache_mask = Causal(offsets=torch.tensor([298, 10])) & KeyPadding(torch.tensor([299, 12]))
     assert not any("mask" in r for r in tb.not_supported_reasons(call("cuda", 576, 512, cache_mask)))

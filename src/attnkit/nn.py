@@ -12,10 +12,18 @@ Mask polarity here is torch's, the opposite of attnkit's own ``mask`` argument:
   to the scores (``-inf`` = not allowed).
 * ``key_padding_mask`` (N, S): bool True = padding, ignored; float = added per key.
 
+Float masks mean what they mean in torch, which adds them to the scores in floating point: a
+very negative *finite* value (``-1e30``, ``finfo.min``) is a value, not "masked", so a row of
+them everywhere gives uniform weights as in torch; NaN or ``+inf`` in a row gives a NaN row.
+
 The one deliberate difference from torch: a query whose every key is masked gets an output of
 exactly 0 and a weights row of 0 (torch returns NaN there). Everything else (including
 ``is_causal``, which torch treats as a hint that ``attn_mask`` is causal) follows
-``torch.nn.functional.multi_head_attention_forward``.
+``torch.nn.functional.multi_head_attention_forward``, down to the exception types: a wrong
+shape raises :class:`InputAssertionError` (a ``ValueError`` and an ``AssertionError``) where
+torch asserts, :class:`InputRuntimeError` (``ValueError`` and ``RuntimeError``) where torch
+raises ``RuntimeError``, and :class:`MaskDtypeError` (``TypeError`` and ``AssertionError``) for
+a mask that is neither bool nor floating; their messages name the arguments and the shapes.
 
 Notation: N batch, L target (query) length, S source (key) length, E embed_dim, H num_heads,
 D = E // H head dim.
@@ -31,7 +39,32 @@ from torch import Tensor, nn
 from .functional import attention
 from .masks import Additive, Causal, Dense, Mask
 
-__all__ = ["MultiheadAttention", "replace_multihead_attention"]
+__all__ = ["MultiheadAttention", "replace_multihead_attention", "InputAssertionError", "InputRuntimeError",
+           "MaskDtypeError"]
+
+
+# torch.nn.MultiheadAttention rejects bad arguments with AssertionError (F._mha_shape_check and the
+# asserts of F.multi_head_attention_forward) or RuntimeError (mask shapes, the is_causal hint),
+# attnkit with ValueError / TypeError. Each error below is both, so code written against either
+# catches it.
+
+
+class InputAssertionError(ValueError, AssertionError):
+    """A shape or argument that ``torch.nn.MultiheadAttention`` rejects with ``AssertionError``:
+    query not 2-D / 3-D, key or value of another rank, a mask of the wrong rank, an unbatched 3-D
+    ``attn_mask`` or a ``key_padding_mask`` of the wrong shape, ``embed_dim``, key vs value, the
+    separate ``kdim`` / ``vdim`` projections, NestedTensor inputs it cannot take."""
+
+
+class InputRuntimeError(ValueError, RuntimeError):
+    """Where torch raises ``RuntimeError`` instead: a 2-D ``attn_mask`` or a batched 3-D one of the
+    wrong shape, query and key batch sizes that differ, key / value channels that do not fit the
+    packed projection, ``is_causal=True`` without ``attn_mask``."""
+
+
+class MaskDtypeError(TypeError, AssertionError):
+    """A mask that is neither bool nor floating (torch: ``AssertionError`` from
+    ``F._canonical_mask``)."""
 
 
 def _route_through_forward(module: nn.Module, args) -> None:
@@ -82,8 +115,16 @@ class MultiheadAttention(nn.MultiheadAttention):
         without ``need_weights``. ``S`` counts the extra ``bias_k`` / zero-attention key when
         those are on. A query with every key masked gets 0 (torch: NaN).
 
+    Raises:
+        InputAssertionError / InputRuntimeError / MaskDtypeError: wrong shapes, ranks or mask
+            dtypes, each an instance of what torch raises there (``AssertionError`` or
+            ``RuntimeError``) and of ``ValueError`` / ``TypeError``.
+
+    Float masks follow torch's floating-point sum: a row of ``-1e30`` or ``finfo.min`` everywhere
+    gives uniform weights, NaN or ``+inf`` gives a NaN row (see :func:`_as_torch_adds`).
+
     NestedTensor inputs (what ``TransformerEncoder``'s inference fast path hands its layers) are
-    padded, attended with a key padding mask and returned nested.
+    padded, attended with a key padding mask and returned nested, in the input's layout.
     """
 
     def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False,
@@ -118,23 +159,12 @@ class MultiheadAttention(nn.MultiheadAttention):
         if isinstance(query, Tensor) and query.is_nested:
             return self._forward_nested(query, key, value, key_padding_mask, need_weights, attn_mask,
                                         average_attn_weights, is_causal)
-        for name, t in (("query", query), ("key", key), ("value", value)):
-            if not isinstance(t, Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if query.dim() not in (2, 3):
-            raise ValueError(f"query must be (L, E) unbatched or 3-D batched, got shape {_shape(query)}")
-        batched = query.dim() == 3
-        if key.dim() != query.dim() or value.dim() != query.dim():
-            raise ValueError(f"query, key and value must all be {3 if batched else 2}-D: query "
-                             f"{_shape(query)}, key {_shape(key)}, value {_shape(value)}")
+        batched = self._check_ranks(query, key, value, key_padding_mask, attn_mask, is_causal)
         if batched and self.batch_first:
             query, key, value = _same_op(lambda x: x.transpose(0, 1), query, key, value)
         if not batched:
             query, key, value = _same_op(lambda x: x.unsqueeze(1), query, key, value)
             if key_padding_mask is not None:
-                if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dim() != 1:
-                    raise ValueError(f"key_padding_mask must be (S,) for unbatched inputs, got shape "
-                                     f"{_shape(key_padding_mask)}")
                 key_padding_mask = key_padding_mask.unsqueeze(0)
         # (L, N, E) from here on.
         out, weights = self._attend(query, key, value, key_padding_mask, need_weights, attn_mask,
@@ -146,36 +176,63 @@ class MultiheadAttention(nn.MultiheadAttention):
             weights = None if weights is None else weights.squeeze(0)
         return out, weights
 
+    def _check_ranks(self, query, key, value, key_padding_mask, attn_mask, is_causal) -> bool:
+        """The checks torch makes before projecting (mask dtypes, ``F._mha_shape_check``, the
+        ``is_causal`` hint), in its order, with its exception types; returns whether batched."""
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        for name, m in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
+            if m is None:
+                continue
+            if not isinstance(m, Tensor):
+                raise TypeError(f"{name} must be a tensor or None, got {type(m).__name__}")
+            if m.dtype != torch.bool and not m.dtype.is_floating_point:
+                raise MaskDtypeError(f"{name} must be bool (True = not allowed) or floating (added to the scores), "
+                                     f"got {m.dtype} of shape {_shape(m)}")
+        if query.dim() not in (2, 3):
+            raise InputAssertionError(f"query must be (L, E) unbatched or 3-D batched, got shape {_shape(query)}")
+        batched = query.dim() == 3
+        if key.dim() != query.dim() or value.dim() != query.dim():
+            raise InputAssertionError(f"query, key and value must all be {3 if batched else 2}-D: query "
+                                      f"{_shape(query)}, key {_shape(key)}, value {_shape(value)}")
+        if key_padding_mask is not None and key_padding_mask.dim() != query.dim() - 1:
+            want = "(N, S) for batched" if batched else "(S,) for unbatched"
+            raise InputAssertionError(f"key_padding_mask must be {want} inputs, got shape {_shape(key_padding_mask)} "
+                                      f"with query {_shape(query)}")
+        if attn_mask is not None and attn_mask.dim() not in (2, 3):
+            raise InputAssertionError(f"attn_mask must be 2-D (L, S) or 3-D (N * num_heads, L, S), got shape "
+                                      f"{_shape(attn_mask)}")
+        if is_causal and attn_mask is None:
+            raise InputRuntimeError("is_causal=True needs attn_mask (torch.nn.MultiheadAttention treats is_causal as a "
+                                    "hint that attn_mask is causal); pass attn_mask="
+                                    "nn.Transformer.generate_square_subsequent_mask(L)")
+        return batched
+
     def _attend(self, query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
                 is_causal, batched):
         L, N, E = query.shape
         S = key.shape[0]
         H, D = self.num_heads, self.head_dim
-        if E != self.embed_dim:
-            raise ValueError(f"query has {E} channels but embed_dim is {self.embed_dim}: query {_shape(query)}")
-        if key.shape[1] != N or value.shape[1] != N or value.shape[0] != S:
-            raise ValueError(f"query, key and value disagree on batch or source length: query (L, N, E) = "
-                             f"{_shape(query)}, key (S, N, kdim) = {_shape(key)}, value (S, N, vdim) = "
-                             f"{_shape(value)}")
-        if key.shape[2] != self.kdim or value.shape[2] != self.vdim:
-            raise ValueError(f"key must have kdim={self.kdim} and value vdim={self.vdim} channels, got key "
-                             f"{_shape(key)}, value {_shape(value)}")
+        self._check_shapes(query, key, value)
         kpm = self._check_mask(key_padding_mask, "key_padding_mask", (N, S), batched)
-        am = self._check_mask(attn_mask, "attn_mask", None, batched, L=L, S=S, N=N)
+        # torch: the hint replaces attn_mask (top-left causal) unless a padding mask or weights are
+        # needed, and then never reads attn_mask's shape (F._mha_shape_check has only asserted the
+        # shape of an unbatched 3-D one).
+        use_hint = is_causal and kpm is None and not need_weights
+        if use_hint and (batched or attn_mask.dim() == 2):
+            am = None
+        else:
+            am = self._check_mask(attn_mask, "attn_mask", None, batched, L=L, S=S, N=N)
         if kpm is not None and am is not None and kpm.dtype != am.dtype:
             warnings.warn("Support for mismatched key_padding_mask and attn_mask is deprecated. Use same type "
                           "for both instead.", stacklevel=3)
-        if is_causal and am is None:
-            raise ValueError("is_causal=True needs attn_mask (torch.nn.MultiheadAttention treats is_causal as a hint "
-                             "that attn_mask is causal); pass attn_mask=nn.Transformer.generate_square_subsequent_mask(L)")
-        # torch: the hint replaces attn_mask (top-left causal) unless a padding mask or weights are needed.
-        use_hint = is_causal and kpm is None and not need_weights
 
         q, k, v = self._project(query, key, value)  # (L, N, E), (S, N, E), (S, N, E)
         extra = 0
         if self.bias_k is not None or self.bias_v is not None:
             if self.bias_k is None or self.bias_v is None:
-                raise ValueError("bias_k and bias_v must be set together")
+                raise InputAssertionError("bias_k and bias_v must be set together")
             k = torch.cat([k, self.bias_k.expand(1, N, E).to(k.dtype)])
             v = torch.cat([v, self.bias_v.expand(1, N, E).to(v.dtype)])
             extra += 1
@@ -187,10 +244,15 @@ class MultiheadAttention(nn.MultiheadAttention):
             v = torch.cat([v, v.new_zeros(N, H, 1, D)], dim=2)
             extra += 1
 
+        mask: Mask | None
         if use_hint:
-            mask: Mask | None = Causal("top_left")
+            mask = Causal("top_left")
+        elif (am is not None and am.dtype != torch.bool) or (kpm is not None and kpm.dtype != torch.bool):
+            bias = self._torch_float_mask(am, kpm, N, L, S, extra, q.dtype)
+            q, bias = _as_torch_adds(q, k, bias)
+            mask = Additive(bias)
         else:
-            mask = self._merged_mask(am, kpm, N, L, S, extra)
+            mask = self._bool_mask(am, kpm, N, L, S, extra)
         dropout_p = self.dropout if self.training else 0.0
         res = attention(q, k, v, mask, dropout_p=dropout_p, return_weights=bool(need_weights))
         out, weights = res if need_weights else (res, None)
@@ -202,29 +264,45 @@ class MultiheadAttention(nn.MultiheadAttention):
                 weights = weights.mean(dim=1)
         return out, weights
 
+    def _check_shapes(self, query, key, value) -> None:
+        """query (L, N, E), key (S, N, kdim), value (S, N, vdim), with torch's exception types."""
+        L, N, E = query.shape
+        if E != self.embed_dim:
+            raise InputAssertionError(f"query has {E} channels but embed_dim is {self.embed_dim}: query "
+                                      f"{_shape(query)}")
+        # torch compares all of key's and value's shapes with the packed projection, the leading two
+        # with separate ones; a batch that differs from query's fails its reshape (RuntimeError).
+        same = key.shape == value.shape if self._qkv_same_embed_dim else key.shape[:2] == value.shape[:2]
+        if not same:
+            raise InputAssertionError(f"key (S, N, kdim) = {_shape(key)} and value (S, N, vdim) = {_shape(value)} "
+                                      f"disagree on source length or batch")
+        if key.shape[1] != N:
+            raise InputRuntimeError(f"query and key disagree on the batch size: query (L, N, E) = {_shape(query)}, "
+                                    f"key (S, N, kdim) = {_shape(key)}")
+        if key.shape[2] != self.kdim or value.shape[2] != self.vdim:
+            err = InputRuntimeError if self._qkv_same_embed_dim else InputAssertionError
+            raise err(f"key must have kdim={self.kdim} and value vdim={self.vdim} channels, got key {_shape(key)}, "
+                      f"value {_shape(value)}")
+
     def _check_mask(self, m, name, shape, batched, *, L=None, S=None, N=None):
+        """A mask's shape (its rank and dtype are checked in :meth:`_check_ranks`)."""
         if m is None:
             return None
-        if not isinstance(m, Tensor):
-            raise TypeError(f"{name} must be a tensor or None, got {type(m).__name__}")
-        if m.dtype != torch.bool and not m.dtype.is_floating_point:
-            raise TypeError(f"{name} must be bool (True = not allowed) or floating (added to the scores), got "
-                            f"{m.dtype} of shape {_shape(m)}")
         if name == "key_padding_mask":
             if tuple(m.shape) != shape:
-                raise ValueError(f"key_padding_mask must be (N, S) = {shape}, got shape {_shape(m)}")
+                raise InputAssertionError(f"key_padding_mask must be (N, S) = {shape}, got shape {_shape(m)}")
             return m
         H = self.num_heads
         if m.dim() == 2:
             if tuple(m.shape) != (L, S):
-                raise ValueError(f"2-D attn_mask must be (L, S) = {(L, S)}, got shape {_shape(m)}")
-        elif m.dim() == 3:
+                raise InputRuntimeError(f"2-D attn_mask must be (L, S) = {(L, S)}, got shape {_shape(m)}")
+        else:
             want = (N * H, L, S) if batched else (H, L, S)
             if tuple(m.shape) != want:
-                raise ValueError(f"3-D attn_mask must be {'(N * num_heads, L, S)' if batched else '(num_heads, L, S)'}"
-                                 f" = {want}, got shape {_shape(m)}")
-        else:
-            raise ValueError(f"attn_mask must be 2-D (L, S) or 3-D (N * num_heads, L, S), got shape {_shape(m)}")
+                # torch asserts on the unbatched shape, and raises RuntimeError on the batched one
+                err = InputRuntimeError if batched else InputAssertionError
+                raise err(f"3-D attn_mask must be {'(N * num_heads, L, S)' if batched else '(num_heads, L, S)'}"
+                          f" = {want}, got shape {_shape(m)}")
         return m
 
     def _project(self, query, key, value):
@@ -247,52 +325,108 @@ class MultiheadAttention(nn.MultiheadAttention):
         return (nn.functional.linear(query, self.q_proj_weight, bq), nn.functional.linear(key, self.k_proj_weight, bk),
                 nn.functional.linear(value, self.v_proj_weight, bv))
 
-    def _merged_mask(self, am, kpm, N, L, S, extra) -> Mask | None:
-        """torch's masks (True / -inf = not allowed) as one attnkit mask over (N, H, L, S + extra)."""
-        parts: list[Mask] = []
+    def _attn_mask_4d(self, am: Tensor, L: int, S: int) -> Tensor:
+        """attn_mask (L, S) -> (1, 1, L, S); (N * H, L, S) or unbatched (H, L, S) -> (N, H, L, S)."""
+        return am.view(1, 1, L, S) if am.dim() == 2 else am.view(-1, self.num_heads, L, S)
+
+    def _bool_mask(self, am, kpm, N, L, S, extra) -> Mask | None:
+        """Bool masks (True = not allowed) as one attnkit mask over (N, H, L, S + extra); the
+        extra keys (bias_k, zero attention) are always allowed, as torch pads its masks with 0."""
+        allowed = []
         if am is not None:
-            am4 = am.view(1, 1, L, S) if am.dim() == 2 else am.view(-1, self.num_heads, L, S)
-            parts.append(self._as_attnkit(am4, extra))
+            allowed.append(~self._attn_mask_4d(am, L, S))
         if kpm is not None:
-            parts.append(self._as_attnkit(kpm.view(N, 1, 1, S), extra))
+            allowed.append(~kpm.view(N, 1, 1, S))
+        parts = [Dense(nn.functional.pad(a, (0, extra), value=True) if extra else a) for a in allowed]
         if not parts:
             return None
-        mask = parts[0]
-        for p in parts[1:]:
-            mask = mask & p
-        return mask
+        return parts[0] if len(parts) == 1 else parts[0] & parts[1]
 
-    @staticmethod
-    def _as_attnkit(m: Tensor, extra: int) -> Mask:
-        """A torch-polarity mask (bool True = not allowed; float added) -> attnkit's; the extra
-        keys (bias_k, zero attention) are always allowed, as torch pads its masks with 0."""
-        if m.dtype == torch.bool:
-            allowed = ~m
-            if extra:
-                allowed = nn.functional.pad(allowed, (0, extra), value=True)
-            return Dense(allowed)
-        if extra:
-            m = nn.functional.pad(m, (0, extra), value=0.0)
-        return Additive(m)
+    def _torch_float_mask(self, am, kpm, N, L, S, extra, dtype) -> Tensor:
+        """The one float mask torch adds to the scores: a bool mask becomes 0 / -inf in the query's
+        dtype (``F._canonical_mask``), ``attn_mask + key_padding_mask`` in their dtypes, the extra
+        keys padded with 0. Shape (N | 1, H | 1, L, S + extra)."""
+        def as_float(m):
+            return torch.zeros_like(m, dtype=dtype).masked_fill_(m, float("-inf")) if m.dtype == torch.bool else m
+
+        total = None
+        if am is not None:
+            total = as_float(self._attn_mask_4d(am, L, S))
+        if kpm is not None:
+            k4 = as_float(kpm.view(N, 1, 1, S))
+            total = k4 if total is None else total + k4
+        return nn.functional.pad(total, (0, extra), value=0.0) if extra else total
 
     # ------------------------------------------------------------------ nested tensors
 
     def _forward_nested(self, query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
                         is_causal):
+        # torch takes NestedTensors on its fused fast path only and asserts otherwise.
+        if query.dim() != 3:
+            raise InputAssertionError(f"query should be a batched 3-D NestedTensor (N, L_i, E), got a "
+                                      f"{query.dim()}-D one")
         if not (query is key and key is value):
-            raise ValueError("NestedTensor inputs are supported for self-attention only (query is key is value)")
+            raise InputAssertionError("NestedTensor inputs are supported for self-attention only "
+                                      "(query is key is value)")
         if key_padding_mask is not None or attn_mask is not None:
-            raise ValueError("NestedTensor inputs take no key_padding_mask or attn_mask (their lengths are the padding)")
+            raise InputAssertionError("NestedTensor inputs take no key_padding_mask or attn_mask (their lengths are "
+                                      "the padding)")
         if not self.batch_first:
-            raise ValueError("NestedTensor inputs need batch_first=True")
+            raise InputAssertionError("NestedTensor inputs need batch_first=True")
         lengths = [t.shape[0] for t in query.unbind()]
         x = torch.nested.to_padded_tensor(query, 0.0)  # (N, L, E)
         pad = torch.arange(x.shape[1], device=x.device)[None, :] >= torch.tensor(lengths, device=x.device)[:, None]
         out, w = self.forward(x, x, x, key_padding_mask=pad, need_weights=need_weights,
                               average_attn_weights=average_attn_weights)
         nested = torch.nested.nested_tensor([o[:n] for o, n in zip(out.unbind(0), lengths)],
-                                            dtype=out.dtype, device=out.device)
+                                            dtype=out.dtype, device=out.device, layout=query.layout)
         return nested, w
+
+
+def _as_torch_adds(q: Tensor, k: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+    """(q, bias) for :func:`attnkit.attention` so that a float mask means what it means in torch.
+
+    torch adds the mask to the scores in floating point (``baddbmm`` / SDPA) and takes the softmax
+    of the sum. attnkit's core first subtracts each row's largest bias
+    (:func:`attnkit.masks.shifted_bias`): the same softmax in exact arithmetic, but not in the two
+    cases where torch's sum is not the exact one:
+
+    * a row whose every finite value is so large that adding any score to it rounds back to the
+      value (``finfo.min`` or ``-1e30`` used as "masked"): torch's row is ``softmax(mask)``, the
+      scores lost (uniform weights for a constant row), where the shifted bias would keep them.
+      Those rows' queries become 0 in value, which gives the same ``softmax(mask)``. Their
+      gradient still reaches q (``q - q.detach()``), as on torch's ``need_weights=True`` path,
+      whose backward differentiates the sum its forward rounded away (its SDPA path gives another
+      q gradient there; k gets nothing from those rows here): the same whenever the loss ignores
+      those rows' outputs, as it does padding. The test is conservative: a score is at
+      most ``scale * |q_i| * max_j |k_j|`` (Cauchy-Schwarz), and a row counts only when that is
+      below a quarter of the spacing of floats below each of its finite values (then ``s + m``
+      rounds to ``m`` even at a power of two), in fp32 (fp64 for fp64 inputs), the precision in
+      which torch's CPU kernels and attnkit add. Rows rounded only in part (``-1e9`` against
+      scores of 10 in fp32) get the exact sum: torch's answer there is the rounding itself.
+    * NaN or ``+inf`` in a row: torch's row is NaN (softmax of a NaN, or of inf - inf). attnkit's
+      :class:`~attnkit.masks.Additive` takes neither, so those entries become 0 and the row's
+      queries NaN: NaN out, as torch, and as attnkit's own contract (NaN in, NaN out).
+
+    q: (N, H, L, D); k: (N, H, S', D); bias: (N | 1, H | 1, L, S'). All tensor ops, no branch on
+    values, so ``torch.compile(fullgraph=True)`` traces it.
+    """
+    bad = torch.isnan(bias) | torch.isposinf(bias)
+    bad_row = bad.any(-1, keepdim=True)  # (N|1, H|1, L, 1)
+    bias = bias.masked_fill(bad, 0.0)
+    # added, not multiplied in a torch.where: the other branch's 0 gradient times NaN would be NaN
+    q = q + torch.zeros_like(bad_row, dtype=q.dtype).masked_fill_(bad_row, float("nan"))
+    if k.shape[2] == 0:  # no keys: nothing to round
+        return q, bias
+    ct = torch.promote_types(q.dtype, torch.float32)
+    mag = bias.detach().to(ct).abs()
+    gap = mag - torch.nextafter(mag, torch.zeros_like(mag))  # to the next float toward 0; inf for -inf
+    row_gap = gap.amin(-1, keepdim=True)  # (N|1, H|1, L, 1)
+    qn = q.detach().to(ct).norm(dim=-1, keepdim=True)  # (N, H, L, 1)
+    kn = k.detach().to(ct).norm(dim=-1).amax(-1)[..., None, None]  # (N, H, 1, 1)
+    bound = qn * kn * q.shape[-1] ** -0.5  # attention()'s default scale, 1 / sqrt(D)
+    swallowed = 4 * bound <= row_gap  # NaN scores (NaN q or k) compare False: they stay NaN
+    return torch.where(swallowed, q - q.detach(), q), bias
 
 
 def replace_multihead_attention(model: nn.Module) -> nn.Module:

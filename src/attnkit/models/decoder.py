@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from ..caches import DynamicCache, KVCache, PagedKVCache, StaticCache
 from ..caches import step as cache_step
 from ..modules import MultiHeadAttention, RMSNorm
+from ..modules.mla import MLAConfig, MultiHeadLatentAttention
 from ..modules._fused import FusedLoadHook
 from ..rope import RotaryEmbedding
 from .config import DecoderConfig
@@ -93,15 +94,6 @@ ACTIVATIONS = {
 SwiGLU = GatedMLP
 
 
-def _mla_classes():
-    try:
-        from ..modules.mla import MLAConfig, MultiHeadLatentAttention
-    except ImportError as e:  # pragma: no cover - depends on the install
-        raise ImportError(f"attention='mla' needs attnkit.modules.mla (MultiHeadLatentAttention, "
-                          f"MLAConfig), which failed to import: {e}") from e
-    return MLAConfig, MultiHeadLatentAttention
-
-
 def _norm(cfg: DecoderConfig, dim: int, device=None, dtype=None) -> RMSNorm:
     """An RMSNorm in the config's ``norm_style``."""
     return RMSNorm(dim, cfg.rms_norm_eps, unit_offset=cfg.norm_style == "gemma",
@@ -112,7 +104,6 @@ def _build_attention(cfg: DecoderConfig, layer_type: str, rope: RotaryEmbedding 
     window = cfg.sliding_window if layer_type == "sliding_attention" else None
     variant = dict(scale=cfg.query_scale, softcap=cfg.attn_softcap, sinks=cfg.attention_sinks, window=window)
     if cfg.attention == "mla":
-        MLAConfig, MultiHeadLatentAttention = _mla_classes()
         mla_cfg = MLAConfig(
             hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, kv_lora_rank=cfg.kv_lora_rank,
             qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,

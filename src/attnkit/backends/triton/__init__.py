@@ -5,10 +5,11 @@ It takes the masks a KV cache produces, causal (any offsets) and right-side key 
 turns into per-sequence limits: query j of sequence b sees keys ``< min(q_start[b] + j + 1,
 seq_lens[b])``. When V is a prefix view of K (MLA's latent cache) each K tile serves as V too.
 
-``auto`` uses it on CUDA only where SDPA has no fused kernel for the call: K and V of different
-widths, as in MLA's absorbed decode (576 / 512), and score modifiers (soft-cap, sinks, ALiBi),
-which SDPA cannot run or runs only from a materialized bias. Plain calls with equal widths stay
-with SDPA's kernels; force ``backend="triton"`` to use it there. On CPU it runs under Triton's
+``auto`` uses it on CUDA for paged K/V (read in place; any other backend would gather the whole
+cache first) and where SDPA has no fused kernel for the call: K and V of different widths, as in
+MLA's absorbed decode (576 / 512), and score modifiers (soft-cap, sinks, ALiBi), which SDPA cannot
+run or runs only from a materialized bias. Plain dense calls with equal widths stay with SDPA's
+kernels; force ``backend="triton"`` to use it there. On CPU it runs under Triton's
 interpreter (``TRITON_INTERPRET=1``), for tests only: ``auto`` never picks it.
 """
 
@@ -110,9 +111,9 @@ class TritonBackend(BackendBase):
     def auto_skip_reason(self, call: AttentionCall) -> str | None:
         if call.device_type != "cuda":
             return "not CUDA (on CPU it runs in Triton's interpreter: for tests)"
-        if call.head_dim == call.v_head_dim and not call.modifiers:
-            return "equal K and V widths and no score modifier: SDPA's fused kernels serve these"
-        return None
+        if call.kv_layout == "dense" and call.head_dim == call.v_head_dim and not call.modifiers:
+            return "dense K/V of equal widths and no score modifier: SDPA's fused kernels serve these"
+        return None  # paged K/V: read in place (the alternative gathers the whole cache every step)
 
     def run(self, q, k, v, call: AttentionCall):
         from . import decode as triton_decode
