@@ -572,7 +572,7 @@ def run_demo(args: argparse.Namespace, *, stream=None) -> Path:
         if plan.figures:
             _figures(rows, plan, tmp, _token_labels(t, example[:-1]))
         files = [*REPORT_FILES, *(FIGURES if plan.figures else ())]
-        meta = {"command": "attnkit demo " + " ".join(_argv_of(args)), "date": f"{datetime.now():%Y-%m-%d %H:%M}",
+        meta = {"command": " ".join(["attnkit demo", *_argv_of(args)]), "date": f"{datetime.now():%Y-%m-%d %H:%M}",
                 "attnkit": __version__, "torch": torch.__version__, "python": platform.python_version(),
                 "machine": _machine(), "total_seconds": time.perf_counter() - t_start}
         clean = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]

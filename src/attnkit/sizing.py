@@ -234,8 +234,9 @@ def kv_cache_table(specs=None, *, context: int = 4096, dtype: torch.dtype = torc
         layers: overrides every row's layer count (rows without one use 1).
 
     MLA rows are followed by their expanded per-head equivalent. "vs per-head" is how many times
-    smaller the cache is than K and V for every query head; "GQA groups" is
-    :func:`gqa_equivalent_groups`.
+    smaller the cache is than K and V for every query head; "= GQA with n KV heads" is
+    :func:`gqa_equivalent_groups`: the KV heads (of the model's head dim, K and V each) a GQA cache
+    of the same size would hold, fractional for MLA (DeepSeek-V3: 2.25).
     """
     if layers is not None:
         _positive("layers", layers)
@@ -244,7 +245,7 @@ def kv_cache_table(specs=None, *, context: int = 4096, dtype: torch.dtype = torc
     elem = _element_size(dtype)
     lines = [f"KV cache at {context} tokens x batch {batch}, {_dtype_name(dtype)} ({elem} bytes/value)", "",
              "| model | attention | layers | values/token/layer | bytes/token/layer | bytes/token (model) "
-             "| cache (model) | vs per-head | GQA groups |",
+             "| cache (model) | vs per-head | = GQA with n KV heads |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, s, n_layers in _rows(specs):
         n_layers = layers if layers is not None else n_layers if n_layers is not None else 1

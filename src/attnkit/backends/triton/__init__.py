@@ -38,7 +38,14 @@ NO_CAUSAL = 1 << 30
 #: Looked up once, at import: ``auto`` asks on every call, and a module search must never run
 #: inside code torch.compile traces (dynamo cannot trace ``find_spec``: it raised on torch 2.11
 #: and answered None on 2.13; tests/test_compile_safety.py).
-_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+def _find_triton() -> bool:
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # a broken or blocked install counts as missing
+        return False
+
+
+_TRITON_INSTALLED = _find_triton()
 
 
 def _triton_installed() -> bool:
