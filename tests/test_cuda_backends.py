@@ -309,3 +309,16 @@ def test_info_on_cuda_lists_cuda_kernels(capsys):
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.startswith("  cuda ") and "enabled" not in line]
     assert len(rows) == 3 and all(r[-1] in ("sdpa[flash]", "sdpa[efficient]", "sdpa[cudnn]") for r in rows), out
+
+
+def test_set_debug_false_restores_the_logger():
+    """set_debug(False) undoes set_debug(True): the attnkit logger gets back its level and loses
+    the stderr handler attnkit attached (it no longer stays at DEBUG)."""
+    logger = logging.getLogger("attnkit")
+    before_level, before_handlers = logger.level, list(logger.handlers)
+    attnkit.set_debug(True)
+    assert logger.level == logging.DEBUG
+    attnkit.set_debug(False)
+    assert logger.level == before_level and logger.handlers == before_handlers
+    attnkit.set_debug(False)  # twice: still nothing changed
+    assert logger.level == before_level

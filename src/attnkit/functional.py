@@ -29,6 +29,8 @@ __all__ = ["attention", "describe_call", "check_qkv", "set_debug"]
 _log = logging.getLogger("attnkit")
 _DEBUG = False
 _DEBUG_HANDLER: logging.Handler | None = None
+#: The logger's level before set_debug(True) changed it, restored by set_debug(False).
+_LEVEL_BEFORE: int | None = None
 
 
 def set_debug(enabled: bool = True) -> None:
@@ -36,17 +38,25 @@ def set_debug(enabled: bool = True) -> None:
     ``attnkit.attention: backend=sdpa[flash] q=(B, Hq, Sq, D) k=... v=... dtype=... device=...
     mask=...``. Enabling sets that logger's level to DEBUG; when logging is not configured at
     all (the root logger has no handler) it also attaches a stderr handler, so the lines show.
-    ``ATTNKIT_DEBUG=1`` in the environment turns it on at import."""
-    global _DEBUG, _DEBUG_HANDLER
+    Disabling undoes both: the logger gets back the level it had and loses the handler attnkit
+    attached. ``ATTNKIT_DEBUG=1`` in the environment turns it on at import."""
+    global _DEBUG, _DEBUG_HANDLER, _LEVEL_BEFORE
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
-    _DEBUG = enabled
-    if enabled:
+    if enabled and not _DEBUG:
+        _LEVEL_BEFORE = _log.level
         _log.setLevel(logging.DEBUG)
         if _DEBUG_HANDLER is None and not logging.getLogger().handlers and not _log.handlers:
             _DEBUG_HANDLER = logging.StreamHandler()
             _DEBUG_HANDLER.setFormatter(logging.Formatter("%(name)s %(levelname)s: %(message)s"))
             _log.addHandler(_DEBUG_HANDLER)
+    elif not enabled and _DEBUG:
+        if _log.level == logging.DEBUG and _LEVEL_BEFORE is not None:  # unless the user set another since
+            _log.setLevel(_LEVEL_BEFORE)
+        if _DEBUG_HANDLER is not None:
+            _log.removeHandler(_DEBUG_HANDLER)
+            _DEBUG_HANDLER = None
+    _DEBUG = enabled
 
 
 def _detailed_name(backend, q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> str:
