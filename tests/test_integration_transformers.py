@@ -1,12 +1,21 @@
 """attn_implementation="attnkit" in Hugging Face transformers, on random tiny models of six
 families: logits on a left-padded batch (rule R: attnkit vs "eager" against an fp64 eager copy),
 greedy generate tokens with dynamic and static caches, training gradients, dropout, typed
-masks, user 4-D masks, output_attentions, and the optional-dependency contract."""
+masks, user 4-D masks, output_attentions, and the optional-dependency contract.
+
+Then what models pass and read beyond the common path (issue 29): every keyword argument is
+implemented, known harmless, or refused by name; models that read the mask object themselves
+(DeepSeek sparse attention, Doge, Qwen4-Exp) and models that drop ``output_attentions``; models
+attnkit cannot serve are refused when built; fully masked rows of a float 4-D mask; and the
+transformers version range of the ``hf`` extra.
+
+Every test here turns transformers' FutureWarnings into errors: a deprecated argument these tests
+(or the integration) still use fails the suite while transformers still accepts it, one
+deprecation cycle before the removal would break users."""
 
 from __future__ import annotations
 
 import copy
-import inspect
 import subprocess
 import sys
 
@@ -20,11 +29,7 @@ import attnkit.integrations.transformers as hf  # noqa: E402
 from attnkit import masks as M  # noqa: E402
 from conftest import rule_r  # noqa: E402
 
-_PARAMS = inspect.signature(attnkit.attention).parameters
-NEEDS_SOFTCAP = pytest.mark.skipif("softcap" not in _PARAMS,
-                                   reason="attnkit.attention has no softcap= yet (Gemma 2's attn_logit_softcapping)")
-NEEDS_SINKS = pytest.mark.skipif("sinks" not in _PARAMS,
-                                 reason="attnkit.attention has no sinks= yet (gpt-oss' per-head sink logits)")
+pytestmark = pytest.mark.filterwarnings("error::FutureWarning")
 
 W = 4  # sliding window (tokens, transformers' convention: the current one included)
 _COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -60,8 +65,8 @@ FAMILIES = [
     pytest.param("qwen2", id="qwen2"),
     pytest.param("mistral", id="mistral"),
     pytest.param("qwen3", id="qwen3"),
-    pytest.param("gemma2", id="gemma2", marks=NEEDS_SOFTCAP),
-    pytest.param("gpt_oss", id="gpt_oss", marks=NEEDS_SINKS),
+    pytest.param("gemma2", id="gemma2"),
+    pytest.param("gpt_oss", id="gpt_oss"),
 ]
 
 
@@ -279,15 +284,6 @@ def test_packed_sequences_fall_back_to_a_dense_mask(monkeypatch):
     assert isinstance(calls[0]["mask"], M.Dense)
 
 
-def test_missing_softcap_or_sinks_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(hf, "_ATTENTION_PARAMS", frozenset({"q", "k", "v"}))
-    q = torch.zeros(1, 2, 3, 4)
-    with pytest.raises(NotImplementedError, match="softcap="):
-        hf.attention_forward(torch.nn.Module(), q, q, q, None, softcap=30.0)
-    with pytest.raises(NotImplementedError, match="sinks="):
-        hf.attention_forward(torch.nn.Module(), q, q, q, None, s_aux=torch.zeros(2))
-
-
 def test_import_attnkit_does_not_import_transformers():
     code = "import sys, attnkit, attnkit.nn, attnkit.integrations; assert 'transformers' not in sys.modules, 'imported'"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -301,3 +297,354 @@ def test_integration_without_transformers_says_what_to_install(tmp_path):
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**__import__("os").environ, "PYTHONPATH": f"{tmp_path}:{attnkit.__path__[0]}/.."})
     assert res.returncode != 0 and "pip install 'attnkit[hf]'" in res.stderr
+
+
+# ---------------------------------------------------------------------------- issue 29
+# Tiny random configs of any decoder in the installed transformers: each size field the config
+# class has is shrunk (MLA models keep one KV head per query head, as their latent expands).
+
+_TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, ffn_hidden_size=64,
+             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+             n_routed_experts=4, num_experts=4, num_local_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+             kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+             index_topk=3, index_head_dim=8, index_n_heads=2, first_k_dense_replace=1,
+             swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=8, sliding_window_size=4,
+             d_rel=8, rel_extent=8, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+             linear_num_value_heads=4, shared_expert_intermediate_size=16, hc_lowrank=8,
+             initializer_range=0.2, attention_dropout=0.0)
+_TINY_EXTRA = {  # fields without a usable default at this size
+    "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=4,
+                           indexer_compress_ratio=2),
+}
+
+
+def _has_model(model_type: str) -> bool:
+    return model_type in transformers.CONFIG_MAPPING
+
+
+def _tiny_config(model_type: str, **over):
+    if not _has_model(model_type):
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
+    cls = transformers.CONFIG_MAPPING[model_type]
+    default = cls()
+    c = {k: v for k, v in _TINY.items() if hasattr(default, k) and not isinstance(getattr(cls, k, None), property)}
+    if hasattr(default, "kv_lora_rank"):
+        c["num_key_value_heads"] = c["num_attention_heads"]
+    for k, v in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2)):
+        if getattr(default, k, None) is not None:
+            c[k] = v
+    for k in ("layer_types", "mlp_layer_types"):  # two layers, of different kinds where the model has several
+        kinds = list(dict.fromkeys(getattr(default, k, None) or []))
+        if kinds:
+            c[k] = (kinds * 2)[:2]
+    return cls(**{**c, **_TINY_EXTRA.get(model_type, {}), **over})
+
+
+def _tiny(model_type: str, impl: str = "attnkit", **over):
+    torch.manual_seed(0)
+    config = _tiny_config(model_type, **over)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl).eval()
+
+
+def _qkv(B=2, Hq=4, Hkv=2, Sq=5, Sk=5, D=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, Hq, Sq, D, generator=g), torch.randn(B, Hkv, Sk, D, generator=g),
+            torch.randn(B, Hkv, Sk, D, generator=g))
+
+
+class _Layer(torch.nn.Module):
+    is_causal = True
+
+
+# -- 1. keyword arguments: implemented, harmless, or refused by name
+
+
+@pytest.mark.parametrize("name, value", [
+    ("block_indices", torch.zeros(2, 1, 5, 2, dtype=torch.long)),  # MiniMax-M3's sparse blocks
+    ("topk_indices", torch.zeros(2, 5, 3, dtype=torch.long)),
+    ("some_new_argument", 1.5),
+    ("a_flag", False),
+], ids=["block_indices", "topk_indices", "unknown-float", "unknown-false"])
+def test_unknown_keyword_argument_is_refused_naming_it(name, value):
+    q, k, v = _qkv()
+    with pytest.raises(NotImplementedError, match=rf"{name}=.*_Layer.*attn_implementation='eager'"):
+        hf.attention_forward(_Layer(), q, k, v, None, **{name: value})
+
+
+def test_unknown_keyword_argument_that_is_none_is_ignored():
+    q, k, v = _qkv()
+    want, _ = hf.attention_forward(_Layer(), q, k, v, None)
+    got, _ = hf.attention_forward(_Layer(), q, k, v, None, block_indices=None, some_new_argument=None)
+    assert torch.equal(got, want)
+
+
+def test_harmless_keyword_arguments_leave_the_output_unchanged():
+    q, k, v = _qkv()
+    given = {name: torch.arange(5)[None] if "seq" in name or "position" in name else 1
+             for name in hf.HARMLESS_KWARGS}
+    given.update(use_cache=True, cache=transformers.DynamicCache(), output_hidden_states=True)
+    want, _ = hf.attention_forward(_Layer(), q, k, v, None)
+    got, _ = hf.attention_forward(_Layer(), q, k, v, None, **given)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("name", ["sinks", "s_aux"])
+def test_per_head_sinks_join_the_softmax(name):
+    q, k, v = _qkv()
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    got, _ = hf.attention_forward(_Layer(), q, k, v, None, **{name: sinks})
+    want = attnkit.attention_reference(q.double(), k.double(), v.double(), causal=True, sinks=sinks.double())
+    torch.testing.assert_close(got, want.float().transpose(1, 2))
+    assert not torch.allclose(got, hf.attention_forward(_Layer(), q, k, v, None)[0])  # the sinks did something
+
+
+def test_per_query_sinks_are_refused():
+    """Inkling 2 passes one sink logit per query, (B, Hq, Sq, 1); attnkit's are per head."""
+    q, k, v = _qkv()
+    with pytest.raises(NotImplementedError, match=r"sinks=.*one per query head.*\(2, 4, 5, 1\)"):
+        hf.attention_forward(_Layer(), q, k, v, None, sinks=torch.zeros(2, 4, 5, 1))
+
+
+@pytest.mark.parametrize("model_type, over, argument", [
+    ("inkling2_text", {}, "sinks="),
+    ("minimax_m3_vl_text", dict(layer_types=["minimax_m3_sparse", "full_attention"]), "block_indices="),
+], ids=["inkling2", "minimax_m3-sparse"])
+def test_models_passing_refused_arguments_are_refused_when_built(model_type, over, argument):
+    """Known at load time, so the error comes before any forward; the attention function would
+    refuse the argument at the first forward otherwise (the tests above)."""
+    config = _tiny_config(model_type, **over)
+    with pytest.raises(ValueError, match=rf"\({model_type}\) .*{argument}"):
+        transformers.AutoModelForCausalLM.from_config(config, attn_implementation="attnkit")
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with pytest.raises(ValueError, match=argument):
+        model.set_attn_implementation("attnkit")
+
+
+def test_minimax_m3_without_sparse_layers_is_served():
+    ours = _tiny("minimax_m3_vl_text", layer_types=["full_attention", "full_attention"])
+    eager = copy.deepcopy(ours)
+    eager.set_attn_implementation("eager")
+    ids, am = _batch()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids, attention_mask=am).logits[am.bool()],
+                                   eager(ids, attention_mask=am).logits[am.bool()])
+
+
+def test_sparse_indices_keep_only_the_selected_keys():
+    """DeepSeek sparse attention's (B, Sq, k) top-k indices: keys outside them are masked."""
+    q, k, v = _qkv(Sq=4, Sk=6)
+    idx = torch.tensor([[0, 2], [1, 5], [3, 3], [4, -1]]).expand(2, 4, 2)  # -1: an unused slot
+    got, _ = hf.attention_forward(_Layer(), q, k, v, None, indices=idx, is_causal=False)
+    keep = torch.zeros(2, 1, 4, 6, dtype=torch.bool)
+    for i, row in enumerate(idx[0].tolist()):
+        keep[:, :, i, [j for j in row if j >= 0]] = True
+    want = attnkit.attention_reference(q.double(), k.double(), v.double(), keep)
+    torch.testing.assert_close(got, want.float().transpose(1, 2))
+
+
+# -- 2. models that read the mask object themselves; models attnkit cannot serve
+
+MASK_READERS = ["deepseek_v32", "glm_moe_dsa", "axk2", "hy_v4", "doge", "qwen4_exp_text"]
+
+
+@pytest.mark.parametrize("model_type", MASK_READERS)
+def test_models_that_read_the_mask_match_eager(model_type):
+    """They slice the mask (DeepSeek sparse attention's indexer reads ``mask[:, 0]``), branch on
+    its ``dtype`` or build their own mask from it: the AttnkitMask materializes for them."""
+    ours = _tiny(model_type)
+    eager = copy.deepcopy(ours)
+    eager.set_attn_implementation("eager")
+    ids, am = _batch(lengths=(9, 6))
+    with torch.no_grad():
+        lo, le = ours(ids, attention_mask=am).logits, eager(ids, attention_mask=am).logits
+        kw = dict(attention_mask=am, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        go, ge = ours.generate(ids, **kw), eager.generate(ids, **kw)
+    real = am.bool()
+    torch.testing.assert_close(lo[real], le[real])
+    assert go.tolist() == ge.tolist()
+
+
+def _mask_args(case):
+    """make_mask / sdpa_mask keyword arguments of a few situations (what create_causal_mask passes)."""
+    am = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)  # made bool before the call
+    if case == "prefill-left-padding":
+        return dict(batch_size=2, q_length=7, kv_length=7, attention_mask=am)
+    if case == "decode-static-cache":  # the whole buffer, unfilled slots past the 2-D mask
+        return dict(batch_size=2, q_length=1, kv_length=12, q_offset=7, attention_mask=am)
+    if case == "chunk-sliding-window":
+        fn = transformers.masking_utils.sliding_window_causal_mask_function(3)
+        return dict(batch_size=2, q_length=3, kv_length=7, q_offset=4, attention_mask=am, mask_function=fn,
+                    local_size=3)
+    if case == "bidirectional":
+        return dict(batch_size=2, q_length=7, kv_length=7, attention_mask=am,
+                    mask_function=transformers.masking_utils.bidirectional_mask_function)
+    raise ValueError(case)
+
+
+@pytest.mark.parametrize("case", ["prefill-left-padding", "decode-static-cache", "chunk-sliding-window",
+                                  "bidirectional"])
+def test_attnkit_mask_materializes_to_transformers_sdpa_mask(case):
+    args = _mask_args(case)
+    m = hf.make_mask(**args)
+    want = transformers.masking_utils.sdpa_mask(**args, allow_is_causal_skip=False)
+    typed = m.mask
+    assert want.dtype == m.dtype == torch.bool and m.shape == want.shape and m.device == want.device
+    assert torch.equal(m.materialize(), want)
+    # what models do with it, answered by the tensor SDPA would have handed them
+    assert torch.equal(m[:, 0, :, :], want[:, 0])
+    assert torch.equal(~m, ~want) and torch.equal(m & want.flip(-1), want & want.flip(-1))
+    scores = torch.randn(want.shape)
+    assert torch.equal(scores.masked_fill(~m, -1.0), scores.masked_fill(~want, -1.0))
+    assert torch.equal(torch.where(m, 0.0, -1.0), torch.where(want, 0.0, -1.0))
+    assert torch.equal(m.masked_fill(m, False), torch.zeros_like(want))
+    assert m.mask is typed  # the layers still get the typed mask
+
+
+def test_attnkit_mask_builds_nothing_for_models_that_pass_it_on(monkeypatch):
+    model = _model("llama")
+    built = []
+    monkeypatch.setattr(hf.AttnkitMask, "materialize", lambda self: built.append(self))
+    ids, am = _batch()
+    with torch.no_grad():
+        model.generate(ids, attention_mask=am, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert built == []
+
+
+def test_deepseek_v4_is_refused_when_built():
+    """Its compressor appends keys and extends only a tensor mask to cover them."""
+    with pytest.raises(ValueError, match=r"DeepseekV4ForCausalLM \(deepseek_v4\) appends"):
+        _tiny("deepseek_v4")
+
+
+def test_empty_sliding_window_is_left_to_sdpa_mask():
+    """Qwen2-MoE configs without windowed layers say sliding_window=0; transformers still builds
+    that (unused) window mask, which attnkit hands to sdpa_mask rather than rejecting it."""
+    ours = _tiny("qwen2_moe")
+    assert ours.config.sliding_window == 0
+    sdpa = copy.deepcopy(ours)
+    sdpa.set_attn_implementation("sdpa")
+    ids, am = _batch()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids, attention_mask=am).logits[am.bool()],
+                                   sdpa(ids, attention_mask=am).logits[am.bool()])
+
+
+@pytest.mark.parametrize("model_type, cls", [("bloom", "BloomForCausalLM"), ("falcon", "FalconForCausalLM")])
+def test_models_without_the_attention_interface_are_refused_when_built(model_type, cls):
+    """BLOOM and Falcon compute attention in their own code: attnkit would only build their
+    masks (Falcon then fails inside transformers, BLOOM adds the mask object to its scores)."""
+    config = _tiny_config(model_type)
+    with pytest.raises(ValueError, match=rf"{cls} \({model_type}\) computes attention in its own code"):
+        transformers.AutoModelForCausalLM.from_config(config, attn_implementation="attnkit")
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    assert hf.unserved_reason(model) is not None
+    assert hf.unserved_reason(_model("llama")) is None
+
+
+def test_models_with_a_table_of_attention_classes_are_refused_when_built():
+    """GIT picks its attention class from GIT_SELF_ATTENTION_CLASSES (eager only), which attnkit
+    gets an entry in that raises, instead of transformers' bare KeyError: 'attnkit'."""
+    config = _tiny_config("git")
+    with pytest.raises(ValueError, match=r"GitForCausalLM \(git\) builds attention layers from "
+                                         r"GIT_SELF_ATTENTION_CLASSES.*\('eager',\)"):
+        transformers.AutoModelForCausalLM.from_config(config, attn_implementation="attnkit")
+    assert transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager") is not None
+
+
+def test_registering_again_checks_every_name_without_stacking_wrappers():
+    name = hf.register("attnkit-again")
+    fn = transformers.PreTrainedModel.get_correct_attn_implementation
+    assert not hasattr(fn._attnkit_original, "_attnkit_original")  # one wrapper, around transformers' own
+    with pytest.raises(ValueError, match="BloomForCausalLM"):
+        transformers.AutoModelForCausalLM.from_config(_tiny_config("bloom"), attn_implementation=name)
+    assert _tiny("llama", name).config._attn_implementation == name
+
+
+# -- 3. output_attentions for models that do not pass the flag down
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "stablelm", "gpt_bigcode", "nemotron", "opt", "persimmon"])
+def test_output_attentions_for_models_that_drop_the_flag(model_type):
+    ours = _tiny(model_type)
+    eager = copy.deepcopy(ours)
+    eager.set_attn_implementation("eager")
+    ids, am = _batch()
+    with torch.no_grad():
+        assert ours(ids, attention_mask=am).attentions is None  # not computed unless asked for
+        a = ours(ids, attention_mask=am, output_attentions=True).attentions
+        e = eager(ids, attention_mask=am, output_attentions=True).attentions
+    assert a is not None and len(a) == len(e) == 2
+    real = am.bool()[:, None, :, None]  # real query rows
+    for wa, we in zip(a, e):
+        torch.testing.assert_close(wa * real, we * real)
+
+
+# -- 4. a float 4-D mask whose query row is all transformers' minimum
+
+
+def test_float_mask_row_of_minimum_outputs_zero():
+    q, k, v = _qkv()
+    mask = torch.zeros(2, 1, 5, 5)
+    mask[:, :, 2] = torch.finfo(torch.float32).min
+    out, _ = hf.attention_forward(_Layer(), q, k, v, mask)
+    assert (out[:, 2] == 0).all() and (out[:, :2] != 0).all()
+
+
+def _row_masked(row, column_too):
+    allowed = torch.ones(6, 6, dtype=torch.bool).tril()
+    allowed[row] = False
+    if column_too:
+        allowed[:, row] = False
+    allowed = allowed.expand(2, 1, 6, 6)
+    return allowed, torch.zeros(2, 1, 6, 6).masked_fill(~allowed, torch.finfo(torch.float32).min)
+
+
+def test_float_mask_minimum_means_masked_as_a_bool_mask():
+    """The float mask gives what the bool mask of its finite entries gives, at every position,
+    and that equals sdpa's with the bool mask (sdpa also outputs 0 for a row of False)."""
+    ours, sdpa, _ = _three("llama")
+    sdpa.set_attn_implementation("sdpa")
+    allowed, floats = _row_masked(2, column_too=False)
+    ids = torch.randint(3, 96, (2, 6))
+    with torch.no_grad():
+        by_float = ours(ids, attention_mask=floats).logits
+        torch.testing.assert_close(by_float, ours(ids, attention_mask=allowed).logits, rtol=0, atol=0)
+        torch.testing.assert_close(by_float, sdpa(ids, attention_mask=allowed).logits)
+
+
+def test_fully_masked_query_reaches_only_positions_that_attend_to_it():
+    """eager (and sdpa) with the float mask give the masked row the mean of every value, attnkit
+    0. Later positions that may attend to that row's position see the difference in the next
+    layer; with the position hidden from them as a key (as transformers' padding masks do),
+    every other position equals eager's."""
+    ours, eager, _ = _three("llama")
+    ids = torch.randint(3, 96, (2, 6))
+    with torch.no_grad():
+        _, visible = _row_masked(2, column_too=False)
+        lo, le = ours(ids, attention_mask=visible).logits, eager(ids, attention_mask=visible).logits
+        torch.testing.assert_close(lo[:, :2], le[:, :2])  # before the row: unaffected
+        assert not torch.allclose(lo[:, 3:], le[:, 3:], atol=1e-3)  # they attend to position 2
+        _, hidden = _row_masked(2, column_too=True)
+        lo, le = ours(ids, attention_mask=hidden).logits, eager(ids, attention_mask=hidden).logits
+        others = [0, 1, 3, 4, 5]
+        torch.testing.assert_close(lo[:, others], le[:, others])
+
+
+# -- 5. the transformers versions the hf extra admits
+
+
+def test_installed_transformers_is_in_the_extras():
+    """The extras bound transformers to the versions this suite has run on (lower) and below the
+    next major (upper; see docs/integrations.md). Running the suite on a version outside the
+    range fails here first, so the range moves together with a test run, never ahead of one."""
+    import re
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+
+    text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    specs = {str(Requirement(r).specifier) for r in re.findall(r'"(transformers[^"]*)"', text)}
+    assert len(specs) == 1, f"every extra should name the same transformers range, got {specs}"
+    spec = Requirement(f"transformers{specs.pop()}").specifier
+    assert any(s.operator == "<" for s in spec), f"no upper bound in {spec}"
+    assert spec.contains(transformers.__version__), f"transformers {transformers.__version__} is outside {spec}"

@@ -69,12 +69,12 @@ def test_prefill_then_cached_decode_matches_llama_attention(name):
     ours_cache = DynamicCache(2, 8)
     with torch.no_grad():
         got = [ours(x[:, :P], key_padding_mask=~valid[:, :P], positions=pos[:, :P], cache=ours_cache)]
-        want = [hf(x[:, :P], position_embeddings=hf_rope(x, pos[:, :P]), past_key_values=hf_cache,
+        want = [hf(x[:, :P], position_embeddings=hf_rope(x, pos[:, :P]), cache=hf_cache,
                    attention_mask=_hf_mask(valid[:, :P], torch.arange(P), torch.arange(P)))[0]]
         for t in range(P, total):
             sl = slice(t, t + 1)
             got.append(ours(x[:, sl], key_padding_mask=~valid[:, :t + 1], positions=pos[:, sl], cache=ours_cache))
-            want.append(hf(x[:, sl], position_embeddings=hf_rope(x, pos[:, sl]), past_key_values=hf_cache,
+            want.append(hf(x[:, sl], position_embeddings=hf_rope(x, pos[:, sl]), cache=hf_cache,
                            attention_mask=_hf_mask(valid[:, :t + 1], torch.tensor([t]), torch.arange(t + 1)))[0])
     got, want = torch.cat(got, 1), torch.cat(want, 1)
     torch.testing.assert_close(got[valid], want[valid])
@@ -109,7 +109,7 @@ def test_sliding_window_matches_mistral_attention(window):
     pos = (valid.cumsum(-1) - 1).clamp(min=0)
     x = torch.randn(B, S, 64)
     hf_mask = create_sliding_window_causal_mask(config=cfg, inputs_embeds=x, attention_mask=valid.long(),
-                                                past_key_values=None, position_ids=pos)
+                                                cache=None, position_ids=pos)
     with torch.no_grad():
         want, _ = hf(x, position_embeddings=hf_rope(x, pos), attention_mask=hf_mask)
         got = ours(x, mask=masks.SlidingWindow(window - 1), key_padding_mask=~valid, positions=pos)
@@ -124,7 +124,7 @@ def test_sliding_window_matches_mistral_attention(window):
         for s0, s1 in [(0, 8), (8, 11)] + [(t, t + 1) for t in range(11, total)]:
             xs, ps = x[:, s0:s1], positions[:, s0:s1]
             m = create_sliding_window_causal_mask(config=cfg, inputs_embeds=xs, attention_mask=torch.ones(B, s1, dtype=torch.long),
-                                                  past_key_values=hf_cache, position_ids=ps)
-            want.append(hf(xs, position_embeddings=hf_rope(xs, ps), attention_mask=m, past_key_values=hf_cache)[0])
+                                                  cache=hf_cache, position_ids=ps)
+            want.append(hf(xs, position_embeddings=hf_rope(xs, ps), attention_mask=m, cache=hf_cache)[0])
             got.append(ours(xs, cache=cache))
     torch.testing.assert_close(torch.cat(got, 1), torch.cat(want, 1))

@@ -45,10 +45,9 @@ def test_readme_example_takes_the_path_it_claims(quickstart):
     ns = quickstart
     assert "'decode' runs it" in _blocks("python")[0]
     import attnkit
-    from attnkit.backends import decode, splitk
-    # Without the compiled kernel, CPUs with bf16 matrix units leave bf16 decode to SDPA
-    # (docs/masks.md says so under "Which kernel ran").
-    want = "sdpa" if splitk.engine_name() == "torch" and decode._bf16_matrix_isa() else "decode"
+    from attnkit.backends import native
+    # Without the compiled kernel, auto leaves decode to SDPA (docs/masks.md, "Which kernel ran").
+    want = "sdpa" if native.engine(build=False) == "torch" else "decode"
     assert attnkit.describe_call(ns["q"], ns["k"], ns["v"], causal=True) == want
 
 

@@ -1,6 +1,7 @@
 """The ``attnkit`` command.
 
-* ``attnkit info``: versions, device, and every backend's availability.
+* ``attnkit info``: versions, device, every backend's availability, and which engine the CPU
+  decode backends run (native or torch, and why).
 * ``attnkit demo``: train MHA / GQA / MQA / MLA decoders on associative recall, measure them,
   write a report with figures (:mod:`attnkit.demo`).
 * ``attnkit bench``: run the benchmark suites of a source checkout's ``benchmarks/`` folder and
@@ -68,6 +69,29 @@ def _sdpa_kernel_lines() -> list[str]:
     return lines
 
 
+def _native_lines(build: bool) -> list[str]:
+    """The native CPU kernel's section: which engine runs decode/paged calls and why, the cache,
+    the compiler and, after a failed build, its last lines (:func:`attnkit.backends.native.report`).
+    ``build``: compile the kernel now if it is not built (what the first such call would do)."""
+    import warnings
+
+    from attnkit.backends import native
+
+    with warnings.catch_warnings():  # the report below says the same, with the compiler's output
+        warnings.simplefilter("ignore", RuntimeWarning)
+        lines = native.report(build=build)
+    return ["native CPU kernel (split-K decode/paged, RoPE, RMSNorm):"] + [f"  {line}" for line in lines]
+
+
+def _engine_note(build: bool) -> str:
+    from attnkit.backends import native
+
+    state = native.status(build=build)
+    if state.startswith("torch"):
+        return "engine torch (auto: only calls SDPA cannot fuse)"
+    return f"engine {state}"
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     import attnkit
     from attnkit.backends import auto_order, backend_names, get_backend
@@ -76,11 +100,17 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"torch   {torch.__version__}")
     print(f"python  {platform.python_version()}")
     print(f"device  {_device_line()}")
+    # Asked first: a build announces itself on stderr, before the tables that depend on it.
+    build = not getattr(args, "no_build", False)
+    native_lines = _native_lines(build=build)
     print("backends (auto order: " + " > ".join(auto_order()) + "):")
     for name in backend_names():
         why = get_backend(name).available()
         auto = "auto" if name in auto_order() else "forced only"
-        print(f"  {name:<7} {'available' if why is None else 'unavailable: ' + why} ({auto})")
+        engine = f", {_engine_note(build)}" if name in ("decode", "paged") and why is None else ""
+        print(f"  {name:<7} {'available' if why is None else 'unavailable: ' + why}{engine} ({auto})")
+    for line in native_lines:
+        print(line)
     for line in _sdpa_kernel_lines():
         print(line)
     return 0
@@ -353,7 +383,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="attnkit", description="attnkit: attention mechanisms for PyTorch")
     p.add_argument("--version", action="version", version=f"attnkit {attnkit.__version__} (torch {torch.__version__})")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    info = sub.add_parser("info", help="print versions, device and which backends are available")
+    info = sub.add_parser("info", help="print versions, device, which backends are available and which engine "
+                                       "the CPU decode backends run (compiling the native kernel if not built)")
+    info.add_argument("--no-build", action="store_true",
+                      help="report the native CPU kernel without compiling it")
     info.set_defaults(func=cmd_info)
 
     from attnkit.demo import add_demo_arguments

@@ -5,8 +5,10 @@ Both read each KV head once for all the query heads of its group and every query
 (decode, speculative verification: Sq <= 16; soft-capped or ALiBi calls of any length, which
 SDPA cannot fuse, a chunk of queries at a time), take the mask as key intervals, and run on the
 compiled native kernel when the machine has a compiler (``describe_call(detail=True)`` says
-``decode[native]`` or ``decode[torch]``). They are inference paths: calls that need gradients,
-dropout or the weights go to ``sdpa`` / ``math`` (paged K/V gathered first).
+``decode[native]``, ``decode[native (not built yet)]`` or ``decode[torch]``; without the native
+kernel ``auto`` leaves them only the calls SDPA cannot fuse, see :func:`auto_skip`). They are
+inference paths: calls that need gradients, dropout or the weights go to ``sdpa`` / ``math``
+(paged K/V gathered first).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 
 from .._sysinfo import cpu_flags
 from ..masks import has_alibi
-from . import splitk
+from . import native, splitk
 from .registry import AttentionCall, BackendBase
 from .sdpa import sinks_refusals
 
@@ -60,6 +62,27 @@ def _fuses_what_sdpa_cannot(call: AttentionCall) -> bool:
     return call.sinks is not None and bool(sinks_refusals(call))
 
 
+def auto_skip(call: AttentionCall, engine: str) -> str | None:
+    """Why ``auto`` passes a call the split-K engine supports to another backend (None: ``auto``
+    takes it). ``engine`` is the implementation that would run it, "native" or "torch"; a pure
+    function of the call and the engine, so every machine's choice is testable on any machine."""
+    if _fuses_what_sdpa_cannot(call):
+        return None  # the alternative is the math path, which materializes the scores
+    # The torch implementation runs several ops per key chunk and converts bf16/fp16 chunks to
+    # fp32. Measured side by side (4k-32k keys, fp32 and bf16, GQA, MHA, MLA widths,
+    # pages, on a 2-core Xeon and a 2-core EPYC) it lost to SDPA, and to gathering the pages for
+    # SDPA, nearly everywhere: without the
+    # native kernel, the calls SDPA can run go to SDPA.
+    if engine != "native":
+        return ("no native kernel here (`attnkit info` says why), and the engine's torch implementation is "
+                "slower than SDPA; backend='decode' / 'paged' still forces it")
+    if call.kv_layout == "dense" and call.head_dim == call.v_head_dim:
+        kv_elems = call.batch * call.kv_heads * call.kv_len * (call.head_dim + call.v_head_dim)
+        if kv_elems < min_auto_kv_elems(engine):
+            return f"tiny cache ({kv_elems} K/V elements): SDPA's one fused call costs less"
+    return None
+
+
 class SplitKBackend(BackendBase):
     """One backend over the split-K engine; ``layout`` is the K/V it reads in place."""
 
@@ -83,20 +106,13 @@ class SplitKBackend(BackendBase):
     def auto_skip_reason(self, call: AttentionCall) -> str | None:
         if torch.compiler.is_compiling():
             return "under torch.compile (an eager kernel; SDPA traces)"
-        if call.kv_layout == "dense" and call.head_dim == call.v_head_dim and not _fuses_what_sdpa_cannot(call):
-            engine = splitk.engine_name()
-            kv_elems = call.batch * call.kv_heads * call.kv_len * (call.head_dim + call.v_head_dim)
-            if kv_elems < min_auto_kv_elems(engine):
-                return f"tiny cache ({kv_elems} K/V elements): SDPA's one fused call costs less"
-            # The native kernel reads each KV head once for its query group at the memory limit on
-            # any ISA. The torch implementation converts bf16/fp16 chunks to fp32 for fp32 GEMMs,
-            # which loses to SDPA's bf16 kernels where the CPU has bf16 matrix instructions.
-            if engine == "torch" and call.dtype != torch.float32 and _bf16_matrix_isa():
-                return "no native kernel here, and SDPA's bf16 kernels use AVX-512-BF16/AMX on this CPU"
-        return None
+        # build=False: deciding (and describe_call) must never start the compile; the first call
+        # that runs the engine does.
+        return auto_skip(call, native.engine(build=False))
 
     def kernel_name(self, q, k, v, call: AttentionCall) -> str:
-        return splitk.engine_name()
+        state = native.status(build=False)  # "native", "native (not built yet)" or "torch (<why>)"
+        return "torch" if state.startswith("torch") else state
 
     def run(self, q, k, v, call: AttentionCall):
         mods = dict(scale=call.scale, mask=call.mask, softcap=call.softcap, sinks=call.sinks)

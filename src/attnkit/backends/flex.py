@@ -2,7 +2,9 @@
 
 The block mask of a call is built once per (mask key, batch, Sq, Sk, device) and kept in an LRU
 cache (:func:`block_mask_for`); the kernel is ``torch.compile``d once per shape
-(``dynamic=False``). Score modifiers (soft-cap, ALiBi from its slopes, an additive bias, sinks
+(``dynamic=False``: torch 2.13's CPU template fails to compile some dynamic-shape kernels, and
+static shapes are what ran green on an H100). Past dynamo's recompile limit (8 shapes per process
+by default) torch runs FlexAttention unfused, with its own warning. Score modifiers (soft-cap, ALiBi from its slopes, an additive bias, sinks
 through the log-sum-exp) are closures built per call from the same code, over tensors and the
 soft-cap value: dynamo guards on their code and on the captured tensors' shapes and dtypes, not
 on the tensors' values or the closures' identity, so a new call of the same shape, dtype and
