@@ -42,11 +42,11 @@ def hf_prefill(hf, rope, x):
 def hf_decode(cfg, hf, rope, x, prompt, steps):
     import transformers
     cache = transformers.DynamicCache(config=cfg)
-    hf(x[:, :prompt], position_embeddings=rope(x, torch.arange(prompt)[None]), past_key_values=cache,
+    hf(x[:, :prompt], position_embeddings=rope(x, torch.arange(prompt)[None]), cache=cache,
        attention_mask=None, is_causal=True)
     t0 = time.perf_counter()
     for t in range(prompt, prompt + steps):
-        hf(x[:, t:t + 1], position_embeddings=rope(x, torch.tensor([[t]])), past_key_values=cache, attention_mask=None)
+        hf(x[:, t:t + 1], position_embeddings=rope(x, torch.tensor([[t]])), cache=cache, attention_mask=None)
     return (time.perf_counter() - t0) / steps
 
 

@@ -104,8 +104,8 @@ def _hf_run(hf, hf_rope, cfg, x, window, chunks=None):
     for a, b in chunks or [(0, T)]:
         xs, ps = x[:, a:b], torch.arange(a, b)[None].expand(B, -1)
         m = make(config=cfg, inputs_embeds=xs, attention_mask=torch.ones(B, b, dtype=torch.long),
-                 past_key_values=cache, position_ids=ps)
-        outs.append(hf(xs, position_embeddings=hf_rope(xs, ps), attention_mask=m, past_key_values=cache)[0])
+                 cache=cache, position_ids=ps)
+        outs.append(hf(xs, position_embeddings=hf_rope(xs, ps), attention_mask=m, cache=cache)[0])
     return torch.cat(outs, 1)
 
 

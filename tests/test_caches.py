@@ -392,3 +392,70 @@ def test_attend_takes_what_attention_takes():
     want = attnkit.attention(q, k, v, attnkit.masks.Dense(keep) & attnkit.masks.Causal())
     torch.testing.assert_close(got, want)
     assert attnkit.caches.new_cache("dynamic", (2, 8, 8)).bytes_per_token == 2 * 16 * 4  # fp32 by default
+
+
+def _ragged_cache(kind):
+    """A cache of ``kind`` (B=2, Hkv=2, D=8) after a ragged prefill (lengths [5, 2]), whose padding
+    tokens hold NaN (they must never be read as K/V)."""
+    cache = _all_kinds()[kind]()
+    q, k, v = make_qkv(2, 4, 2, 5, 5, 8, seed=3)
+    k[1, :, 2:] = float("nan")
+    v[1, :, 2:] = float("nan")
+    cache.attend(q, k, v, num_new=torch.tensor([5, 2]))
+    return cache
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static", "sliding", "paged"])
+def test_an_aborted_step_leaves_no_rows_that_a_backend_could_read_as_nan(kind):
+    """Issue 29.10: an aborted step left its K/V rows past the committed lengths; rows holding NaN
+    made the next valid call NaN on sdpa and math (which multiply masked V rows by probability
+    0) while the decode kernel skipped them. Rows an aborted step wrote are zeroed, a ragged
+    step's padding tokens are stored as zeros, and every backend agrees with an untouched twin."""
+    cache, twin = _ragged_cache(kind), _ragged_cache(kind)
+    q, k, v = make_qkv(2, 4, 2, 3, 3, 8, seed=4)
+    k.fill_(float("nan"))
+    v.fill_(float("inf"))
+    with pytest.raises(ValueError, match="mask"):
+        cache.attend(q, k, v, torch.ones(1, 1, 1, 99, dtype=torch.bool))
+    q1, k1, v1 = make_qkv(2, 4, 2, 1, 1, 8, seed=5)
+    outs = []
+    for c in (cache, twin):
+        with c.transaction(2, 1) as bound:
+            k_all, v_all, mask = bound.update(k1, v1)
+            outs.append({b: attnkit.attention(q1, k_all, v_all, mask, backend=b) for b in ("sdpa", "math", "decode")})
+            if kind == "paged":  # the pages as attention reads them in place
+                kv, _, m = bound.cache.view(bound.step)
+                outs[-1]["paged"] = attnkit.attention(q1, kv, None, m, backend="paged")
+    for name, out in outs[0].items():
+        assert torch.isfinite(out).all(), name
+        torch.testing.assert_close(out, outs[1][name], rtol=0, atol=0)
+        torch.testing.assert_close(out, outs[0]["math"])
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static", "sliding", "paged"])
+def test_a_failed_first_step_leaves_the_cache_empty(kind):
+    """Issue 29.10: a failed first step set a StaticCache's lengths from [] to [0, 0] and grew a
+    DynamicCache from 0 bytes to its first capacity."""
+    cache, twin = _all_kinds()[kind](), _all_kinds()[kind]()
+    before = (cache.lengths.tolist(), cache.nbytes)
+    q, k, v = make_qkv(2, 4, 2, 5, 5, 8, seed=6)
+    with pytest.raises(ValueError, match="mask"):
+        cache.attend(q, k, v, torch.ones(1, 1, 1, 99, dtype=torch.bool))
+    assert (cache.lengths.tolist(), cache.nbytes) == before
+    if kind == "paged":
+        assert cache.allocator.num_free == cache.allocator.num_blocks and cache.allocator.sequences == ()
+    torch.testing.assert_close(cache.attend(q, k, v), twin.attend(q, k, v), rtol=0, atol=0)
+
+
+def test_a_transaction_commits_on_success_and_aborts_on_error():
+    cache = DynamicCache(2, 8)
+    q, k, v = make_qkv(2, 4, 2, 3, 3, 8, seed=7)
+    with pytest.raises(RuntimeError, match="boom"):
+        with cache.transaction(2, 3) as c:
+            c.update(k, v)
+            raise RuntimeError("boom")
+    assert cache.lengths.tolist() == [] and cache.nbytes == 0
+    with cache.transaction(2, 3) as c:
+        k_all, v_all, mask = c.update(k, v)
+    assert cache.lengths.tolist() == [3, 3]
+    torch.testing.assert_close(attnkit.attention(q, k_all, v_all, mask), attnkit.attention(q, k, v, causal=True))

@@ -98,3 +98,4 @@ def test_flex_zeroes_rows_with_no_key():
     mask = M.SlidingWindow(2) & M.KeyPadding(torch.tensor([12, 2]))  # sequence 1 sees no key
     out = attnkit.attention(q, k, v, mask, backend="flex")
     assert (out[1] == 0).all() and (out[0] != 0).any()
+

@@ -86,12 +86,12 @@ def test_prefill_then_cached_decode_matches_deepseek_v3(q_lora, yarn, interleave
     cache = ours.new_cache()
     with torch.no_grad():
         got = [ours(x[:, :P], key_padding_mask=~valid[:, :P], positions=pos[:, :P], cache=cache)]
-        want = [hf(x[:, :P], position_embeddings=hf_rope(x, pos[:, :P]), past_key_values=hf_cache,
+        want = [hf(x[:, :P], position_embeddings=hf_rope(x, pos[:, :P]), cache=hf_cache,
                    attention_mask=_hf_mask(valid[:, :P], torch.arange(P), torch.arange(P)))[0]]
         for t in range(P, total):
             sl = slice(t, t + 1)
             got.append(ours(x[:, sl], key_padding_mask=~valid[:, :t + 1], positions=pos[:, sl], cache=cache))
-            want.append(hf(x[:, sl], position_embeddings=hf_rope(x, pos[:, sl]), past_key_values=hf_cache,
+            want.append(hf(x[:, sl], position_embeddings=hf_rope(x, pos[:, sl]), cache=hf_cache,
                            attention_mask=_hf_mask(valid[:, :t + 1], torch.tensor([t]), torch.arange(t + 1)))[0])
     got, want = torch.cat(got, 1), torch.cat(want, 1)
     torch.testing.assert_close(got[valid], want[valid])
@@ -107,8 +107,8 @@ def test_cached_decode_matches_deepseek_v3_in_each_forced_mode_with_bias(mode):
         got = [ours(x[:, :7], cache=cache)] + [ours(x[:, t:t + 1], cache=cache) for t in range(7, 20)]
         pos = torch.arange(20)[None]
         m = _hf_mask(torch.ones(1, 7, dtype=torch.bool), torch.arange(7), torch.arange(7))
-        want = [hf(x[:, :7], position_embeddings=hf_rope(x, pos[:, :7]), past_key_values=hf_cache, attention_mask=m)[0]]
-        want += [hf(x[:, t:t + 1], position_embeddings=hf_rope(x, pos[:, t:t + 1]), past_key_values=hf_cache,
+        want = [hf(x[:, :7], position_embeddings=hf_rope(x, pos[:, :7]), cache=hf_cache, attention_mask=m)[0]]
+        want += [hf(x[:, t:t + 1], position_embeddings=hf_rope(x, pos[:, t:t + 1]), cache=hf_cache,
                     attention_mask=None)[0] for t in range(7, 20)]
     torch.testing.assert_close(torch.cat(got, 1), torch.cat(want, 1))
 
@@ -132,8 +132,8 @@ def test_deepseek_v2_lite_attention_with_complex_rope_matches(yarn, mode):
     hf_cache, cache = transformers.DynamicCache(config=cfg), ours.new_cache()
     m = _hf_mask(torch.ones(2, 22, dtype=torch.bool), torch.arange(22), torch.arange(22))
     with torch.no_grad():
-        want = [hf(x[:, :22], attention_mask=m, past_key_values=hf_cache, position_embeddings=rope(x, pos[:, :22]))[0]]
-        want += [hf(x[:, t:t + 1], attention_mask=None, past_key_values=hf_cache,
+        want = [hf(x[:, :22], attention_mask=m, cache=hf_cache, position_embeddings=rope(x, pos[:, :22]))[0]]
+        want += [hf(x[:, t:t + 1], attention_mask=None, cache=hf_cache,
                     position_embeddings=rope(x, pos[:, t:t + 1]))[0] for t in range(22, 30)]
         got = [ours(x[:, :22], cache=cache)] + [ours(x[:, t:t + 1], cache=cache) for t in range(22, 30)]
     torch.testing.assert_close(torch.cat(got, 1), torch.cat(want, 1))

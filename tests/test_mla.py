@@ -395,3 +395,39 @@ def test_static_cache_absorbed_decode_step_compiles_once_fullgraph():
         with torch._dynamo.config.patch(error_on_recompile=True):
             outs += [step(x[:, i:i + 1]) for i in range(9, 16)]
     assert (torch.cat(outs, 1) - full).abs().max() <= 1e-5
+
+
+def _latent_cache(m, kind):
+    if kind == "paged":
+        from attnkit.caches import BlockAllocator
+        return m.new_cache("paged", allocator=BlockAllocator(16, 4))
+    return m.new_cache(kind, max_batch=2, max_len=32)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static", "paged"])
+@pytest.mark.parametrize("mode", ["naive", "auto-long", "absorb"])
+def test_a_failing_call_leaves_the_latent_cache_unchanged(mode, kind):
+    """Issue 29.10: the naive path (and auto's, for chunks over absorb_max_len) committed the
+    latent before attention ran, so a bad mask or a refusing forced backend left the cache 3
+    tokens longer and the next call differed from an untouched twin's. The latent is appended
+    and attended in one transaction now."""
+    m = _module(12, False, "auto" if mode == "auto-long" else mode)
+    if mode == "auto-long":
+        m.absorb_max_len = 2  # a 3-token chunk goes the naive way
+    x = torch.randn(2, 8, 40, generator=torch.Generator().manual_seed(1))
+    bad_calls = {
+        "mask": lambda c: m(x[:, 5:], cache=c, mask=torch.ones(1, 1, 3, 99, dtype=torch.bool)),
+        "backend": lambda c: (setattr(m, "backend", "flex"), m(x[:, 5:], cache=c, need_weights=True)),
+    }
+    with torch.no_grad():
+        for name, call in bad_calls.items():
+            m.backend = "auto"
+            cache, twin = _latent_cache(m, kind), _latent_cache(m, kind)
+            for c in (cache, twin):
+                m(x[:, :5], cache=c)
+            with pytest.raises((ValueError, TypeError, RuntimeError)):
+                call(cache)
+            m.backend = "auto"
+            assert cache.lengths.tolist() == [5, 5], name
+            torch.testing.assert_close(m(x[:, 5:], cache=cache), m(x[:, 5:], cache=twin), rtol=0, atol=0)
+            assert cache.lengths.tolist() == [8, 8]

@@ -386,10 +386,149 @@ def test_a_failing_layer_leaves_every_shared_block_and_count_as_before():
             outs.append([c.attend(q, k, k) for c in bound])
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    # The same counts and lengths (which free block a later step takes may differ: an aborted step
-    # hands evictable blocks it reserved back as plain free ones).
-    assert [state(a)[:2] + ({s: n for s, (n, _) in state(a)[3].items()},) for a in (alloc, alloc2)] == \
-        [state(alloc2)[:2] + ({s: n for s, (n, _) in state(alloc2)[3].items()},)] * 2
+    # The aborted step handed the evictable blocks it reserved back as they were (cached, in their
+    # eviction order): the retry took the very blocks the twin's step took.
+    assert state(alloc) == state(alloc2) and alloc.num_cached_blocks == alloc2.num_cached_blocks
+
+
+def _allocator_pages(lengths, block_size, Hkv, D, seed):
+    """Sequences of ``lengths`` written through a BlockAllocator (ragged, so its block_table() is
+    padded with -1), their pools and the same K/V dense (B, Hkv, L, D)."""
+    g = torch.Generator().manual_seed(seed)
+    alloc = BlockAllocator(16, block_size)
+    B, L = len(lengths), max(lengths)
+    k = torch.randn(B, Hkv, L, D, generator=g)
+    v = torch.randn(B, Hkv, L, D, generator=g)
+    pk, pv = torch.zeros(16, block_size, Hkv, D), torch.zeros(16, block_size, Hkv, D)
+    sids = [alloc.add_sequence() for _ in lengths]
+    for b, (sid, n) in enumerate(zip(sids, lengths)):
+        slots = alloc.append(sid, n)
+        pk.flatten(0, 1)[slots] = k[b, :, :n].transpose(0, 1)
+        pv.flatten(0, 1)[slots] = v[b, :, :n].transpose(0, 1)
+    alloc.set_batch(sids)
+    return alloc, pk, pv, k, v
+
+
+@pytest.mark.parametrize("engine", ["native", "torch"])
+def test_table_padding_past_a_sequences_last_block_is_never_read(monkeypatch, engine):
+    """Issue 29.12: BlockAllocator.block_table() pads rows with -1, which PagedKV documents as
+    ignored; a ragged batch with a Dense or additive mask made every row walk to max(lengths)
+    and the kernel refused the -1. Only blocks below each sequence's own length are read, on
+    every backend."""
+    from attnkit.backends import native
+    if engine == "torch":
+        monkeypatch.setattr(native, "load", lambda: None)
+    elif native.status() != "native":
+        pytest.skip(native.status())
+    lengths, Sq = [11, 3, 0, 6], 2
+    alloc, pk, pv, k, v = _allocator_pages(lengths, 4, 2, 8, seed=1)
+    table, n = alloc.block_table(), alloc.context_lengths()
+    assert (table == -1).any()
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(4, 4, Sq, 8, generator=g)
+    L = max(lengths)
+    masks = {
+        "dense": attnkit.masks.Dense(torch.rand(4, 1, Sq, L, generator=g) > 0.3),
+        "additive": torch.randn(1, 1, Sq, L, generator=g),
+        "causal": attnkit.masks.Causal(offsets=(n - Sq).clamp(min=0)),
+        "none": None,
+    }
+    for name, mask in masks.items():
+        full = attnkit.masks.KeyPadding(n) if mask is None else attnkit.masks.as_mask(mask) & attnkit.masks.KeyPadding(n)
+        gold = attnkit.attention_reference(q, k, v, full)
+        for checked in (True, False):
+            kv = attnkit.PagedKV(pk, pv, table, n, checked=checked)
+            for backend in ("paged", "sdpa", "math"):
+                out = attnkit.attention(q, kv, None, mask, backend=backend)
+                rule_r(out, base_attention(q, k, v, full), gold, n_terms=L, what=f"{name} {backend}")
+
+
+def test_checked_tables_still_have_their_lengths_and_max_len_checked():
+    """Issue 29.11: ``checked=True`` vouches for the table entries only; lengths and max_len are
+    the call's shape and are checked either way (negative lengths gave zeros, max_len 2 with
+    lengths 4 dropped keys)."""
+    pk = torch.zeros(4, 2, 1, 8)
+    q = torch.randn(1, 2, 1, 8)
+    table = torch.tensor([[0, 1]])
+    cases = [
+        (dict(lengths=torch.tensor([-1])), r"lengths \[-1\] must be in \[0, 2 blocks x 2 tokens = 4\]"),
+        (dict(lengths=torch.tensor([5])), r"lengths \[5\] must be in"),
+        (dict(lengths=torch.tensor([2 ** 62])), r"lengths .* must be in"),
+        (dict(lengths=torch.tensor([4]), max_len=2), r"max_len=2 but max\(lengths\)=4"),
+        (dict(lengths=torch.tensor([4]), max_len=True), r"max_len must be a non-negative int"),
+    ]
+    for kw, text in cases:
+        for checked in (True, False):
+            kv = attnkit.PagedKV(pk, pk, table, checked=checked, **kw)
+            with pytest.raises(ValueError, match=text):
+                attnkit.attention(q, kv, None)
+
+
+@pytest.mark.parametrize("engine", ["native", "torch"])
+def test_a_lying_checked_table_raises_on_every_path(monkeypatch, engine):
+    """Issue 29.11: a ``checked=True`` table entry outside the pool raised in the native kernel but
+    was clamped to the last block everywhere else (the gather for SDPA / math / gradients, the
+    torch engine), returning a plausible wrong result. Every path refuses it now."""
+    from attnkit.backends import native
+    if engine == "torch":
+        monkeypatch.setattr(native, "load", lambda: None)
+    elif native.status() != "native":
+        pytest.skip(native.status())
+    g = torch.Generator().manual_seed(0)
+    pk, pv = torch.randn(4, 2, 2, 8, generator=g), torch.randn(4, 2, 2, 8, generator=g)
+    q = torch.randn(2, 4, 3, 8, generator=g)
+    for entry in (4, 17, -1, -4):
+        kv = attnkit.PagedKV(pk, pv, torch.tensor([[0, 1, 2], [3, entry, 0]]), torch.tensor([5, 4]), checked=True)
+        for backend in ("paged", "sdpa", "math", "auto"):
+            with pytest.raises(ValueError, match="block_table"):
+                attnkit.attention(q, kv, None, attnkit.masks.Causal(), backend=backend)
+        grad_kv = attnkit.PagedKV(pk.clone().requires_grad_(), pv.clone().requires_grad_(), kv.block_table,
+                                  kv.lengths, checked=True)
+        with pytest.raises(ValueError, match="block_table"):  # gradients: the gathered path
+            attnkit.attention(q, grad_kv, None)
+        with pytest.raises(ValueError, match="block_table"):
+            attnkit.attention(q[:, :, :1], kv, None, backend="paged")  # the decode step's path
+
+
+def test_an_aborted_step_keeps_the_prefix_cache_as_it_was():
+    """Issue 29.10: an aborted step that reserved a cached free block handed it back unregistered
+    (prefix-cache hits dropped from 8 tokens to 4), and one that appended into a cropped cached
+    block unregistered it for good. Registrations now end only when the step commits."""
+    def prompt_blocks():
+        alloc = BlockAllocator(4, 4, prefix_caching=True)
+        cache = PagedKVCache(1, 2, allocator=alloc)
+        a = alloc.add_sequence()
+        cache.set_batch([a])
+        x = torch.randn(1, 1, 8, 2)
+        with attnkit.caches.step([cache], batch=1, tokens=8, token_ids=[list(range(8))]) as (c,):
+            c.update(x, x)
+        alloc.set_batch([])
+        alloc.free(a)  # both full blocks stay cached (free, evictable)
+        return alloc, cache
+
+    alloc, cache = prompt_blocks()
+    b = alloc.add_sequence()
+    cache.set_batch([b])
+    y = torch.randn(1, 1, 12, 2)
+    with pytest.raises(ValueError, match="mask"):  # reserves 3 blocks: the 2 fresh, then a cached one
+        cache.attend(torch.randn(1, 1, 12, 2), y, y, torch.ones(1, 1, 1, 99, dtype=torch.bool))
+    assert alloc.num_cached_blocks == 2 and alloc.num_free == 4
+    cache.set_batch([])
+    alloc.free(b)
+    assert alloc.length(alloc.add_sequence(token_ids=list(range(9)))) == 8  # both blocks still hit
+
+    # appending into a cropped cached block: still cached after an abort
+    alloc, cache = prompt_blocks()
+    c_id = alloc.add_sequence(token_ids=list(range(9)))
+    assert alloc.length(c_id) == 8
+    alloc.crop(c_id, 6)  # its second block (tokens 4..7, cached) is now partial
+    cache.set_batch([c_id])
+    z = torch.randn(1, 1, 1, 2)
+    with pytest.raises(ValueError, match="mask"):
+        cache.attend(torch.randn(1, 1, 1, 2), z, z, torch.ones(1, 1, 1, 99, dtype=torch.bool))
+    assert alloc.num_cached_blocks == 2
+    cache.attend(torch.randn(1, 1, 1, 2), z, z)  # committed: the block's content changed, unregistered
+    assert alloc.num_cached_blocks == 1
 
 
 # --------------------------------------------------------------------------- editing

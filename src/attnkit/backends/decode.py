@@ -69,10 +69,9 @@ def auto_skip(call: AttentionCall, engine: str) -> str | None:
     if _fuses_what_sdpa_cannot(call):
         return None  # the alternative is the math path, which materializes the scores
     # The torch implementation runs several ops per key chunk and converts bf16/fp16 chunks to
-    # fp32. Measured side by side (4k-32k keys, fp32 and bf16, GQA, MHA, MLA widths,
-    # pages, on a 2-core Xeon and a 2-core EPYC) it lost to SDPA, and to gathering the pages for
-    # SDPA, nearly everywhere: without the
-    # native kernel, the calls SDPA can run go to SDPA.
+    # fp32. Measured side by side (4k-32k keys, fp32 and bf16, GQA, MHA, MLA widths, pages, on a
+    # 2-core Xeon and a 2-core EPYC) it lost to SDPA, and to gathering the pages for SDPA, nearly
+    # everywhere: without the native kernel, the calls SDPA can run go to SDPA.
     if engine != "native":
         return ("no native kernel here (`attnkit info` says why), and the engine's torch implementation is "
                 "slower than SDPA; backend='decode' / 'paged' still forces it")
