@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import attnkit
+from attnkit.backends.decode import MAX_DECODE_Q_LEN
 from attnkit.caches import DynamicCache
 from attnkit.caches.paged import BlockAllocator, OutOfBlocks, PagedKVCache
 from attnkit.masks import KeyPadding
@@ -55,9 +56,10 @@ def random_steps(seed: int, B: int, n_steps: int):
     return steps
 
 
-def run_both(paged: PagedKVCache, Hq: int, steps, *, dtype=torch.float32, seed=0, Dv=None):
-    """Feed the same random q/k/v steps to the paged cache (``attend``) and a DynamicCache; yield
-    (paged out, dynamic out, q, k_all, v_all, mask) per step."""
+def run_both(paged: PagedKVCache, Hq: int, steps, *, dtype=torch.float32, seed=0, Dv=None, backend="auto"):
+    """Feed the same random q/k/v steps to the paged cache (``attend`` on ``backend``; steps
+    longer than the decode backends take on ``auto``) and a DynamicCache; yield (paged out,
+    dynamic out, q, k_all, v_all, mask) per step."""
     g = torch.Generator().manual_seed(seed)
     Hkv, D = paged.kv_heads, paged.head_dim
     Dv = paged.v_head_dim if Dv is None else Dv
@@ -69,7 +71,7 @@ def run_both(paged: PagedKVCache, Hq: int, steps, *, dtype=torch.float32, seed=0
         k = torch.randn(B, Hkv, S, D, generator=g, dtype=torch.float64).to(dtype)
         v = None if vfk else torch.randn(B, Hkv, S, Dv, generator=g, dtype=torch.float64).to(dtype)
         nn_ = torch.tensor(n)
-        got = paged.attend(q, k, v, num_new=nn_)
+        got = paged.attend(q, k, v, num_new=nn_, backend=backend if S <= MAX_DECODE_Q_LEN else "auto")
         k_all, v_all, mask = dyn.update(k, v, num_new=nn_)
         want = attnkit.attention(q, k_all, v_all, mask)
         assert paged.lengths.tolist() == dyn.lengths.tolist()
@@ -117,9 +119,10 @@ def test_both_engine_implementations_read_scattered_pages(monkeypatch, engine):
     Hq, Hkv = VARIANTS["gqa"]
     steps = one_row_empty(random_steps(11, 3, 8))
     paged = PagedKVCache(Hkv, 8, allocator=scattered_allocator(200, 3, 5))
-    for got, want, q, *_ in run_both(paged, Hq, steps, seed=3):
+    for got, want, q, *_ in run_both(paged, Hq, steps, seed=3, backend="paged"):
         torch.testing.assert_close(got, want)
-    assert attnkit.describe_call(q[:, :, :1], *paged.view(paged.begin(3, 0))[:2], detail=True) == f"paged[{engine}]"
+    kv = paged.view(paged.begin(3, 0))[:2]
+    assert attnkit.describe_call(q[:, :, :1], *kv, backend="paged", detail=True) == f"paged[{engine}]"
     paged.abort(paged.allocator.open_step)
 
 
@@ -434,7 +437,8 @@ def test_table_padding_past_a_sequences_last_block_is_never_read(monkeypatch, en
         "none": None,
     }
     for name, mask in masks.items():
-        full = attnkit.masks.KeyPadding(n) if mask is None else attnkit.masks.as_mask(mask) & attnkit.masks.KeyPadding(n)
+        pad = attnkit.masks.KeyPadding(n)
+        full = pad if mask is None else attnkit.masks.as_mask(mask) & pad
         gold = attnkit.attention_reference(q, k, v, full)
         for checked in (True, False):
             kv = attnkit.PagedKV(pk, pv, table, n, checked=checked)

@@ -14,7 +14,6 @@ import torch
 import attnkit
 from attnkit import masks as M
 from attnkit.backends import splitk
-from attnkit.backends import decode as decode_mod
 
 from conftest import DTYPES, base_attention, make_qkv, rule_r, stable_seed
 
@@ -191,16 +190,15 @@ def test_calls_from_several_threads_at_once_are_correct(engine):
 
 
 def test_describe_call_names_the_implementation(engine):
+    """A forced backend names the engine it runs on; ``auto`` takes the engine only where it is
+    native (without it, the calls SDPA can run go to SDPA)."""
     q, k, v = make_qkv(1, 8, 2, 1, 5000, 64)
-    assert attnkit.describe_call(q, k, v, detail=True) == f"decode[{engine}]"
     assert splitk.engine_name() == engine
-    # bf16: the torch fallback leaves the call to SDPA where the CPU has bf16 matrix instructions.
-    q, k, v = (t.bfloat16() for t in (q, k, v))
-    got = attnkit.describe_call(q, k, v, detail=True)
-    if engine == "torch" and decode_mod._bf16_matrix_isa():
-        assert got.startswith("sdpa"), got
-    else:
-        assert got == f"decode[{engine}]"
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = (t.to(dtype) for t in (q, k, v))
+        assert attnkit.describe_call(q, k, v, backend="decode", detail=True) == f"decode[{engine}]"
+        got = attnkit.describe_call(q, k, v, detail=True)
+        assert got == "decode[native]" if engine == "native" else got.startswith("sdpa"), got
 
 
 def test_bad_paged_tables_are_refused(engine):

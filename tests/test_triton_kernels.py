@@ -15,6 +15,7 @@ import torch
 import attnkit
 from attnkit.caches import DynamicCache, StaticCache
 from attnkit.caches.paged import PagedKVCache
+from attnkit import masks as M
 from attnkit.masks import Causal, KeyPadding, SlidingWindow
 
 from conftest import base_attention, rule_r, stable_seed
@@ -264,7 +265,7 @@ from triton.backends.compiler import GPUTarget
 from attnkit.backends.triton import decode as td
 fn = td._split_kernel
 ints = ["stride_qb", "stride_qh", "stride_qs", "stride_kn", "stride_kt", "stride_kh", "stride_vn", "stride_vt",
-        "stride_vh", "stride_tb", "HKV", "G", "S", "DK", "DR", "DV", "PAGE", "SPLIT_LEN", "NSPLIT"]
+        "stride_vh", "stride_tb", "HKV", "G", "S", "DK", "DR", "DV", "PAGE", "SPLIT_LEN", "NSPLIT", "NPAGES"]
 # Pointers and strides get the 16-byte divisibility hints a real launch specialises on.
 aligned = ["Q", "K", "V", "TABLE", "QSTART", "SEQLEN", "OP", "LSEP", "SLOPES", "APOS"] + ints[:10] + \
     ["DK", "DV", "PAGE", "SPLIT_LEN"]
@@ -312,3 +313,26 @@ def test_kernel_configs_compile_within_shared_memory_for_sm80_and_sm90():
         raise AssertionError(r.stderr[-2000:])
     for dt, D, Dv, vfk, cap, shared in json.loads(r.stdout.strip().splitlines()[-1]):
         assert shared <= _SMEM[cap], f"{dt} D={D} Dv={Dv} v_from_k={vfk}: {shared} B shared on sm_{cap}"
+
+
+def test_table_padding_past_a_sequences_pages_is_accepted_and_a_lying_entry_is_never_read():
+    """check=True validates only the entries holding tokens (the allocator pads with -1); with
+    check=False (a caller's checked=True table) an entry outside the pool is never read: its keys
+    count as masked, and nothing outside the pool is touched (on a GPU that read would fault)."""
+    lens = [20, 5]
+    k_pool, v_pool, table, k, v = _pools(2, 1, 16, 16, 8, lens, torch.float32, seed=3)
+    table = torch.cat([table, torch.full((2, 2), -1, dtype=table.dtype, device=table.device)], 1)
+    table[1, 1:] = -1  # sequence 1 holds 5 tokens: one page; the rest is padding
+    q = torch.randn(2, 2, 1, 16).to(DEV)
+    seq = torch.tensor(lens, device=DEV)
+    out = triton_decode.paged_decode_attention(q, k_pool, v_pool, table, seq)
+    _check(out, q.cpu(), k, v, M.KeyPadding(torch.tensor(lens)) & M.Causal(offsets=torch.tensor(lens) - 1))
+    lying = table.clone()
+    lying[0, 1] = 10_000  # keys 8..15 of sequence 0 point outside the pool
+    with pytest.raises(ValueError, match="block_table entries holding tokens"):
+        triton_decode.paged_decode_attention(q, k_pool, v_pool, lying, seq)
+    out = triton_decode.paged_decode_attention(q, k_pool, v_pool, lying, seq, check=False)
+    keep = torch.ones(2, 1, 1, max(lens), dtype=torch.bool)
+    keep[0, ..., 8:16] = False
+    mask = M.Dense(keep) & M.KeyPadding(torch.tensor(lens))
+    _check(out, q.cpu(), k, v, mask)

@@ -37,7 +37,9 @@ class PagedKV:
         v_head_dim: Dv when ``v_pool`` is None.
         max_len: max(lengths) if the caller knows it on the host (saves a device sync).
         checked: the caller guarantees the table entries in use are valid block ids (a cache
-            whose allocator hands them out); otherwise :meth:`validate` checks them.
+            whose allocator hands them out), so :meth:`validate` skips reading them; lengths and
+            ``max_len`` are checked either way. A lying table still raises, on every path: the
+            kernels and :meth:`gather` refuse entries outside the pool, they never clamp them.
     """
 
     k_pool: Tensor
@@ -85,11 +87,14 @@ class PagedKV:
         return int(self.lengths.max()) if self.lengths.numel() else 0
 
     def validate(self) -> None:
-        """Check shapes, dtypes and devices (and, unless ``checked``, that every table entry in
-        use is a block of the pool); errors name the argument and the shapes."""
+        """Check shapes, dtypes, devices, the block size, ``lengths`` and ``max_len`` (and, unless
+        ``checked``, that every table entry in use is a block of the pool); errors name the
+        argument and the shapes."""
         k, v, t, n = self.k_pool, self.v_pool, self.block_table, self.lengths
         if not isinstance(k, Tensor) or k.dim() != 4:
             raise ValueError(f"PagedKV.k_pool must be (N, bs, Hkv, D), got shape {_shape(k)}")
+        if k.shape[1] < 1:
+            raise ValueError(f"PagedKV.k_pool must be (N, bs, Hkv, D) with a block size bs >= 1, got shape {_shape(k)}")
         if v is not None:
             if not isinstance(v, Tensor) or v.dim() != 4 or v.shape[:3] != k.shape[:3]:
                 raise ValueError(f"PagedKV.v_pool must be (N, bs, Hkv, Dv) matching k_pool {_shape(k)}, got "
@@ -110,33 +115,54 @@ class PagedKV:
                 raise ValueError(f"PagedKV.{name} is on {x.device} but k_pool is on {k.device}")
         if n.shape[0] != t.shape[0]:
             raise ValueError(f"PagedKV.lengths {_shape(n)} and block_table {_shape(t)} must have one row per sequence")
-        if self.max_len is not None and (not isinstance(self.max_len, int) or self.max_len < 0):
+        if self.max_len is not None and (not isinstance(self.max_len, int) or isinstance(self.max_len, bool)
+                                         or self.max_len < 0):
             raise ValueError(f"PagedKV.max_len must be a non-negative int, got {self.max_len!r}")
+        # lengths and max_len are the call's shape (Sk), not table entries: checked even when the
+        # caller vouches for the table. One reduction, one host read.
+        bs, W = k.shape[1], t.shape[1]
+        lo, hi = (0, 0) if n.numel() == 0 else (int(x) for x in torch.aminmax(n))
+        if lo < 0 or hi > W * bs:
+            raise ValueError(f"PagedKV.lengths {n.tolist()[:8]} must be in [0, {W} blocks x {bs} tokens = {W * bs}] "
+                             f"(block_table {_shape(t)}, k_pool {_shape(k)})")
+        if self.max_len is not None and self.max_len != hi:
+            raise ValueError(f"PagedKV.max_len={self.max_len} but max(lengths)={hi}")
         if self.checked or n.numel() == 0:
             return
-        bs, W = k.shape[1], t.shape[1]
-        if bool((n < 0).any()) or bool((n > W * bs).any()):
-            raise ValueError(f"PagedKV.lengths {n.tolist()} must be in [0, {W} blocks x {bs} tokens] "
-                             f"(block_table {_shape(t)})")
-        used = torch.arange(W, device=t.device)[None] < (-(-n // bs))[:, None]  # (B, W)
-        bad = used & ((t < 0) | (t >= k.shape[0]))
+        bad = self._used(W) & ((t < 0) | (t >= k.shape[0]))
         if bool(bad.any()):
             raise ValueError(f"PagedKV.block_table has entries outside the pool of {k.shape[0]} blocks where "
                              f"sequences hold tokens: {t[bad].tolist()[:8]}")
-        if self.max_len is not None and self.max_len != int(n.max()):
-            raise ValueError(f"PagedKV.max_len={self.max_len} but max(lengths)={int(n.max())}")
+
+    def _used(self, width: int) -> Tensor:
+        """(B, width) bool: table entries that hold some of their sequence's tokens."""
+        t = self.block_table
+        return torch.arange(width, device=t.device)[None] < (-(-self.lengths.long() // self.block_size))[:, None]
 
     # ------------------------------------------------------------------ dense view
 
     def gather(self) -> tuple[Tensor, Tensor]:
-        """Dense copies (B, Hkv, L, D) and (B, Hkv, L, Dv) of the pages (positions past a
-        sequence's length hold whatever the table's padding points at: mask them)."""
-        L, bs = self.kv_len(), self.block_size
+        """Dense copies (B, Hkv, L, D) and (B, Hkv, L, Dv) of the pages. Only the table entries
+        holding a sequence's tokens are read (the rest may be padding, such as
+        :meth:`BlockAllocator.block_table`'s -1); positions past a sequence's length are 0, so
+        a masked key can never turn into NaN (0 * NaN) in a backend that multiplies it by its
+        zero probability. An entry in use outside the pool raises a ValueError naming it, even
+        for a ``checked`` table (one host read, beside a copy of every page: a device assert in
+        the index op, or a negative id wrapping around, would be worse)."""
+        L, bs, N = self.kv_len(), self.block_size, self.k_pool.shape[0]
         nblk = -(-L // bs)
-        table = self.block_table[:, :nblk].long().clamp(0, self.k_pool.shape[0] - 1)
+        table = self.block_table[:, :nblk].long()
+        used = self._used(nblk)
+        bad = used & ((table < 0) | (table >= N))
+        if bool(bad.any()):
+            raise ValueError(f"PagedKV.block_table has entries outside the pool of {N} blocks where sequences "
+                             f"hold tokens: {table[bad].tolist()[:8]} (block_table {_shape(self.block_table)})")
+        ids = table.masked_fill(~used, 0)
+        past = torch.arange(L, device=table.device)[None] >= self.lengths.to(table.device)[:, None]  # (B, L)
 
         def dense(pool: Tensor) -> Tensor:  # (B, nblk, bs, Hkv, .) -> (B, Hkv, L, .)
-            return pool[table].flatten(1, 2)[:, :L].transpose(1, 2)
+            x = pool[ids].flatten(1, 2)[:, :L]
+            return x.masked_fill_(past[:, :, None, None], 0).transpose(1, 2)
 
         k = dense(self.k_pool)
         v = k[..., :self.value_dim] if self.v_pool is None else dense(self.v_pool)

@@ -86,20 +86,34 @@ def _bounds(mask: Mask | None, B: int, Hq: int, Sq: int, Sk: int, device,
     row's largest bias (not with sinks, whose ratio to the scores a shift would change)."""
     rng = None if mask is None else mask.key_range(B, Sq, Sk, device)
     bias = None
-    if rng is None:
+    if rng is None and mask is None:
         lo = torch.zeros(1, 1, dtype=torch.long, device=device)
         hi = torch.full((1, 1), Sk, dtype=torch.long, device=device)
-        if mask is not None:
-            allowed = mask.materialize(B, Sq, Sk, device)
-            b = shifted_bias(mask, B, Sq, Sk, device) if shift else mask.bias(B, Sq, Sk, device)
-            b = torch.zeros((), device=device) if b is None else b.float()
-            bias = b.masked_fill(~allowed, float("-inf"))
-            bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
+    elif rng is None:
+        allowed = mask.materialize(B, Sq, Sk, device)
+        b = shifted_bias(mask, B, Sq, Sk, device, allowed=allowed) if shift else mask.bias(B, Sq, Sk, device)
+        b = torch.zeros((), device=device) if b is None else b.float()
+        bias = b.masked_fill(~allowed, float("-inf"))
+        bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
+        lo, hi = _allowed_span(allowed, Sk)
     else:
         lo, hi = rng
     lo = lo.to(device=device, dtype=torch.long).clamp(0, Sk).expand(B, Sq).contiguous()
     hi = hi.to(device=device, dtype=torch.long).clamp(0, Sk).expand(B, Sq).contiguous()
     return lo, hi, bias
+
+
+def _allowed_span(allowed: Tensor, Sk: int) -> tuple[Tensor, Tensor]:
+    """(lo, hi) (B|1, Sq): the first allowed key and one past the last of each query row, over
+    every head (lo = hi = 0 for a row that allows nothing). A mask that is not an interval still
+    bounds the keys the engine reads: a paged sequence's keys past its length are never allowed,
+    so its table entries there (padding, such as -1) are never read."""
+    seen = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape)).any(1)  # (B|1, Sq, Sk)
+    any_key = seen.any(-1)
+    lo = seen.to(torch.uint8).argmax(-1)  # the first True (argmax returns the first maximum)
+    hi = Sk - seen.flip(-1).to(torch.uint8).argmax(-1)
+    zero = torch.zeros((), dtype=torch.long, device=allowed.device)
+    return torch.where(any_key, lo, zero), torch.where(any_key, hi, zero)
 
 
 def splitk_attention(q: Tensor, k: Tensor, v: Tensor | None, *, scale: float, mask: Mask | None = None,
@@ -165,10 +179,12 @@ def splitk_attention(q: Tensor, k: Tensor, v: Tensor | None, *, scale: float, ma
 
 def _plain(t: Tensor, whole: bool = False) -> Tensor:
     """``t`` as the kernel reads it: detached, unit stride in the last dim (``whole``: contiguous).
-    Copies and detaches only when needed: each skipped no-op is a dispatch on every decode step."""
+    A last dim of size 1 has no meaningful stride (``contiguous()`` keeps any): the kernel reads
+    it as it is. Copies and detaches only when needed: each skipped no-op is a dispatch on every
+    decode step."""
     if t.requires_grad:
         t = t.detach()
-    if not (t.is_contiguous() if whole else t.stride(-1) == 1):
+    if not (t.is_contiguous() if whole else t.stride(-1) == 1 or t.shape[-1] <= 1):
         t = t.contiguous()
     return t
 
@@ -225,6 +241,25 @@ def _chunked(q, k, v, Dv, Hkv, Sk, scale, mask, alibi, block_table, sinks, softc
     return out, (lse if return_lse else None)
 
 
+def _paged_reach(block_table: Tensor, num_blocks: int, block_size: int, lo: Tensor, hi: Tensor) -> Tensor:
+    """(B,) one past the last key any row of each sequence sees. The torch engine reads the table
+    entries below it and refuses (ValueError) any of them outside the pool, as the native kernel
+    does: an entry is never clamped to a plausible block."""
+    seq_end = torch.where(lo < hi, hi, torch.zeros_like(hi)).amax(1) if hi.shape[1] else \
+        torch.zeros(hi.shape[0], dtype=torch.long, device=hi.device)
+    W = block_table.shape[1]
+    reach = int(seq_end.max()) if seq_end.numel() else 0
+    if reach > W * block_size:
+        raise ValueError(f"paged attention: rows read keys up to {reach} but the block_table "
+                         f"{tuple(block_table.shape)} holds {W} blocks of {block_size} tokens")
+    used = torch.arange(W, device=block_table.device)[None] < (-(-seq_end // block_size))[:, None]
+    bad = used & ((block_table < 0) | (block_table >= num_blocks))
+    if bool(bad.any()):
+        raise ValueError(f"paged attention: block_table entries {block_table[bad].tolist()[:8]} are outside the "
+                         f"pool of {num_blocks} blocks")
+    return seq_end
+
+
 def _torch_splitk(q, k, v, Dv, Hkv, Sk, scale, lo, hi, bias, block_table, softcap, slopes, qpos):
     """The engine in torch ops: key chunks scored for all M rows of every KV head at once, each
     chunk's (out, lse) merged into the running result by :func:`merge_partials`."""
@@ -235,6 +270,8 @@ def _torch_splitk(q, k, v, Dv, Hkv, Sk, scale, lo, hi, bias, block_table, softca
     row_hi = hi[:, None, None, :].expand(B, 1, G, Sq).reshape(B, 1, M, 1)
     start = int(lo.min()) if lo.numel() else 0
     end = int(hi.max()) if hi.numel() else 0
+    if block_table is not None:
+        seq_end = _paged_reach(block_table, k.shape[0], k.shape[1], lo, hi)
     C = max(64, _TORCH_CHUNK_BYTES // max(1, 4 * B * Hkv * (D + Dv)))
     out = torch.zeros(B, Hkv, M, Dv, dtype=torch.float32, device=q.device)
     lse = torch.full((B, Hkv, M), float("-inf"), dtype=torch.float32, device=q.device)
@@ -246,9 +283,14 @@ def _torch_splitk(q, k, v, Dv, Hkv, Sk, scale, lo, hi, bias, block_table, softca
         else:
             pos = torch.arange(a, e, device=q.device)
             bs = k.shape[1]
-            blk = block_table[:, pos // bs].long().clamp(0, k.shape[0] - 1)  # (B, c)
+            # A row's positions past its sequence's reach are masked below: read block 0 there,
+            # not the table's padding (the entries below the reach were checked by _paged_reach),
+            # and zero its values (another sequence's V, NaN included, times probability 0).
+            beyond = pos[None] >= seq_end[:, None]  # (B, c)
+            blk = block_table[:, pos // bs].long().masked_fill(beyond, 0)
             kc = k[blk, pos % bs].permute(0, 2, 1, 3)  # (B, Hkv, c, D)
             vc = kc[..., :Dv] if v is None else v[blk, pos % bs].permute(0, 2, 1, 3)
+            vc = vc.masked_fill(beyond[:, None, :, None], 0)
         s = torch.matmul(qg, kc.detach().float().transpose(-1, -2))  # (B, Hkv, M, c)
         if softcap:
             s = torch.tanh(s / softcap) * softcap

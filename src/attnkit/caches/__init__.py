@@ -1,7 +1,7 @@
 """KV caches: one protocol (``begin`` / ``write`` / ``view`` / ``commit`` / ``abort`` steps,
-``update``, ``attend``, ``lengths``, ``positions``, ``nbytes``, ``bytes_per_token``, ``reset``,
-``crop``, ``reorder``), several kinds, and :func:`step` to run several layers' caches as one
-transaction."""
+``update``, ``attend``, ``transaction``, ``lengths``, ``positions``, ``nbytes``,
+``bytes_per_token``, ``reset``, ``crop``, ``reorder``), several kinds, and :func:`step` to run
+several layers' caches as one transaction."""
 
 from .allocator import BlockAllocator, OutOfBlocks, PagedStep
 from .base import BoundCache, CacheStep, DynamicCache, KVCache, StaticCache, crop, reorder, reset, step

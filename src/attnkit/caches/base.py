@@ -15,7 +15,9 @@ keeps what it overwrites), ``cache.view(step)`` is what attention reads, and ``c
 makes it the cache's state, or ``abort(step)`` forgets it. One layer::
 
     out = cache.attend(q, k, v)          # begin, write, attention(), commit; a raise aborts
-    k_all, v_all, mask = cache.update(k, v)   # the same without the attention
+    k_all, v_all, mask = cache.update(k, v)   # the same without the attention (committed at once)
+    with cache.transaction(B, S) as c:   # attention of one's own before the commit; a raise aborts
+        k_all, v_all, mask = c.update(k, v)
 
 Several layers (a model): one step for every cache, committed only when every layer succeeded::
 
@@ -82,8 +84,9 @@ class KVCache(nn.Module):
     """Base of the caches: per-sequence ``lengths``, size accounting, the step protocol.
 
     Buffers are non-persistent (``.to()`` moves them; state dicts stay weight-only). Subclasses
-    implement ``begin``, ``write``, ``view`` and ``_commit`` (and ``_abort`` if writing can
-    overwrite committed data).
+    implement ``begin``, ``write``, ``view`` and ``_commit``, and ``_abort`` to undo whatever
+    ``begin`` and ``write`` changed (overwritten data, grown buffers, rows written past the
+    committed lengths).
     """
 
     def __init__(self, kv_heads: int, head_dim: int, v_head_dim: int | None = None, *,
@@ -150,11 +153,22 @@ class KVCache(nn.Module):
         raise NotImplementedError
 
     def _abort(self, step: CacheStep) -> None:
-        pass  # contiguous caches wrote past the committed lengths only
+        pass  # subclasses undo what their begin / write changed
 
     def bind(self, step: CacheStep) -> "BoundCache":
         """This cache inside ``step`` (what a layer of a multi-layer forward receives)."""
         return BoundCache(self, step)
+
+    def transaction(self, batch: int, tokens: int, num_new=None) -> contextlib.AbstractContextManager["BoundCache"]:
+        """One step of this cache alone, as a context: yields the cache bound to it, commits when
+        the block finishes, aborts (the cache exactly as before) if it raises. For callers that
+        attend themselves (``update`` + :func:`attnkit.attention`)::
+
+            with cache.transaction(B, S) as c:
+                k_all, v_all, mask = c.update(k, v)
+                out = attention(q, k_all, v_all, mask)   # a raise here leaves the cache unchanged
+        """
+        return self._transaction(batch, tokens, num_new)
 
     @contextlib.contextmanager
     def _transaction(self, batch: int, tokens: int, num_new) -> Iterator["BoundCache"]:
@@ -294,6 +308,16 @@ class BoundCache:
     def __repr__(self) -> str:
         return f"BoundCache({self.cache!r}, B={self.step.batch}, S={self.step.tokens})"
 
+    @contextlib.contextmanager
+    def transaction(self, batch: int, tokens: int, num_new=None) -> Iterator["BoundCache"]:
+        """Already inside a step (which commits or aborts for every layer): yields this bound
+        cache, after checking that ``batch`` and ``tokens`` are the step's."""
+        if (batch, tokens) != (self.step.batch, self.step.tokens):
+            raise ValueError(f"a transaction of batch {batch}, {tokens} tokens inside a step of batch "
+                             f"{self.step.batch}, {self.step.tokens} tokens")
+        self._check_num_new(num_new)
+        yield self
+
     @property
     def lengths(self) -> Tensor:
         """(B,) tokens each row held before this step."""
@@ -404,8 +428,8 @@ def _one_per_group(caches):
 
 class _ContiguousCache(KVCache):
     """K/V in (B, Hkv, capacity, D) buffers; a step's tokens are written past the committed
-    lengths (so an aborted step leaves nothing behind). With ``value_from_key`` there is no V
-    buffer (``v_buf`` stays empty)."""
+    lengths, and an aborted step zeroes them (and gives back any growth), so it leaves nothing
+    behind. With ``value_from_key`` there is no V buffer (``v_buf`` stays empty)."""
 
     def __init__(self, kv_heads, head_dim, v_head_dim=None, *, value_from_key=False, dtype=torch.float32,
                  device=None):
@@ -435,16 +459,38 @@ class _ContiguousCache(KVCache):
     def write(self, step, k, v):
         v = self._check_kv(step, k, v)
         B, H, S, _ = k.shape
-        uniform = step.old_host is not None and min(step.old_host, default=0) == max(step.old_host, default=0)
+        # Padding tokens (rows with num_new < S) land past their row's new length: written as 0,
+        # so no later view holds their K/V (NaN included) where a backend multiplies masked rows by 0.
+        pad = None
+        if step.num_new_host is None or any(n != S for n in step.num_new_host):
+            pad = (torch.arange(S, device=k.device)[None] >= step.num_new[:, None])[:, None, :, None]  # (B, 1, S, 1)
         for (name, dim), t in zip(self._stored(), (k, v)):
-            buf = getattr(self, name)
-            if uniform:  # one slice copy
-                start = step.old_host[0] if step.old_host else 0
-                buf[:B, :, start:start + S].copy_(t)
-            else:
-                pos = step.positions()  # (B, S); rows' padding tokens land past their new length
-                buf[:B].scatter_(2, pos[:, None, :, None].expand(B, H, S, dim), t)
+            if pad is not None:
+                t = t.masked_fill(pad, 0)
+            self._put(step, getattr(self, name), t)
         step.writers.add(id(self))
+
+    def _put(self, step: CacheStep, buf: Tensor, t: Tensor) -> None:
+        """Write the step's rows ``t`` (B, Hkv, S, ·) of one buffer at positions old .. old + S - 1."""
+        B, H, S, dim = t.shape
+        uniform = step.old_host is not None and min(step.old_host, default=0) == max(step.old_host, default=0)
+        if uniform:  # one slice copy
+            start = step.old_host[0] if step.old_host else 0
+            buf[:B, :, start:start + S].copy_(t)
+        else:
+            pos = step.positions()  # (B, S); rows' padding tokens land past their new length
+            buf[:B].scatter_(2, pos[:, None, :, None].expand(B, H, S, dim), t)
+
+    def _abort(self, step):
+        # Rows past the committed lengths are zeroed where this step wrote them (never left
+        # holding its K/V), and a buffer the step grew goes back to its size.
+        if id(self) in step.writers:
+            for name, dim in self._stored():
+                buf = getattr(self, name)
+                self._put(step, buf, buf.new_zeros(step.batch, self.kv_heads, step.tokens, dim))
+        grown_from = getattr(step, "grown_from", None)
+        if grown_from is not None:
+            self._alloc(*grown_from)
 
     def _views(self, batch: int, length: int) -> tuple[Tensor, Tensor]:
         k = self.k_buf[:batch, :, :length]
@@ -476,10 +522,14 @@ class DynamicCache(_ContiguousCache):
         B, S, n, n_host = self._check_step_args(batch, tokens, num_new)
         old_host = self._host if self._host else [0] * B
         need = max(old_host, default=0) + S
-        cap = self.k_buf.shape[2]
-        if self.k_buf.shape[0] != B or need > cap:
+        rows, cap = self.k_buf.shape[0], self.k_buf.shape[2]
+        grown_from = None
+        if rows != B or need > cap:
             self._alloc(B, max(need, 2 * cap, 16))  # keeps every committed token
-        return CacheStep(self._old(B), n, S, old_host=list(old_host), num_new_host=n_host)
+            grown_from = (rows, cap)  # an abort shrinks the buffers back
+        step = CacheStep(self._old(B), n, S, old_host=list(old_host), num_new_host=n_host)
+        step.grown_from = grown_from
+        return step
 
     def view(self, step, *, dense=False):
         return (*self._views(step.batch, max(step.new_host, default=0)), step.mask())
@@ -520,22 +570,24 @@ class StaticCache(_ContiguousCache):
         if B != self.max_batch:
             raise ValueError(f"a step of batch {B} but the static cache was built for max_batch={self.max_batch}; "
                              f"build it for the batch you run")
-        if self.lengths.numel() == 0:
-            self.lengths = torch.zeros(B, dtype=torch.long, device=self.lengths.device)
+        old = self._old(B).clone()  # lengths stay as they are until commit (empty before the first)
         old_host = None
         if not torch.compiler.is_compiling():
-            old_host = self.lengths.tolist()
+            old_host = old.tolist()
             end = max(old_host, default=0) + S
             if end > self.max_len:
                 raise ValueError(f"writing {S} tokens after lengths {old_host} overflows the static cache's "
                                  f"max_len {self.max_len}")
-        return CacheStep(self.lengths.clone(), n, S, old_host=old_host, num_new_host=n_host)
+        return CacheStep(old, n, S, old_host=old_host, num_new_host=n_host)
 
     def view(self, step, *, dense=False):
         return (*self._views(step.batch, self.max_len), Causal(offsets=step.old) & KeyPadding(step.new))
 
     def _commit(self, step):
-        self.lengths.copy_(step.new)  # in place: the buffer keeps its identity under compile
+        if self.lengths.numel() == 0:  # the first step: the (B,) buffer every later step updates in place
+            self.lengths = step.new.clone()
+        else:
+            self.lengths.copy_(step.new)  # in place: the buffer keeps its identity under compile
 
     def _reorder_buffers(self, idx):
         if idx.numel() != self.max_batch:

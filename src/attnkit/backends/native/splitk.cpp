@@ -22,6 +22,13 @@
 // Invariants: a row with no visible key gets exactly 0 (and lse -inf); NaN in a visible score
 // propagates to the row's output (only the mask decides emptiness); threads come from torch's
 // own intra-op pool (at::parallel_for) with the caller's thread count, which is never changed.
+//
+// Bounds: everything the workers will read (each sequence's key range against Sk or its block
+// table, every table entry in that range, the bias's extent) is checked on the calling thread
+// before the parallel region (check_reads), so no read depends on the thread count, the tile
+// size or the ISA. Workers never throw (an exception thrown in several OpenMP workers at once is
+// the suspect of a crash on a 16-core machine, issue 28.5): what they cannot do (an allocation
+// that fails) is flagged and raised on the calling thread after the region.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -31,11 +38,14 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <type_traits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <vector>
 
 #include <unistd.h>
@@ -118,7 +128,14 @@ struct Args {
   const float* slopes;  // optional (Hq,)
   const int64_t* qpos;  // (B, Sq) with slopes, or nullptr: bottom-right, query i at i + Sk - Sq (dense)
   float softcap;        // 0: off
+  int64_t tile;         // keys per tile (a multiple of VL), decided once per call (tile_keys)
+  // Set by a worker that met what check_reads rules out (a bad block id) or could not get its
+  // scratch memory; the call raises after the parallel region.
+  std::atomic<int>* failed;
 };
+
+// Why a worker gave up (the values of Args::failed).
+constexpr int kBadBlock = 1, kNoMemory = 2;
 
 inline int64_t row_lo(const Args& a, int64_t b, int64_t i) { return a.lo ? a.lo[b * a.Sq + i] : 0; }
 inline int64_t row_hi(const Args& a, int64_t b, int64_t i) { return a.hi ? a.hi[b * a.Sq + i] : a.Sk; }
@@ -139,14 +156,6 @@ inline void load_q(const Args& a, int64_t row, float* dst) {
 struct Unit {
   int64_t b, h, nh, s0, s1, slot;
 };
-
-[[noreturn]] __attribute__((noinline, cold)) void bad_block(int64_t b, int64_t slot, int64_t blk, const Args& a) {
-  TORCH_CHECK(slot < a.table_w, "attnkit paged attention: a position of sequence ", b, " is past its block table (",
-              a.table_w, " blocks of ", a.block_size, ")");
-  TORCH_CHECK(false, "attnkit paged attention: block table entry ", blk, " (sequence ", b, ", block ", slot,
-              ") is outside the pool of ", a.num_blocks, " blocks");
-  __builtin_unreachable();
-}
 
 // Walks rows j, j + 1, ... of (sequence b, KV head h) with no division per row: a paged walk
 // reads the block table once per block.
@@ -172,8 +181,13 @@ struct Rows {
   const T* next() {
     if (!a.paged) return base + b * s0 + h * s1 + (pos++) * s2;
     if (blk == nullptr) {
-      const int64_t id = slot < a.table_w ? a.table[b * a.table_s0 + slot] : -1;
-      if (__builtin_expect(id < 0 || id >= a.num_blocks, 0)) bad_block(b, slot, id, a);
+      int64_t id = slot < a.table_w ? a.table[b * a.table_s0 + slot] : -1;
+      if (__builtin_expect(id < 0 || id >= a.num_blocks, 0)) {
+        // Ruled out by check_reads (which also saw a valid block, so block 0 exists). A worker
+        // must not throw: flag it, read block 0, and the call raises after the parallel region.
+        a.failed->store(kBadBlock, std::memory_order_relaxed);
+        id = 0;
+      }
       blk = base + id * s0 + h * s2;
     }
     const T* r = blk + off * s1;
@@ -247,12 +261,27 @@ inline void dot_4x2_bf16(const uint16_t*, int64_t, const c10::BFloat16*, const c
 // (the size the kernel was first tuned to, with an L2 of 512 KiB). A tile and the next one
 // (prefetched) of K and V then take 1/8 of L2; larger L2s get longer tiles, which spread the
 // online softmax's per-tile work over more keys (paged units walk every KV head of a block).
+// ATTNKIT_SPLITK_TILE_BYTES (read once per process) forces the size, so tests reach every tile
+// length on any machine.
 int64_t tile_key_bytes() {
   static const int64_t bytes = [] {
+    if (const char* forced = std::getenv("ATTNKIT_SPLITK_TILE_BYTES")) {
+      char* end = nullptr;
+      const long long v = std::strtoll(forced, &end, 10);
+      if (end != forced && *end == '\0' && v > 0) return static_cast<int64_t>(v);
+    }
     const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
     return std::max<int64_t>(16384, l2 > 0 ? l2 / 32 : 0);
   }();
   return bytes;
+}
+
+// Keys per tile for rows of ``width`` elements of ``elem`` bytes, ``heads`` heads a key: what
+// tile_key_bytes() holds, 8 to 64 keys, rounded up to whole vectors (the softmax runs over whole
+// vectors of a tile's scores; lanes past the tile's keys are -inf).
+int64_t tile_keys(int64_t width, int64_t heads, int64_t elem) {
+  const int64_t row = std::max<int64_t>(1, width * heads * elem);
+  return round_up(std::max<int64_t>(8, std::min<int64_t>(64, tile_key_bytes() / row)), VL);
 }
 
 // exp_f32 on a whole vector (the same arithmetic, lane by lane).
@@ -343,6 +372,21 @@ inline vf vload_as_f32<c10::Half>(const c10::Half* p) {
 constexpr bool kHalfInRegisters = false;
 #endif
 
+// ``v`` grown to at least ``n`` elements (never shrunk), or nullptr when memory runs out: code
+// the workers run reports failures instead of throwing.
+template <typename X>
+X* grown(std::vector<X>& v, int64_t n) noexcept {
+  n = std::max<int64_t>(n, 1);  // never the null data() of an empty vector
+  if (static_cast<int64_t>(v.size()) < n) {
+    try {
+      v.resize(n);
+    } catch (...) {
+      return nullptr;
+    }
+  }
+  return v.data();
+}
+
 // One unit: all M rows of each of its nh KV heads over keys [s0, s1). Writes m (nh, M), l (nh, M)
 // and the unnormalised acc (nh, M, Dv). The heads of a unit share the walk over the keys: a tile's
 // rows of all nh heads are gathered (prefetched) together, then each head runs over them in turn.
@@ -363,7 +407,7 @@ void run_unit(const Args& a, const Unit& u, float* m, float* l, float* acc_out) 
   // distance between the rows of consecutive heads: paged (block, slot, h) / dense (b, h, j)
   const int64_t kstep = a.paged ? a.ks2 : a.ks1, vstep = a.paged ? a.vs2 : a.vs1;
   const int64_t Dp = round_up(D, VL), Dvp = round_up(Dv, VL);
-  const int64_t TILE = round_up(std::max<int64_t>(8, std::min<int64_t>(64, tile_key_bytes() / (std::max(Dp, Dvp) * NH * static_cast<int64_t>(sizeof(R))))), VL);
+  const int64_t TILE = a.tile;
   const bool v_from_k = a.v == nullptr;
   constexpr bool in_place = InPlace;
   // bf16 K read in place by the CPU's bf16 dot product, for bf16 queries (exact in bf16 already).
@@ -376,25 +420,28 @@ void run_unit(const Args& a, const Unit& u, float* m, float* l, float* acc_out) 
   thread_local std::vector<const void*> rows;
   thread_local std::vector<uint16_t> qbits;
   const int64_t kbuf_n = in_place ? 0 : NH * TILE * Dp, vbuf_n = (in_place || v_from_k) ? 0 : NH * TILE * Dvp;
-  scratch.assign(NH * M * Dp + kbuf_n + vbuf_n + M * TILE + NH * M * Dvp, 0.0f);  // zero padding lanes
-  bounds.resize(2 * M);
-  rows.resize(2 * NH * TILE);
-  float* const qbuf = scratch.data();
+  const int64_t scratch_n = NH * M * Dp + kbuf_n + vbuf_n + M * TILE + NH * M * Dvp;
+  float* const qbuf = grown(scratch, scratch_n);
+  int64_t* const rlo = grown(bounds, 2 * M);
+  const R** const krow = reinterpret_cast<const R**>(grown(rows, 2 * NH * TILE));  // (NH, TILE)
+  uint16_t* const qb = dot ? grown(qbits, NH * M * Dp) : nullptr;
+  if (qbuf == nullptr || rlo == nullptr || krow == nullptr || (dot && qb == nullptr)) {
+    a.failed->store(kNoMemory, std::memory_order_relaxed);
+    return;
+  }
+  std::fill(qbuf, qbuf + scratch_n, 0.0f);  // zero padding lanes
   float* const kbuf = qbuf + NH * M * Dp;
   float* const vbuf = kbuf + kbuf_n;
   float* const sbuf = vbuf + vbuf_n;
   float* const acc = sbuf + M * TILE;
-  int64_t* const rlo = bounds.data();
   int64_t* const rhi = rlo + M;
-  const R** const krow = reinterpret_cast<const R**>(rows.data());  // (NH, TILE)
   const R** const vrow = krow + NH * TILE;
-  if (dot) qbits.assign(NH * M * Dp, 0);  // zero padding lanes
+  if (dot) std::fill(qb, qb + NH * M * Dp, 0);  // zero padding lanes
   for (int64_t r = 0; r < NH * M; ++r) {
     const int64_t hh = r / M, rr = r % M, row = (u.b * a.Hq + (u.h + hh) * a.G + rr / a.Sq) * a.Sq + rr % a.Sq;
     load_q(a, row, qbuf + r * Dp);
-    if (dot) std::memcpy(qbits.data() + r * Dp, static_cast<const uint16_t*>(a.q) + row * D, D * sizeof(uint16_t));
+    if (dot) std::memcpy(qb + r * Dp, static_cast<const uint16_t*>(a.q) + row * D, D * sizeof(uint16_t));
   }
-  const uint16_t* const qb = qbits.data();
 
   int64_t start = u.s1, end = u.s0;
   for (int64_t r = 0; r < M; ++r) {
@@ -580,15 +627,16 @@ void run_unit(const Args& a, const Unit& u, float* m, float* l, float* acc_out) 
     }
     // acc += P @ V over the keys some row sees (p = 0 for the others, as in P @ V of the math).
     // Four rows x two vectors of acc stay in registers while the tile's V rows stream by: per key
-    // two V loads and four broadcasts feed eight FMAs.
+    // two V loads and four broadcasts feed eight FMAs. Each tile's sum starts from zero and is
+    // added to acc once (blocked summation): a long single-threaded walk no longer adds every
+    // key's term to one running total, whose rounding grows with the number of keys.
     int64_t d = 0;
     for (; d + 2 * VL <= Dvp; d += 2 * VL) {
       int64_t r = 0;
       for (; r + 4 <= M; r += 4) {
         float* a0 = ach + r * Dvp + d;
         const float* p0 = sbuf + r * TILE;
-        vf x0 = vload(a0), y0 = vload(a0 + VL), x1 = vload(a0 + Dvp), y1 = vload(a0 + Dvp + VL);
-        vf x2 = vload(a0 + 2 * Dvp), y2 = vload(a0 + 2 * Dvp + VL), x3 = vload(a0 + 3 * Dvp), y3 = vload(a0 + 3 * Dvp + VL);
+        vf x0 = {}, y0 = {}, x1 = {}, y1 = {}, x2 = {}, y2 = {}, x3 = {}, y3 = {};
         for (int64_t jj = vis_lo; jj < vis_hi; ++jj) {
           const vf va = vload_as_f32(vrh[jj] + d), vb = vload_as_f32(vrh[jj] + d + VL);
           const vf p_0 = vsplat(p0[jj]), p_1 = vsplat(p0[TILE + jj]), p_2 = vsplat(p0[2 * TILE + jj]), p_3 = vsplat(p0[3 * TILE + jj]);
@@ -597,31 +645,31 @@ void run_unit(const Args& a, const Unit& u, float* m, float* l, float* acc_out) 
           x2 += p_2 * va; y2 += p_2 * vb;
           x3 += p_3 * va; y3 += p_3 * vb;
         }
-        vstore(a0, x0); vstore(a0 + VL, y0);
-        vstore(a0 + Dvp, x1); vstore(a0 + Dvp + VL, y1);
-        vstore(a0 + 2 * Dvp, x2); vstore(a0 + 2 * Dvp + VL, y2);
-        vstore(a0 + 3 * Dvp, x3); vstore(a0 + 3 * Dvp + VL, y3);
+        vstore(a0, vload(a0) + x0); vstore(a0 + VL, vload(a0 + VL) + y0);
+        vstore(a0 + Dvp, vload(a0 + Dvp) + x1); vstore(a0 + Dvp + VL, vload(a0 + Dvp + VL) + y1);
+        vstore(a0 + 2 * Dvp, vload(a0 + 2 * Dvp) + x2); vstore(a0 + 2 * Dvp + VL, vload(a0 + 2 * Dvp + VL) + y2);
+        vstore(a0 + 3 * Dvp, vload(a0 + 3 * Dvp) + x3); vstore(a0 + 3 * Dvp + VL, vload(a0 + 3 * Dvp + VL) + y3);
       }
       for (; r < M; ++r) {
         float* a0 = ach + r * Dvp + d;
         const float* p0 = sbuf + r * TILE;
-        vf x0 = vload(a0), y0 = vload(a0 + VL);
+        vf x0 = {}, y0 = {};
         for (int64_t jj = vis_lo; jj < vis_hi; ++jj) {
           const vf pp = vsplat(p0[jj]);
           x0 += pp * vload_as_f32(vrh[jj] + d);
           y0 += pp * vload_as_f32(vrh[jj] + d + VL);
         }
-        vstore(a0, x0);
-        vstore(a0 + VL, y0);
+        vstore(a0, vload(a0) + x0);
+        vstore(a0 + VL, vload(a0 + VL) + y0);
       }
     }
     for (; d < Dvp; d += VL) {
       for (int64_t r = 0; r < M; ++r) {
         float* a0 = ach + r * Dvp + d;
         const float* p0 = sbuf + r * TILE;
-        vf x0 = vload(a0);
+        vf x0 = {};
         for (int64_t jj = vis_lo; jj < vis_hi; ++jj) x0 += p0[jj] * vload_as_f32(vrh[jj] + d);
-        vstore(a0, x0);
+        vstore(a0, vload(a0) + x0);
       }
     }
     }  // heads
@@ -629,9 +677,76 @@ void run_unit(const Args& a, const Unit& u, float* m, float* l, float* acc_out) 
   for (int64_t r = 0; r < NH * M; ++r) std::copy(acc + r * Dvp, acc + r * Dvp + Dv, acc_out + r * Dv);
 }
 
-// Splits each sequence's visible key range into slices of about equal length, enough of them that
+// Each sequence's key range [start, end): the union of its rows' intervals (rows that see nothing
+// left out; empty: 0, 0). Every unit of the sequence walks inside it, tile and prefetch included,
+// so these are the keys (and, paged, the block-table entries) the workers may read.
+struct Ranges {
+  std::vector<int64_t> start, end;
+};
+
+Ranges key_ranges(const Args& a) {
+  Ranges r;
+  r.start.assign(a.B, 0);
+  r.end.assign(a.B, 0);
+  for (int64_t b = 0; b < a.B; ++b) {
+    int64_t s = std::numeric_limits<int64_t>::max(), e = 0;
+    for (int64_t i = 0; i < a.Sq; ++i) {
+      const int64_t lo = std::max<int64_t>(0, row_lo(a, b, i)), hi = row_hi(a, b, i);
+      if (lo < hi) {
+        s = std::min(s, lo);
+        e = std::max(e, hi);
+      }
+    }
+    if (e > s) {
+      r.start[b] = s;
+      r.end[b] = e;
+    }
+  }
+  return r;
+}
+
+// Keys (of one head) the planner may split at most: key counts times heads and pieces stay far
+// from int64 overflow.
+constexpr int64_t kMaxKeys = int64_t{1} << 52;
+
+// On the calling thread, before any worker runs: every read the workers will make is inside the
+// tensors, whatever the thread count, tile size or ISA. Bad arguments raise ValueError naming
+// them; nothing is read before this returns.
+void check_reads(const Args& a, const Ranges& r, const c10::optional<at::Tensor>& bias) {
+  int64_t reach = 0;  // the furthest key any row reads, + 1
+  for (int64_t b = 0; b < a.B; ++b) {
+    if (r.end[b] == 0) continue;
+    reach = std::max(reach, r.end[b]);
+    if (!a.paged) {
+      TORCH_CHECK_VALUE(r.end[b] <= a.Sk, "attnkit split-K: rows of sequence ", b, " read keys up to ", r.end[b],
+                        " but k holds Sk=", a.Sk);
+      continue;
+    }
+    const int64_t last = (r.end[b] - 1) / a.block_size;  // the last block the rows reach
+    TORCH_CHECK_VALUE(last < a.table_w, "attnkit paged attention: rows of sequence ", b, " read keys up to ", r.end[b],
+                      " but its block_table row holds ", a.table_w, " blocks of ", a.block_size, " tokens");
+    TORCH_CHECK_VALUE(r.end[b] - r.start[b] <= kMaxKeys, "attnkit paged attention: sequence ", b,
+                      " has rows reading keys [", r.start[b], ", ", r.end[b], "): more than 2^52 keys");
+    for (int64_t slot = r.start[b] / a.block_size; slot <= last; ++slot) {
+      const int64_t id = a.table[b * a.table_s0 + slot];
+      TORCH_CHECK_VALUE(id >= 0 && id < a.num_blocks, "attnkit paged attention: block_table entry ", id,
+                        " (sequence ", b, ", block ", slot, ") is outside the pool of ", a.num_blocks,
+                        " blocks");
+    }
+  }
+  if (bias.has_value()) {
+    const at::Tensor& t = *bias;
+    TORCH_CHECK_VALUE(t.size(0) == a.B && t.size(1) == a.Hq && t.size(2) == a.Sq && t.size(3) >= reach,
+                      "attnkit split-K: bias ", t.sizes(), " must be (B, Hq, Sq, >= ", reach, ") = (", a.B, ", ",
+                      a.Hq, ", ", a.Sq, ", ", reach, ")");
+  }
+}
+
+// Splits each sequence's key range into slices of about equal length, enough of them that
 // torch's threads (static partition of the unit list) get balanced work. The partial results of
-// (b, kv head) are in slots ``first[p] + i * stride[p]`` for i < count[p].
+// (b, kv head) are in slots ``first[p] + i * stride[p]`` for i < count[p]. The unit count is
+// about 4 per thread, plus at most one per thread and one per (sequence, unit of heads), whatever
+// the key counts (so memory for the plan and the partials never follows the lengths).
 //
 // Dense caches (B, Hkv, Sk, D) hold each head's rows contiguously: a unit is one head of a slice.
 // Paged pools interleave the KV heads of a token (N, bs, Hkv, D): a unit is every head of a slice,
@@ -642,31 +757,20 @@ struct Plan {
   int64_t slots = 0;
 };
 
-Plan plan_units(const Args& a) {
-  const int64_t threads = at::get_num_threads();
-  std::vector<int64_t> start(a.B), end(a.B);
-  int64_t total = 0;
-  for (int64_t b = 0; b < a.B; ++b) {
-    int64_t s = std::numeric_limits<int64_t>::max(), e = 0;
-    for (int64_t i = 0; i < a.Sq; ++i) {
-      const int64_t lo = std::max<int64_t>(0, row_lo(a, b, i)), hi = row_hi(a, b, i);
-      if (lo < hi) {
-        s = std::min(s, lo);
-        e = std::max(e, hi);
-      }
-    }
-    if (e <= s) s = e = 0;
-    start[b] = s;
-    end[b] = e;
-    total += (e - s) * a.Hkv;
-  }
+Plan plan_units(const Args& a, const Ranges& rg) {
+  const int64_t threads = std::max(1, at::get_num_threads());
+  const std::vector<int64_t>&start = rg.start, &end = rg.end;
+  // key rows of all heads (check_reads bounds each sequence's keys by Sk or kMaxKeys; summed in 128 bits)
+  __int128 total = 0;
+  for (int64_t b = 0; b < a.B; ++b) total += static_cast<__int128>(end[b] - start[b]) * a.Hkv;
   const int64_t nh = a.paged ? a.Hkv : 1;  // heads per unit
   // keys (of one head) per unit: ~4 units per thread, at least 256 key rows of work
-  const int64_t per_unit = std::max<int64_t>(256, (total + 4 * threads - 1) / (4 * threads)) / nh;
+  const __int128 share = (total + 4 * threads - 1) / (4 * threads);
+  const int64_t per_unit = static_cast<int64_t>(std::clamp<__int128>(std::max<__int128>(256, share) / nh, 1, kMaxKeys));
   std::vector<int64_t> npieces(a.B);
   int64_t units = 0;
   for (int64_t b = 0; b < a.B; ++b) {
-    npieces[b] = std::max<int64_t>(1, (end[b] - start[b] + per_unit - 1) / std::max<int64_t>(1, per_unit));
+    npieces[b] = std::max<int64_t>(1, (end[b] - start[b] + per_unit - 1) / per_unit);
     units += npieces[b] * (a.Hkv / nh);
   }
   // torch's threads take equal runs of the unit list: a count that does not divide leaves one
@@ -675,7 +779,8 @@ Plan plan_units(const Args& a) {
   for (int64_t round = 0; round < threads && units % threads != 0; ++round) {
     int64_t b = 0;
     for (int64_t c = 1; c < a.B; ++c)
-      if ((end[c] - start[c]) * npieces[b] > (end[b] - start[b]) * npieces[c]) b = c;
+      if (static_cast<__int128>(end[c] - start[c]) * npieces[b] > static_cast<__int128>(end[b] - start[b]) * npieces[c])
+        b = c;
     npieces[b] += 1;
     units += a.Hkv / nh;
   }
@@ -684,6 +789,7 @@ Plan plan_units(const Args& a) {
   plan.first.assign(P, 0);
   plan.stride.assign(P, 1);
   plan.count.assign(P, 0);
+  plan.units.reserve(units);
   for (int64_t b = 0; b < a.B; ++b) {
     const int64_t len = end[b] - start[b];
     const int64_t pieces = npieces[b];
@@ -696,7 +802,9 @@ Plan plan_units(const Args& a) {
     for (int64_t h = 0; h < a.Hkv; h += nh)
       for (int64_t p = 0; p < pieces; ++p) {
         const int64_t slot = a.paged ? base + p * a.Hkv : base + h * pieces + p;
-        plan.units.push_back({b, h, nh, start[b] + len * p / pieces, start[b] + len * (p + 1) / pieces, slot});
+        const int64_t s0 = start[b] + static_cast<int64_t>(static_cast<__int128>(len) * p / pieces);
+        const int64_t s1 = start[b] + static_cast<int64_t>(static_cast<__int128>(len) * (p + 1) / pieces);
+        plan.units.push_back({b, h, nh, s0, s1, slot});
       }
     plan.slots += pieces * a.Hkv;
   }
@@ -721,14 +829,18 @@ inline void store_row(const float* o, void* out, at::ScalarType type, int64_t ro
 }
 
 template <typename T>
-void run_all(const Args& a, at::Tensor& out, float* lse, const float* sinks) {
+void run_all(Args a, const Ranges& ranges, at::Tensor& out, float* lse, const float* sinks) {
   const int64_t M = a.G * a.Sq, Dv = a.Dv;
-  const Plan plan = plan_units(a);
+  const Plan plan = plan_units(a, ranges);
   const std::vector<Unit>& units = plan.units;
   const int64_t U = static_cast<int64_t>(units.size());
   std::vector<float> pm(plan.slots * M), pl(plan.slots * M), pacc(plan.slots * M * Dv);
   // Rows are read in place when whole vectors cover them (and the type widens in registers).
   const bool in_place = a.D % VL == 0 && a.Dv % VL == 0 && (!std::is_same<T, c10::Half>::value || kHalfInRegisters);
+  const int64_t nh = a.paged ? a.Hkv : 1;
+  a.tile = tile_keys(std::max(round_up(a.D, VL), round_up(a.Dv, VL)), nh, in_place ? sizeof(T) : sizeof(float));
+  std::atomic<int> failed{0};
+  a.failed = &failed;
   at::parallel_for(0, U, 1, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t x = units[u].slot;
@@ -738,11 +850,20 @@ void run_all(const Args& a, at::Tensor& out, float* lse, const float* sinks) {
         run_unit<T, false>(a, units[u], &pm[x * M], &pl[x * M], &pacc[x * M * Dv]);
     }
   });
+  // Raised here, on the calling thread, after every worker has finished.
+  TORCH_CHECK(failed.load() != kBadBlock, "attnkit paged attention: a worker met a block id that check_reads had "
+              "accepted (the block table changed during the call?)");
+  if (failed.load() == kNoMemory) throw std::bad_alloc();
   // Merge the slices of each (b, kv head): exact log-sum-exp rule; sinks join the denominator.
   void* const out_ptr = out.data_ptr();
   const at::ScalarType out_type = out.scalar_type();
   at::parallel_for(0, a.B * a.Hkv, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> orow(Dv);
+    thread_local std::vector<float> orow;
+    float* const o = grown(orow, Dv);
+    if (o == nullptr) {
+      failed.store(kNoMemory, std::memory_order_relaxed);
+      return;
+    }
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t b = p / a.Hkv, h = p % a.Hkv, u0 = plan.first[p], us = plan.stride[p];
       const int64_t u1 = u0 + plan.count[p] * us;
@@ -751,7 +872,6 @@ void run_all(const Args& a, at::Tensor& out, float* lse, const float* sinks) {
         float mx = kNegInf;
         for (int64_t u = u0; u < u1; u += us) mx = nan_max(pm[u * M + r], mx);
         const int64_t row = (b * a.Hq + hq) * a.Sq + i;
-        float* o = orow.data();
         std::fill(o, o + Dv, 0.0f);
         float den = 0.0f;
         if (mx != kNegInf) {
@@ -777,6 +897,7 @@ void run_all(const Args& a, at::Tensor& out, float* lse, const float* sinks) {
       }
     }
   });
+  if (failed.load() == kNoMemory) throw std::bad_alloc();
 }
 
 // q (B, Hq, Sq, D) contiguous fp32 / bf16 / fp16 (multiplied by ``scale`` here); k / v: dense
@@ -797,7 +918,10 @@ std::tuple<at::Tensor, at::Tensor> splitk_attention(
   TORCH_CHECK(q.dim() == 4 && (qt == at::kFloat || qt == at::kBFloat16 || qt == at::kHalf) && q.is_contiguous() &&
                   q.device().is_cpu(),
               "q must be a contiguous fp32 / bf16 / fp16 CPU tensor (B, Hq, Sq, D)");
-  TORCH_CHECK(k.dim() == 4 && k.stride(3) == 1, "k must be 4-D with unit stride in its last dim");
+  // A last dim of size 1 has no meaningful stride (torch calls such tensors contiguous whatever it is).
+  const auto rows_ok = [](const at::Tensor& t) { return t.dim() == 4 && (t.stride(3) == 1 || t.size(3) <= 1); };
+  TORCH_CHECK(rows_ok(k) && k.device().is_cpu(), "k must be a 4-D CPU tensor with unit stride in its last dim, got ",
+              k.sizes(), " strides ", k.strides());
   const bool paged = block_table.has_value();
   Args a{};
   a.B = q.size(0);
@@ -808,7 +932,8 @@ std::tuple<at::Tensor, at::Tensor> splitk_attention(
   TORCH_CHECK(a.Hkv > 0 && a.Hq % a.Hkv == 0, "query heads must be a multiple of KV heads");
   a.G = a.Hq / a.Hkv;
   a.Dv = v_head_dim;
-  TORCH_CHECK(k.size(3) == a.D, "k's last dim must equal q's");
+  TORCH_CHECK(a.Dv >= 0, "v_head_dim must be >= 0, got ", a.Dv);
+  TORCH_CHECK(k.size(3) == a.D, "k's last dim must equal q's: k ", k.sizes(), ", q ", q.sizes());
   a.q = q.data_ptr();
   a.q_type = qt;
   a.scale = static_cast<float>(scale);
@@ -820,19 +945,26 @@ std::tuple<at::Tensor, at::Tensor> splitk_attention(
   a.paged = paged;
   if (paged) {
     // pools (N, bs, Hkv, D): row of (block, slot, h)
-    a.ks0 = k.stride(0);
-    a.ks1 = k.stride(1);
-    a.ks2 = k.stride(2);
+    TORCH_CHECK(k.size(2) == a.Hkv, "k_pool ", k.sizes(), " must be (N, bs, Hkv=", a.Hkv, ", D)");
+    TORCH_CHECK_VALUE(k.size(1) > 0, "attnkit paged attention: the pools' block size must be >= 1, got k_pool ",
+                      k.sizes());
     const at::Tensor& t = *block_table;
-    TORCH_CHECK(t.scalar_type() == at::kLong && t.dim() == 2 && t.stride(1) == 1, "block_table must be (B, W) int64");
+    TORCH_CHECK(t.scalar_type() == at::kLong && t.dim() == 2 && t.size(0) == a.B && t.stride(1) == 1 &&
+                    t.device().is_cpu(),
+                "block_table must be a (B=", a.B, ", W) int64 CPU tensor with unit stride, got ", t.sizes());
     a.table = t.data_ptr<int64_t>();
     a.table_s0 = t.stride(0);
     a.table_w = t.size(1);
     a.block_size = k.size(1);
     a.num_blocks = k.size(0);
+  } else {
+    TORCH_CHECK(k.size(0) == a.B && k.size(1) == a.Hkv, "k ", k.sizes(), " must be (B=", a.B, ", Hkv=", a.Hkv,
+                ", Sk, D)");
   }
   if (v.has_value()) {
-    TORCH_CHECK(v->dim() == 4 && v->stride(3) == 1 && v->scalar_type() == k.scalar_type(), "v must match k");
+    TORCH_CHECK(rows_ok(*v) && v->device().is_cpu() && v->scalar_type() == k.scalar_type() &&
+                    v->sizes().slice(0, 3) == k.sizes().slice(0, 3),
+                "v must match k: k ", k.sizes(), ", v ", v->sizes());
     TORCH_CHECK(v->size(3) == a.Dv, "v's last dim must equal v_head_dim");
     a.v = v->data_ptr();
     a.vs0 = v->stride(0);
@@ -843,19 +975,21 @@ std::tuple<at::Tensor, at::Tensor> splitk_attention(
     a.v = nullptr;
   }
   TORCH_CHECK(hi.has_value() || !paged, "paged pools need hi (the sequences' lengths)");
+  const auto index_ok = [&](const at::Tensor& t) {
+    return t.scalar_type() == at::kLong && t.is_contiguous() && t.numel() == a.B * a.Sq && t.device().is_cpu();
+  };
   a.lo = a.hi = nullptr;
   if (lo.has_value()) {
-    TORCH_CHECK(lo->scalar_type() == at::kLong && lo->is_contiguous() && lo->numel() == a.B * a.Sq,
-                "lo must be (B, Sq) int64");
+    TORCH_CHECK(index_ok(*lo), "lo must be (B, Sq) int64");
     a.lo = lo->data_ptr<int64_t>();
   }
   if (hi.has_value()) {
-    TORCH_CHECK(hi->scalar_type() == at::kLong && hi->is_contiguous() && hi->numel() == a.B * a.Sq,
-                "hi must be (B, Sq) int64");
+    TORCH_CHECK(index_ok(*hi), "hi must be (B, Sq) int64");
     a.hi = hi->data_ptr<int64_t>();
   }
   if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 4, "bias must be a 4-D fp32 tensor");
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 4 && bias->device().is_cpu(),
+                "bias must be a 4-D fp32 CPU tensor");
     a.bias = bias->data_ptr<float>();
     a.bs0 = bias->stride(0);
     a.bs1 = bias->stride(1);
@@ -864,28 +998,30 @@ std::tuple<at::Tensor, at::Tensor> splitk_attention(
   }
   if (slopes.has_value()) {
     TORCH_CHECK(qpos.has_value() || !paged, "ALiBi over paged pools needs qpos");
-    TORCH_CHECK(slopes->scalar_type() == at::kFloat && slopes->is_contiguous() && slopes->numel() == a.Hq,
+    TORCH_CHECK(slopes->scalar_type() == at::kFloat && slopes->is_contiguous() && slopes->numel() == a.Hq &&
+                    slopes->device().is_cpu(),
                 "slopes must be (Hq,) fp32");
-    TORCH_CHECK(!qpos.has_value() || (qpos->scalar_type() == at::kLong && qpos->is_contiguous() &&
-                                      qpos->numel() == a.B * a.Sq),
-                "qpos must be (B, Sq) int64");
+    TORCH_CHECK(!qpos.has_value() || index_ok(*qpos), "qpos must be (B, Sq) int64");
     a.slopes = slopes->data_ptr<float>();
     a.qpos = qpos.has_value() ? qpos->data_ptr<int64_t>() : nullptr;
   }
   const float* sink_ptr = nullptr;
   if (sinks.has_value()) {
-    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->numel() == a.Hq,
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->numel() == a.Hq &&
+                    sinks->device().is_cpu(),
                 "sinks must be (Hq,) fp32");
     sink_ptr = sinks->data_ptr<float>();
   }
   a.softcap = static_cast<float>(softcap);
+  const Ranges ranges = key_ranges(a);
+  check_reads(a, ranges, bias);
   at::Tensor out = at::empty({a.B, a.Hq, a.Sq, a.Dv}, q.options());
   at::Tensor lse = at::empty({return_lse ? a.B : 0, a.Hq, a.Sq}, q.options().dtype(at::kFloat));
   float* lse_ptr = return_lse ? lse.data_ptr<float>() : nullptr;
   switch (k.scalar_type()) {
-    case at::kFloat: run_all<float>(a, out, lse_ptr, sink_ptr); break;
-    case at::kBFloat16: run_all<c10::BFloat16>(a, out, lse_ptr, sink_ptr); break;
-    case at::kHalf: run_all<c10::Half>(a, out, lse_ptr, sink_ptr); break;
+    case at::kFloat: run_all<float>(a, ranges, out, lse_ptr, sink_ptr); break;
+    case at::kBFloat16: run_all<c10::BFloat16>(a, ranges, out, lse_ptr, sink_ptr); break;
+    case at::kHalf: run_all<c10::Half>(a, ranges, out, lse_ptr, sink_ptr); break;
     default: TORCH_CHECK(false, "k must be fp32, bf16 or fp16, got ", k.scalar_type());
   }
   return {out, lse};

@@ -68,7 +68,7 @@ if triton is not None:
         stride_kn, stride_kt, stride_kh,
         stride_vn, stride_vt, stride_vh,
         stride_tb,
-        HKV, G, S, DK, DR, DV, PAGE, SPLIT_LEN, NSPLIT,
+        HKV, G, S, DK, DR, DV, PAGE, SPLIT_LEN, NSPLIT, NPAGES,
         V_FROM_K: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -117,6 +117,10 @@ if triton is not None:
             pos = n0 + tl.arange(0, BLOCK_N)
             pos_ok = pos < end
             page = tl.load(TABLE + b * stride_tb + pos // PAGE, mask=pos_ok, other=0).to(tl.int64)
+            # A table entry outside the pool (a caller's checked=True table that lies: checking
+            # it would cost a device sync) is never read; its keys count as masked.
+            pos_ok = pos_ok & (page >= 0) & (page < NPAGES)
+            page = tl.where(pos_ok, page, 0)
             slot = pos % PAGE
             k_base = Kh + page * stride_kn + slot * stride_kt
             k = tl.load(k_base[:, None] + dk[None, :], mask=pos_ok[:, None] & (dk[None, :] < DK), other=0.0)
@@ -251,7 +255,7 @@ def _launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tens
         k.stride(0), k.stride(1), k.stride(2),
         vv.stride(0), vv.stride(1), vv.stride(2),
         table.stride(0),
-        Hkv, G, S, cfg["DK"], cfg["DR"], Dv, page, split_len, num_splits,
+        Hkv, G, S, cfg["DK"], cfg["DR"], Dv, page, split_len, num_splits, k.shape[0],
         V_FROM_K=v_from_k, HAS_ROPE=cfg["DR"] > 0, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # Triton 3.9's interpreter computes bf16 dots wrongly: there, operands go up to fp32 (exact
         # products, fp32 sums: what the GPU's bf16 dot with fp32 accumulation gives).
@@ -381,9 +385,11 @@ def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor | None, blo
                              f"{_shape(block_table)}, page {page}), got {seq.tolist()}")
         if max_len is not None and max_len < hi:
             raise ValueError(f"max_len={max_len} is below the longest sequence ({hi} keys): keys would be skipped")
-        if block_table.numel() and (int(block_table.min()) < 0 or int(block_table.max()) >= N):
-            raise ValueError(f"block_table entries must be in [0, N={N}) (k_pool {_shape(k_pool)}); pad unused "
-                             f"entries with any valid page, e.g. 0")
+        used = torch.arange(block_table.shape[1], device=block_table.device)[None] < (-(-seq // page))[:, None]
+        bad = used & ((block_table < 0) | (block_table >= N))
+        if bool(bad.any()):  # entries past a sequence's last page (padding such as -1) are never read
+            raise ValueError(f"block_table entries holding tokens must be in [0, N={N}) (k_pool {_shape(k_pool)}, "
+                             f"block_table {_shape(block_table)}), got {block_table[bad].tolist()[:8]}")
     if max_len is None:
         max_len = int(seq.max()) if B else 0
     if scale is None:
