@@ -11,7 +11,6 @@ import torch
 from attnkit import RotaryEmbedding, masks
 from attnkit.caches import BlockAllocator, DynamicCache, PagedKVCache, SlidingWindowCache, StaticCache
 from attnkit.modules import MultiHeadAttention
-from attnkit.modules.attention import _CORE_HAS
 
 transformers = pytest.importorskip("transformers")
 
@@ -213,7 +212,6 @@ def test_phi3_attention_fused_qkv_partial_rotary():
         _check(hf, Phi3RotaryEmbedding(cfg), cfg, ours, None, CACHES)
 
 
-@pytest.mark.skipif(not _CORE_HAS["softcap"], reason="attnkit.attention has no softcap= yet (issue 14 core)")
 def test_gemma2_attention_softcap():
     from transformers.models.gemma2.modeling_gemma2 import Gemma2Attention, Gemma2RotaryEmbedding
     cfg = transformers.Gemma2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -229,14 +227,6 @@ def test_gemma2_attention_softcap():
                                   window=window).eval()
         ours.load_state_dict(hf.state_dict(), strict=True)
         _check(hf, Gemma2RotaryEmbedding(cfg), cfg, ours, window, CACHES)
-
-
-def test_core_options_missing_from_the_core_fail_at_construction():
-    for opt, kw in (("softcap", dict(softcap=5.0)), ("sinks", dict(sinks=True)), ("alibi", dict(alibi=True))):
-        if _CORE_HAS[opt]:
-            continue
-        with pytest.raises(NotImplementedError, match=opt):
-            MultiHeadAttention(32, 4, causal=True, **kw)
 
 
 @pytest.mark.parametrize("kind", ["none", "dynamic", "static"])

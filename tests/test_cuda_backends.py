@@ -190,7 +190,7 @@ def test_causal_lower_right_bias_matches_oracle(monkeypatch, heads, Sq, Sk):
     """The CausalBias path (CUDA-only in attnkit) run on CPU, where torch resolves it to a
     materialized mask: forward and gradients agree with the fp64 oracle."""
     monkeypatch.setattr(sdpa, "_lower_right_bias",
-                        lambda q, k, v, call: call.q_len < call.kv_len and sdpa._is_bottom_right_causal(call.mask))
+                        lambda q, k, v, call: call.q_len < call.kv_len and call.reduced.is_bottom_right_causal)
     q, k, v = make_qkv(2, *heads, Sq, Sk, 16, seed=stable_seed("lower-right", heads, Sq, Sk))
     call = _validate(q, k, v, None, True, None, 0.0, False)
     if call.mask is not None:

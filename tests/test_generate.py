@@ -265,6 +265,29 @@ def test_compiled_static_decode_step_never_recompiles():
             m.generate(other, 18, cache=None).tokens
 
 
+def test_compiled_steps_live_in_generation_and_go_with_the_model():
+    """The compiled steps and their cache pool belong to generation, not to the model: the model
+    has no attribute for them, a deep copy starts without them, and they do not keep a dropped
+    model alive."""
+    import copy
+    import gc
+    import weakref
+
+    import torch._dynamo
+    from attnkit.models import generation
+    m = tiny("gqa", seed=6)
+    torch._dynamo.reset()
+    m.generate(PROMPTS[:2], 4, cache="static", compile="eager")
+    assert not any("compiled" in name for name in vars(m))
+    assert m in generation._COMPILED and copy.deepcopy(m) not in generation._COMPILED
+    alive = weakref.ref(m)
+    del m
+    gc.collect()
+    torch._dynamo.reset()  # dynamo's own caches may hold the last frame's locals until reset
+    gc.collect()
+    assert alive() is None
+
+
 @pytest.mark.slow
 def test_inductor_compiled_decode_equals_eager():
     import torch._dynamo

@@ -554,7 +554,7 @@ def test_models_with_a_table_of_attention_classes_are_refused_when_built():
 def test_registering_again_checks_every_name_without_stacking_wrappers():
     name = hf.register("attnkit-again")
     fn = transformers.PreTrainedModel.get_correct_attn_implementation
-    assert not hasattr(fn._attnkit_original, "_attnkit_original")  # one wrapper, around transformers' own
+    assert not hasattr(fn.attnkit_original, "attnkit_original")  # one wrapper, around transformers' own
     with pytest.raises(ValueError, match="BloomForCausalLM"):
         transformers.AutoModelForCausalLM.from_config(_tiny_config("bloom"), attn_implementation=name)
     assert _tiny("llama", name).config._attn_implementation == name

@@ -85,8 +85,23 @@ def test_forward_shapes_weights_and_logits_to_keep(attention):
     torch.testing.assert_close(last, logits[:, -3:])
 
 
+def test_cache_kinds_say_what_each_layer_gets():
+    """new_caches("dynamic") is a DynamicCache in every layer, windowed or not; "sliding" gives
+    the windowed layers a ring of their window and the others a DynamicCache."""
+    from attnkit.caches import DynamicCache, SlidingWindowCache
+    from attnkit.models import DecoderConfig, layer_cache_kind
+    cfg = DecoderConfig(vocab_size=32, hidden_size=16, num_layers=2, num_heads=2, sliding_window=3,
+                        layer_types=("sliding_attention", "full_attention"))
+    m = Decoder(cfg)
+    assert [type(c) for c in m.new_caches("dynamic", max_batch=1)] == [DynamicCache, DynamicCache]
+    assert [type(c) for c in m.new_caches("sliding", max_batch=1)] == [SlidingWindowCache, DynamicCache]
+    assert [layer_cache_kind(layer.self_attn, "sliding") for layer in m.model.layers] == ["sliding", "dynamic"]
+    with pytest.raises(ValueError, match="max_batch"):
+        m.new_caches("sliding")
+
+
 @pytest.mark.parametrize("attention", list(VARIANTS))
-@pytest.mark.parametrize("kind", ["dynamic", "static", "paged"])
+@pytest.mark.parametrize("kind", ["dynamic", "sliding", "static", "paged"])
 def test_cached_prefill_then_decode_equals_one_forward(attention, kind):
     m = tiny(attention, seed=1)
     ids = torch.randint(0, 96, (2, 12))

@@ -107,8 +107,11 @@ def test_auto_skip_reason_passes_over_but_forcing_works():
 def test_auto_sends_only_unequal_width_cuda_decode_to_triton():
     """`auto` picks the Triton decode kernel on CUDA for MLA-style calls (K wider than V: SDPA has
     no fused kernel for them) and leaves equal widths and every CPU call to the other backends."""
-    from attnkit.backends.triton import TritonBackend, decode_limits
-    from attnkit.masks import Causal, KeyPadding, SlidingWindow
+    from attnkit.backends.triton import NO_CAUSAL, TritonBackend
+    from attnkit.masks import Causal, KeyPadding, ReducedMask, SlidingWindow
+
+    def decode_limits(mask, B, Sq, Sk, device):
+        return ReducedMask(mask, B, Sq, Sk).limits(device, NO_CAUSAL)
 
     def call(device, D, Dv, mask=None, Sq=1):
         return registry.AttentionCall(2, 16, 1, Sq, 300, D, Dv, torch.bfloat16, torch.device(device), mask,

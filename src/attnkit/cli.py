@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from ._checks import positive_int
+
 
 class CLIError(Exception):
     """A bad option or a missing prerequisite: printed as ``attnkit <command>: error: ...``, exit 2."""
@@ -359,13 +361,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _positive_int(text: str) -> int:
+    """argparse ``type=``: :func:`attnkit._checks.positive_int` of the text, as argparse's error."""
     try:
         v = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    try:
+        return positive_int("value", v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}") from None
 
 
 def _nonneg_int(text: str) -> int:

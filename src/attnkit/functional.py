@@ -19,7 +19,8 @@ import torch
 from torch import Tensor
 
 from . import backends  # noqa: F401  (registers the built-in backends)
-from .backends.registry import AttentionCall, get_backend, reads_in_place, select
+from ._checks import check_sinks, positive_number, shape_of
+from .backends.registry import AttentionCall, as_read_by, get_backend, select
 from .kvlayout import PagedKV
 from .masks import KeyPadding, as_mask
 from .reference import attention_math
@@ -80,9 +81,10 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _shape(t) -> tuple[int, ...] | str:
+    """A tensor's shape, or a PagedKV's pool and table shapes, for messages."""
     if isinstance(t, PagedKV):
         return f"paged(pool {tuple(t.k_pool.shape)}, table {tuple(t.block_table.shape)})"
-    return tuple(getattr(t, "shape", ()))
+    return shape_of(t)
 
 
 def check_qkv(q, k, v, scale=None, *, layout: str = "(B, H, S, D)") -> float:
@@ -151,33 +153,11 @@ def _check_tensor(name: str, t, layout: str) -> None:
         raise TypeError(f"{name} must be fp16, bf16, fp32 or fp64, got {t.dtype}")
 
 
-def _check_softcap(softcap) -> float | None:
-    if softcap is None:
-        return None
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap <= 0:
-        raise ValueError(f"softcap must be a positive finite float or None, got {softcap!r}")
-    return float(softcap)
-
-
-def _check_sinks(sinks, q: Tensor) -> Tensor | None:
-    if sinks is None:
-        return None
-    Hq = q.shape[1]
-    if not isinstance(sinks, Tensor):
-        raise TypeError(f"sinks must be a (Hq,) = ({Hq},) floating tensor or None, got {type(sinks).__name__}")
-    if not sinks.dtype.is_floating_point or sinks.shape != (Hq,):
-        raise ValueError(f"sinks must be a (Hq,) = ({Hq},) floating tensor (one logit per query head), got "
-                         f"{sinks.dtype} of shape {_shape(sinks)} for q {_shape(q)}")
-    if sinks.device != q.device:
-        raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}")
-    return sinks
-
-
 def _validate(q, k, v, mask, causal, scale, dropout_p, return_weights, backend="auto", softcap=None,
               sinks=None) -> AttentionCall:
     scale, (B, Hq, Sq, D, Hkv, Sk, Dv) = _check_qkv(q, k, v, scale)
-    softcap = _check_softcap(softcap)
-    sinks = _check_sinks(sinks, q)
+    softcap = positive_number("softcap", softcap, none_means="no cap")
+    sinks = check_sinks(sinks, q)
     paged = isinstance(k, PagedKV)
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
@@ -253,9 +233,7 @@ def attention(
     """
     call = _validate(q, k, v, mask, causal, scale, dropout_p, return_weights, backend, softcap, sinks)
     chosen = None if call.is_empty else select(call, backend)
-    if call.kv_layout == "paged" and (chosen is None or not reads_in_place(chosen, call)):
-        k, v = k.gather()  # a backend that reads dense K/V
-        call = replace(call, kv_layout="dense")
+    call, k, v = _as_run_by(chosen, call, k, v)
     if _DEBUG:
         _log_call(chosen, q, k, v, call)
     if chosen is None:
@@ -281,8 +259,19 @@ def describe_call(q: Tensor, k: Tensor, v: Tensor, mask=None, *, causal: bool = 
     if call.is_empty:
         return "math"
     chosen = select(call, backend)
-    if call.kv_layout == "paged" and not reads_in_place(chosen, call):
-        if detail:
-            k, v = k.gather()
-        call = replace(call, kv_layout="dense")
-    return _detailed_name(chosen, q, k, v, call) if detail else chosen.name
+    if not detail:
+        return chosen.name
+    call, k, v = _as_run_by(chosen, call, k, v)
+    return _detailed_name(chosen, q, k, v, call)
+
+
+def _as_run_by(backend, call: AttentionCall, k, v):
+    """(call, k, v) as ``backend`` runs them: paged K/V it cannot read in place (or any paged K/V
+    when no backend runs: an empty call) gathered into dense tensors (:func:`as_read_by`)."""
+    if backend is not None:
+        run = as_read_by(backend, call)
+    else:
+        run = call if call.kv_layout == "dense" else replace(call, kv_layout="dense")
+    if run.kv_layout != call.kv_layout:
+        k, v = k.gather()
+    return run, k, v

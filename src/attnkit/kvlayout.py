@@ -17,11 +17,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ._checks import shape_of
+
 __all__ = ["PagedKV"]
 
-
-def _shape(t) -> tuple:
-    return tuple(getattr(t, "shape", ()))
 
 
 @dataclass(frozen=True, eq=False)
@@ -92,13 +91,13 @@ class PagedKV:
         argument and the shapes."""
         k, v, t, n = self.k_pool, self.v_pool, self.block_table, self.lengths
         if not isinstance(k, Tensor) or k.dim() != 4:
-            raise ValueError(f"PagedKV.k_pool must be (N, bs, Hkv, D), got shape {_shape(k)}")
+            raise ValueError(f"PagedKV.k_pool must be (N, bs, Hkv, D), got shape {shape_of(k)}")
         if k.shape[1] < 1:
-            raise ValueError(f"PagedKV.k_pool must be (N, bs, Hkv, D) with a block size bs >= 1, got shape {_shape(k)}")
+            raise ValueError(f"PagedKV.k_pool must be (N, bs, Hkv, D) with a block size bs >= 1, got shape {shape_of(k)}")
         if v is not None:
             if not isinstance(v, Tensor) or v.dim() != 4 or v.shape[:3] != k.shape[:3]:
-                raise ValueError(f"PagedKV.v_pool must be (N, bs, Hkv, Dv) matching k_pool {_shape(k)}, got "
-                                 f"{_shape(v)}")
+                raise ValueError(f"PagedKV.v_pool must be (N, bs, Hkv, Dv) matching k_pool {shape_of(k)}, got "
+                                 f"{shape_of(v)}")
             if v.dtype != k.dtype or v.device != k.device:
                 raise TypeError(f"PagedKV.v_pool ({v.dtype}, {v.device}) must match k_pool ({k.dtype}, {k.device})")
             if self.v_head_dim is not None and self.v_head_dim != v.shape[3]:
@@ -110,11 +109,11 @@ class PagedKV:
         for name, x, dims in (("block_table", t, 2), ("lengths", n, 1)):
             if not isinstance(x, Tensor) or x.dim() != dims or x.dtype.is_floating_point or x.dtype == torch.bool:
                 raise TypeError(f"PagedKV.{name} must be a {dims}-D integer tensor, got "
-                                f"{getattr(x, 'dtype', type(x).__name__)} of shape {_shape(x)}")
+                                f"{getattr(x, 'dtype', type(x).__name__)} of shape {shape_of(x)}")
             if x.device != k.device:
                 raise ValueError(f"PagedKV.{name} is on {x.device} but k_pool is on {k.device}")
         if n.shape[0] != t.shape[0]:
-            raise ValueError(f"PagedKV.lengths {_shape(n)} and block_table {_shape(t)} must have one row per sequence")
+            raise ValueError(f"PagedKV.lengths {shape_of(n)} and block_table {shape_of(t)} must have one row per sequence")
         if self.max_len is not None and (not isinstance(self.max_len, int) or isinstance(self.max_len, bool)
                                          or self.max_len < 0):
             raise ValueError(f"PagedKV.max_len must be a non-negative int, got {self.max_len!r}")
@@ -124,7 +123,7 @@ class PagedKV:
         lo, hi = (0, 0) if n.numel() == 0 else (int(x) for x in torch.aminmax(n))
         if lo < 0 or hi > W * bs:
             raise ValueError(f"PagedKV.lengths {n.tolist()[:8]} must be in [0, {W} blocks x {bs} tokens = {W * bs}] "
-                             f"(block_table {_shape(t)}, k_pool {_shape(k)})")
+                             f"(block_table {shape_of(t)}, k_pool {shape_of(k)})")
         if self.max_len is not None and self.max_len != hi:
             raise ValueError(f"PagedKV.max_len={self.max_len} but max(lengths)={hi}")
         if self.checked or n.numel() == 0:
@@ -156,7 +155,7 @@ class PagedKV:
         bad = used & ((table < 0) | (table >= N))
         if bool(bad.any()):
             raise ValueError(f"PagedKV.block_table has entries outside the pool of {N} blocks where sequences "
-                             f"hold tokens: {table[bad].tolist()[:8]} (block_table {_shape(self.block_table)})")
+                             f"hold tokens: {table[bad].tolist()[:8]} (block_table {shape_of(self.block_table)})")
         ids = table.masked_fill(~used, 0)
         past = torch.arange(L, device=table.device)[None] >= self.lengths.to(table.device)[:, None]  # (B, L)
 

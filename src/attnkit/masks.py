@@ -46,6 +46,7 @@ __all__ = [
     "has_alibi",
     "has_structure",
     "shifted_bias",
+    "ReducedMask",
 ]
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -162,6 +163,10 @@ class _Positional(Mask):
             return _per_batch(self.offsets, device)
         off = kv_len - q_len if self.align == "bottom_right" else 0
         return torch.tensor(off, device=device).reshape(1, 1, 1, 1)
+
+    def query_start(self, q_len: int, kv_len: int, device=None) -> Tensor:
+        """(B|1,) int64: the position of each sequence's first query in key coordinates."""
+        return self._offset(q_len, kv_len, torch.device(device or "cpu")).reshape(-1)
 
     def _grid(self, q_len: int, kv_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
         """Query positions (B|1, 1, Sq, 1) and key indices (1, 1, 1, Sk)."""
@@ -792,6 +797,170 @@ def has_bias(m: Mask) -> bool:
     if isinstance(m, (Additive, ALiBi)):
         return True
     return isinstance(m, _Compose) and any(has_bias(x) for x in m.masks)
+
+
+# --------------------------------------------------------------------------- the reduction backends read
+
+
+class ReducedMask:
+    """A call's mask reduced once, by :func:`attnkit.attention`, into what backends read.
+
+    Backends never walk the mask tree themselves; they read this. The structure is read when the
+    reduction is made (no tensor is touched, so it costs a few attribute reads per call); tensors
+    are built on first use and kept, per device, for the call's lifetime.
+
+    * ``alibi``: the :class:`ALiBi` at the top level of an AND (kernels compute it per score from
+      its slopes and query positions), and ``rest``: the mask without it (None when what is left
+      allows every pair, such as decode's causal part).
+    * ``has_alibi`` / ``has_bias`` / ``has_structure``: see :func:`has_alibi`, :func:`has_bias`,
+      :func:`has_structure`, of the whole mask; ``rest_has_bias``: of ``rest``.
+    * ``is_top_left_causal`` (exactly ``j <= i``: torch's ``is_causal``) and
+      ``is_bottom_right_causal`` (``Causal()`` alone, or ANDs of it: no offsets).
+    * :meth:`intervals`: ``rest`` as one key interval per query row, or None.
+    * :meth:`limits`: ``rest`` as per-sequence limits (first query position, keys), or None.
+    * ``parts``: the parts the mask is an AND of (kernels with their own mask arguments, such as
+      flash-attn's window, read them).
+    * ``padding_lengths``: the (B,) lengths when ``rest`` is exactly right key padding (a paged
+      call's own mask), else None.
+    * :meth:`dense`: the materialized allowed mask and its bias, shifted per row.
+    """
+
+    def __init__(self, mask: Mask | None, batch: int, q_len: int, kv_len: int):
+        # Every property is worked out on first read (a decode step reads two or three of them)
+        # and kept in _made: functools.cached_property takes a lock, which torch.compile cannot
+        # trace.
+        self.mask, self.batch, self.q_len, self.kv_len = mask, batch, q_len, kv_len
+        self._made: dict = {}
+
+    @property
+    def parts(self) -> tuple[Mask, ...]:
+        """The parts the whole mask is an AND of (itself when it is not an AND; () for None)."""
+        m = self.mask
+        return self._once("parts", lambda: () if m is None else m.masks if isinstance(m, And) else (m,))
+
+    @property
+    def rest(self) -> Mask | None:
+        return self._split()[0]
+
+    @property
+    def alibi(self) -> ALiBi | None:
+        return self._split()[1]
+
+    @property
+    def has_alibi(self) -> bool:
+        return self._once("has_alibi", lambda: has_alibi(self.mask))
+
+    @property
+    def has_bias(self) -> bool:
+        return self._once("has_bias", lambda: self.mask is not None and has_bias(self.mask))
+
+    @property
+    def rest_has_bias(self) -> bool:
+        return self._once("rest_has_bias", lambda: self.rest is not None and has_bias(self.rest))
+
+    @property
+    def has_structure(self) -> bool:
+        return self._once("has_structure", lambda: has_structure(self.mask))
+
+    @property
+    def is_top_left_causal(self) -> bool:
+        m = self.mask
+        return self._once("top_left", lambda: m is not None and m.is_top_left_causal(self.q_len, self.kv_len))
+
+    @property
+    def is_bottom_right_causal(self) -> bool:
+        return self._once("bottom_right", lambda: self.mask is not None and _is_bottom_right_causal(self.mask))
+
+    @property
+    def padding_lengths(self) -> Tensor | None:
+        rest = self.rest
+        ok = (type(rest) is KeyPadding and rest.side == "right" and rest.lengths is not None
+              and rest.lengths.numel() == self.batch)
+        return rest.lengths if ok else None
+
+    def _split(self) -> tuple[Mask | None, ALiBi | None]:
+        def make():
+            rest, alibi = split_alibi(self.mask)
+            if rest is not None and alibi is not None and rest.allows_all(self.q_len, self.kv_len):
+                rest = None
+            return rest, alibi
+        return self._once("split", make)
+
+    def _once(self, key, make):
+        if key not in self._made:
+            self._made[key] = make()
+        return self._made[key]
+
+    def intervals(self, device) -> tuple[Tensor, Tensor] | None:
+        """``rest`` as (lo, hi) int64 broadcastable to (B, Sq), query i of sequence b seeing keys
+        ``lo <= j < hi`` (not clamped); (0, Sk) everywhere when ``rest`` is None; None when it is
+        not one interval per row (see :meth:`Mask.key_range`)."""
+        device = torch.device(device)
+
+        def make():
+            if self.rest is None:
+                z = torch.zeros(1, 1, dtype=torch.long, device=device)
+                return z, z + self.kv_len
+            return self.rest.key_range(self.batch, self.q_len, self.kv_len, device)
+        return self._once(("intervals", device), make)
+
+    def limit_parts(self) -> tuple[Causal | None, KeyPadding | None] | None:
+        """(the Causal, the right KeyPadding with lengths) ``rest`` is an AND of (each optional),
+        or None when it is anything else. Structure only."""
+        m = self.rest
+        parts = [] if m is None else list(m.masks) if isinstance(m, And) else [m]
+        causal = [p for p in parts if type(p) is Causal]
+        pads = [p for p in parts if type(p) is KeyPadding and p.lengths is not None and p.side == "right"]
+        if len(causal) + len(pads) != len(parts) or len(causal) > 1 or len(pads) > 1:
+            return None
+        return (causal[0] if causal else None), (pads[0] if pads else None)
+
+    def limits(self, device, no_causal: int) -> tuple[Tensor, Tensor] | None:
+        """(q_start (B,), seq_lens (B,)) int64: query j of sequence b sees keys
+        ``< min(q_start[b] + j + 1, seq_lens[b])``; ``q_start`` is ``no_causal`` without a causal
+        part. None when :meth:`limit_parts` is None."""
+        parts = self.limit_parts()
+        if parts is None:
+            return None
+        device = torch.device(device)
+
+        def make():
+            causal, pad = parts
+            B = self.batch
+            if causal is not None:
+                q_start = causal.query_start(self.q_len, self.kv_len, device).expand(B)
+            else:
+                q_start = torch.full((B,), no_causal, device=device)
+            if pad is not None:
+                seq = pad.lengths.to(device).reshape(-1).expand(B).clamp(0, self.kv_len)
+            else:
+                seq = torch.full((B,), self.kv_len, device=device)
+            return q_start.long(), seq.long()
+        return self._once(("limits", device, no_causal), make)
+
+    def dense(self, device, *, alibi: bool = True, shift: bool = True) -> tuple[Tensor, Tensor | None]:
+        """(allowed (B|1, H|1, Sq, Sk) bool, bias or None): the mask materialized, with
+        ``alibi`` the whole mask, else ``rest``; the bias shifted per row over the allowed keys
+        (:func:`shifted_bias`), or as given with ``shift=False`` (a shift changes a row's ratio
+        to a sink logit)."""
+        device = torch.device(device)
+
+        def make():
+            m = self.mask if alibi else self.rest
+            if m is None:
+                return torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device), None
+            allowed = m.materialize(self.batch, self.q_len, self.kv_len, device)
+            bias = (shifted_bias(m, self.batch, self.q_len, self.kv_len, device, allowed=allowed) if shift
+                    else m.bias(self.batch, self.q_len, self.kv_len, device))
+            return allowed, bias
+        return self._once(("dense", device, alibi, shift), make)
+
+
+def _is_bottom_right_causal(m: Mask) -> bool:
+    """True iff ``m`` is ``Causal()`` (bottom-right, no per-sequence offsets), or an AND of such."""
+    if isinstance(m, And):
+        return all(_is_bottom_right_causal(p) for p in m.masks)
+    return isinstance(m, Causal) and m.offsets is None and m.align == "bottom_right"
 
 
 # --------------------------------------------------------------------------- normalisation

@@ -36,6 +36,7 @@ import warnings
 import torch
 from torch import Tensor, nn
 
+from ._checks import shape_of
 from .functional import attention
 from .masks import Additive, Causal, Dense, Mask
 
@@ -83,9 +84,6 @@ def _same_op(fn, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Ten
     v = k if value is key else (q if value is query else fn(value))
     return q, k, v
 
-
-def _shape(t) -> tuple:
-    return tuple(t.shape) if isinstance(t, Tensor) else ()
 
 
 class MultiheadAttention(nn.MultiheadAttention):
@@ -147,7 +145,7 @@ class MultiheadAttention(nn.MultiheadAttention):
             if isinstance(value, (dict, set)):
                 state[name] = type(value)(value)
         new.__dict__.update(state)
-        if _route_through_forward not in new._forward_pre_hooks.values():
+        if not isinstance(module, MultiheadAttention):  # an attnkit module's copied hooks route already
             new.register_forward_pre_hook(_route_through_forward)
         return new
 
@@ -189,20 +187,20 @@ class MultiheadAttention(nn.MultiheadAttention):
                 raise TypeError(f"{name} must be a tensor or None, got {type(m).__name__}")
             if m.dtype != torch.bool and not m.dtype.is_floating_point:
                 raise MaskDtypeError(f"{name} must be bool (True = not allowed) or floating (added to the scores), "
-                                     f"got {m.dtype} of shape {_shape(m)}")
+                                     f"got {m.dtype} of shape {shape_of(m)}")
         if query.dim() not in (2, 3):
-            raise InputAssertionError(f"query must be (L, E) unbatched or 3-D batched, got shape {_shape(query)}")
+            raise InputAssertionError(f"query must be (L, E) unbatched or 3-D batched, got shape {shape_of(query)}")
         batched = query.dim() == 3
         if key.dim() != query.dim() or value.dim() != query.dim():
             raise InputAssertionError(f"query, key and value must all be {3 if batched else 2}-D: query "
-                                      f"{_shape(query)}, key {_shape(key)}, value {_shape(value)}")
+                                      f"{shape_of(query)}, key {shape_of(key)}, value {shape_of(value)}")
         if key_padding_mask is not None and key_padding_mask.dim() != query.dim() - 1:
             want = "(N, S) for batched" if batched else "(S,) for unbatched"
-            raise InputAssertionError(f"key_padding_mask must be {want} inputs, got shape {_shape(key_padding_mask)} "
-                                      f"with query {_shape(query)}")
+            raise InputAssertionError(f"key_padding_mask must be {want} inputs, got shape {shape_of(key_padding_mask)} "
+                                      f"with query {shape_of(query)}")
         if attn_mask is not None and attn_mask.dim() not in (2, 3):
             raise InputAssertionError(f"attn_mask must be 2-D (L, S) or 3-D (N * num_heads, L, S), got shape "
-                                      f"{_shape(attn_mask)}")
+                                      f"{shape_of(attn_mask)}")
         if is_causal and attn_mask is None:
             raise InputRuntimeError("is_causal=True needs attn_mask (torch.nn.MultiheadAttention treats is_causal as a "
                                     "hint that attn_mask is causal); pass attn_mask="
@@ -269,20 +267,20 @@ class MultiheadAttention(nn.MultiheadAttention):
         L, N, E = query.shape
         if E != self.embed_dim:
             raise InputAssertionError(f"query has {E} channels but embed_dim is {self.embed_dim}: query "
-                                      f"{_shape(query)}")
+                                      f"{shape_of(query)}")
         # torch compares all of key's and value's shapes with the packed projection, the leading two
         # with separate ones; a batch that differs from query's fails its reshape (RuntimeError).
         same = key.shape == value.shape if self._qkv_same_embed_dim else key.shape[:2] == value.shape[:2]
         if not same:
-            raise InputAssertionError(f"key (S, N, kdim) = {_shape(key)} and value (S, N, vdim) = {_shape(value)} "
+            raise InputAssertionError(f"key (S, N, kdim) = {shape_of(key)} and value (S, N, vdim) = {shape_of(value)} "
                                       f"disagree on source length or batch")
         if key.shape[1] != N:
-            raise InputRuntimeError(f"query and key disagree on the batch size: query (L, N, E) = {_shape(query)}, "
-                                    f"key (S, N, kdim) = {_shape(key)}")
+            raise InputRuntimeError(f"query and key disagree on the batch size: query (L, N, E) = {shape_of(query)}, "
+                                    f"key (S, N, kdim) = {shape_of(key)}")
         if key.shape[2] != self.kdim or value.shape[2] != self.vdim:
             err = InputRuntimeError if self._qkv_same_embed_dim else InputAssertionError
-            raise err(f"key must have kdim={self.kdim} and value vdim={self.vdim} channels, got key {_shape(key)}, "
-                      f"value {_shape(value)}")
+            raise err(f"key must have kdim={self.kdim} and value vdim={self.vdim} channels, got key {shape_of(key)}, "
+                      f"value {shape_of(value)}")
 
     def _check_mask(self, m, name, shape, batched, *, L=None, S=None, N=None):
         """A mask's shape (its rank and dtype are checked in :meth:`_check_ranks`)."""
@@ -290,19 +288,19 @@ class MultiheadAttention(nn.MultiheadAttention):
             return None
         if name == "key_padding_mask":
             if tuple(m.shape) != shape:
-                raise InputAssertionError(f"key_padding_mask must be (N, S) = {shape}, got shape {_shape(m)}")
+                raise InputAssertionError(f"key_padding_mask must be (N, S) = {shape}, got shape {shape_of(m)}")
             return m
         H = self.num_heads
         if m.dim() == 2:
             if tuple(m.shape) != (L, S):
-                raise InputRuntimeError(f"2-D attn_mask must be (L, S) = {(L, S)}, got shape {_shape(m)}")
+                raise InputRuntimeError(f"2-D attn_mask must be (L, S) = {(L, S)}, got shape {shape_of(m)}")
         else:
             want = (N * H, L, S) if batched else (H, L, S)
             if tuple(m.shape) != want:
                 # torch asserts on the unbatched shape, and raises RuntimeError on the batched one
                 err = InputRuntimeError if batched else InputAssertionError
                 raise err(f"3-D attn_mask must be {'(N * num_heads, L, S)' if batched else '(num_heads, L, S)'}"
-                          f" = {want}, got shape {_shape(m)}")
+                          f" = {want}, got shape {shape_of(m)}")
         return m
 
     def _project(self, query, key, value):

@@ -27,18 +27,13 @@ from typing import Any, Mapping, NamedTuple
 
 import torch
 
+from ._checks import positive_int
 from .modules.attention import MultiHeadAttention
 from .modules.mla import MLAConfig, MultiHeadLatentAttention
 
 __all__ = ["AttentionDims", "Preset", "PRESETS", "cache_spec", "values_per_token", "bytes_per_token",
            "kv_cache_bytes", "expanded_dims", "gqa_equivalent_groups", "kv_cache_table", "parse_spec",
            "parse_dtype", "parse_context", "add_kv_arguments", "run_kv"]
-
-
-def _positive(name: str, val) -> int:
-    if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-        raise ValueError(f"{name} must be a positive int, got {val!r}")
-    return val
 
 
 @dataclass(frozen=True)
@@ -53,13 +48,13 @@ class AttentionDims:
     num_heads: int | None = None
 
     def __post_init__(self):
-        _positive("num_kv_heads", self.num_kv_heads)
-        _positive("head_dim", self.head_dim)
+        positive_int("num_kv_heads", self.num_kv_heads)
+        positive_int("head_dim", self.head_dim)
         if self.v_head_dim is None:
             object.__setattr__(self, "v_head_dim", self.head_dim)
-        _positive("v_head_dim", self.v_head_dim)
+        positive_int("v_head_dim", self.v_head_dim)
         if self.num_heads is not None:
-            _positive("num_heads", self.num_heads)
+            positive_int("num_heads", self.num_heads)
             if self.num_heads % self.num_kv_heads:
                 raise ValueError(f"num_heads ({self.num_heads}) must be divisible by num_kv_heads "
                                  f"({self.num_kv_heads})")
@@ -180,7 +175,7 @@ def gqa_equivalent_groups(spec, head_dim: int | None = None) -> float:
     MHA/GQA/MQA layer its own K+V width per head (so the answer is its ``num_kv_heads``)."""
     s = cache_spec(spec)
     if head_dim is not None:
-        return values_per_token(s) / (2 * _positive("head_dim", head_dim))
+        return values_per_token(s) / (2 * positive_int("head_dim", head_dim))
     if isinstance(s, MLAConfig):
         return values_per_token(s) / (2 * s.qk_nope_head_dim)
     return values_per_token(s) / (s.head_dim + s.v_head_dim)
@@ -217,7 +212,7 @@ def _rows(specs) -> list[tuple[str, Spec, int | None]]:
             name = name or s.lower()
             layers = PRESETS[s.lower()].layers if layers is None else layers
         if layers is not None:
-            _positive("layers", layers)
+            positive_int("layers", layers)
         rows.append((name or f"#{len(rows) + 1}", cache_spec(s), layers))
     return rows
 
@@ -239,9 +234,9 @@ def kv_cache_table(specs=None, *, context: int = 4096, dtype: torch.dtype = torc
     of the same size would hold, fractional for MLA (DeepSeek-V3: 2.25).
     """
     if layers is not None:
-        _positive("layers", layers)
-    _positive("context", context)
-    _positive("batch", batch)
+        positive_int("layers", layers)
+    positive_int("context", context)
+    positive_int("batch", batch)
     elem = _element_size(dtype)
     lines = [f"KV cache at {context} tokens x batch {batch}, {_dtype_name(dtype)} ({elem} bytes/value)", "",
              "| model | attention | layers | values/token/layer | bytes/token/layer | bytes/token (model) "
@@ -297,12 +292,12 @@ def parse_dtype(text: str) -> torch.dtype:
 def parse_context(text: str | int) -> int:
     """"4096", "128k" (x1024), "1m" (x1024**2) -> tokens."""
     if isinstance(text, int) and not isinstance(text, bool):
-        return _positive("context", text)
+        return positive_int("context", text)
     m = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", str(text))
     if not m:
         raise ValueError(f"context must be a token count such as 4096, 128k or 1m, got {text!r}")
     n = int(m.group(1)) * {"": 1, "k": 1024, "m": 1024 ** 2}[m.group(2).lower()]
-    return _positive("context", n)
+    return positive_int("context", n)
 
 
 def parse_spec(text: str) -> tuple[str, Spec, int | None]:

@@ -21,6 +21,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import Tensor
 
+from ._checks import shape_of
 from . import masks as M
 
 __all__ = ["require_matplotlib", "mask_examples", "plot_mask", "mask_gallery", "plot_attention", "plot_bars",
@@ -139,7 +140,7 @@ def plot_attention(weights: Tensor, path, *, tokens: Sequence[str] | None = None
     Sq == Sk (self-attention); ``highlight`` marks (query, key) cells with a red outline."""
     if not isinstance(weights, Tensor) or weights.dim() not in (2, 3):
         raise ValueError(f"weights must be a (Sq, Sk) or (H, Sq, Sk) tensor, got shape "
-                         f"{tuple(getattr(weights, 'shape', ()))}")
+                         f"{shape_of(weights)}")
     w = weights.detach().float().cpu()
     w = w[None] if w.dim() == 2 else w
     H, Sq, Sk = w.shape

@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 
 from .._sysinfo import cpu_flags
-from ..masks import has_alibi
 from . import native, splitk
 from .registry import AttentionCall, BackendBase
 from .sdpa import sinks_refusals
@@ -57,7 +56,7 @@ def _fuses_what_sdpa_cannot(call: AttentionCall) -> bool:
     alternative is the math path), ALiBi (SDPA takes it only as a materialized (B, H, Sq, Sk)
     bias) or sinks SDPA's flash path cannot take (a window, padding). The engine runs them a chunk
     of queries at a time, several times faster."""
-    if call.softcap is not None or has_alibi(call.mask):
+    if call.softcap is not None or call.reduced.has_alibi:
         return True
     return call.sinks is not None and bool(sinks_refusals(call))
 
@@ -114,7 +113,7 @@ class SplitKBackend(BackendBase):
         return "torch" if state.startswith("torch") else state
 
     def run(self, q, k, v, call: AttentionCall):
-        mods = dict(scale=call.scale, mask=call.mask, softcap=call.softcap, sinks=call.sinks)
+        mods = dict(scale=call.scale, mask=call.reduced, softcap=call.softcap, sinks=call.sinks)
         if call.kv_layout == "paged":
             out, _ = splitk.splitk_attention(q, k.k_pool, k.v_pool, block_table=k.block_table, v_head_dim=k.value_dim,
                                              kv_len=call.kv_len, **mods)

@@ -229,10 +229,8 @@ def plan_call(call: AttentionCall, device=None) -> FlashPlan | str:
     With padding and a causal/window part this checks each sequence's alignment (a host sync
     when the lengths live on the GPU)."""
     device = call.device if device is None else device
-    m = call.mask
-    parts = [] if m is None else list(m.masks if isinstance(m, And) else (m,))
     positional, keys, queries = [], [], []
-    for p in parts:
+    for p in call.reduced.parts:
         if isinstance(p, (Causal, SlidingWindow)):
             if not p.allows_all(call.q_len, call.kv_len):  # Causal() with Sq = 1 masks nothing
                 positional.append(p)
@@ -270,10 +268,10 @@ def plan_call(call: AttentionCall, device=None) -> FlashPlan | str:
         used = (lq > 0) & (lk > 0)
         aligned = bool(((ks - qs + lk - lq == Sk - Sq) | ~used).all())
         if bounded_window and bool((clamp_changes_window(lq, lk, *window) & used).any()):
-            return (f"mask {m!r}: flash-attn clamps window sides to each sequence's key length, which for some "
+            return (f"mask {call.mask!r}: flash-attn clamps window sides to each sequence's key length, which for some "
                     "sequence here hides keys the window allows")
         if not (k_run and q_run and aligned):
-            return (f"mask {m!r}: padding with a causal/window part that flash would align per "
+            return (f"mask {call.mask!r}: padding with a causal/window part that flash would align per "
                     "sequence differently (each sequence needs one contiguous run of valid tokens and "
                     "key_start - query_start + Lk - Lq == Sk - Sq, e.g. left padding)")
     return FlashPlan(causal, window, key_valid, query_valid)

@@ -32,7 +32,6 @@ from collections import OrderedDict
 
 import torch
 
-from ..masks import has_bias, has_structure, shifted_bias, split_alibi
 from .registry import AttentionCall, BackendBase
 
 #: Longest query ``auto`` leaves to the decode kernels instead (a new Sk per step would recompile).
@@ -46,9 +45,9 @@ def sdpa_cannot_fuse(call: AttentionCall) -> str | None:
         return "soft-capping"
     if call.sinks is not None:
         return "sinks"
-    if call.mask is not None and has_bias(call.mask):
+    if call.reduced.has_bias:
         return "a bias (ALiBi or additive)"
-    if has_structure(call.mask):
+    if call.reduced.has_structure:
         return "a mask with blocks to skip (window, documents, prefix, ragged offsets)"
     return None
 
@@ -118,7 +117,9 @@ def _bias_score_mod(bias):
 def _empty_rows(call: AttentionCall, device):
     """(B|1, 1, Sq) bool, True where the mask leaves a query no key, for a mask that is one key
     interval per row (read without materializing it); None otherwise."""
-    rng = None if call.mask is None else call.mask.key_range(call.batch, call.q_len, call.kv_len, device)
+    if call.reduced.rest is None:
+        return None
+    rng = call.reduced.intervals(device)
     if rng is None:
         return None
     lo, hi = (t.to(device).clamp(0, call.kv_len) for t in rng)
@@ -166,15 +167,15 @@ class FlexBackend(BackendBase):
 
     def run(self, q, k, v, call: AttentionCall):
         kwargs, mods = {}, []
-        mask, alibi = split_alibi(call.mask)
+        alibi = call.reduced.alibi
         if call.softcap is not None:  # on the scaled score, before any bias
             c = call.softcap
             mods.append(lambda s, b, h, qi, kv: torch.tanh(s / c) * c)
         if call.mask is not None:
             kwargs["block_mask"] = block_mask_for(call, q.device)
-            bias = None if mask is None else (  # a per-row shift would change the ratio to a sink
-                mask.bias(call.batch, call.q_len, call.kv_len, q.device) if call.sinks is not None
-                else shifted_bias(mask, call.batch, call.q_len, call.kv_len, q.device))
+            # the rest's bias (ALiBi is per score below); a per-row shift would change the ratio to a sink
+            bias = call.reduced.dense(q.device, alibi=False, shift=call.sinks is None)[1] \
+                if call.reduced.rest_has_bias else None
             if bias is not None:  # -inf entries are in the block mask; add the finite rest
                 mods.append(_bias_score_mod(bias.masked_fill(torch.isneginf(bias), 0.0)))
         if alibi is not None:  # computed per score, never materialized

@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from ..masks import Mask, has_alibi
+from ..masks import Mask, ReducedMask
 
 
 @dataclass(frozen=True)
@@ -50,15 +50,19 @@ class AttentionCall:
     #: ``device.type``, read once: ``torch.device.type`` builds a new string on every read, and
     #: the refusals ask for it on every call.
     device_type: str = field(init=False, repr=False, compare=False)
+    #: The mask reduced once into what backends read (:class:`attnkit.masks.ReducedMask`):
+    #: backends read this, never the mask tree.
+    reduced: ReducedMask = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "device_type", self.device.type)
+        object.__setattr__(self, "reduced", ReducedMask(self.mask, self.batch, self.q_len, self.kv_len))
 
     @property
     def modifiers(self) -> list[str]:
         """The score modifiers this call uses ("softcap", "sinks", "ALiBi"), for refusals."""
         out = [name for name, on in (("softcap", self.softcap is not None), ("sinks", self.sinks is not None)) if on]
-        return out + (["ALiBi"] if has_alibi(self.mask) else [])
+        return out + (["ALiBi"] if self.reduced.has_alibi else [])
 
     @property
     def groups(self) -> int:
@@ -144,6 +148,13 @@ def reads_in_place(backend: Backend, call: AttentionCall) -> bool:
     return call.kv_layout in getattr(backend, "layouts", ("dense",))
 
 
+def as_read_by(backend: Backend, call: AttentionCall) -> AttentionCall:
+    """``call`` as ``backend`` runs it: the same call, or, for K/V in a layout the backend cannot
+    read in place, the dense call over the gathered K/V (which ``attention()`` gathers). The one
+    place a paged layout is demoted."""
+    return call if reads_in_place(backend, call) else replace(call, kv_layout="dense")
+
+
 #: Each backend's ``available()`` answer, asked once per process outside traced code: a package
 #: or device probe (``find_spec``, a CUDA query) must never run inside torch.compile's tracing,
 #: where it fails or answers differently (tests/test_compile_safety.py).
@@ -175,9 +186,7 @@ def reasons(backend: Backend, call: AttentionCall) -> list[str]:
     why = availability(backend)
     if why:
         return [why]
-    if call.kv_layout != "dense" and not reads_in_place(backend, call):  # judged on the gathered dense call
-        call = replace(call, kv_layout="dense")
-    return backend.not_supported_reasons(call)
+    return backend.not_supported_reasons(as_read_by(backend, call))  # judged on the call it would run
 
 
 def explain(call: AttentionCall) -> dict[str, list[str]]:
@@ -214,7 +223,7 @@ def select(call: AttentionCall, backend: str = "auto") -> Backend:
                 continue
             if call.kv_layout == "dense" and not reads_in_place(b, call):  # dense K/V cannot be paged
                 continue
-            c = call if call.kv_layout == "dense" or reads_in_place(b, call) else replace(call, kv_layout="dense")
+            c = as_read_by(b, call)
             if not reasons(b, c) and b.auto_skip_reason(c) is None:
                 return b
     raise BackendNotSupported(_refusal("no backend can run this call:", call))

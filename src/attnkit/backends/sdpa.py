@@ -30,7 +30,6 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..masks import And, Causal, Mask, shifted_bias
 from .registry import AttentionCall, BackendBase
 from .splitk import with_sinks
 
@@ -120,9 +119,7 @@ def sdpa_mask(call: AttentionCall, dtype: torch.dtype, device,
     :func:`attnkit.masks.shifted_bias`), so every allowed key's value is at most 0 and the ones
     that matter are small, then cast to ``bias_dtype`` (default :func:`sdpa_bias_dtype`) with
     finite values clamped into its range (never overflowing to -inf)."""
-    m = call.mask
-    allowed = m.materialize(call.batch, call.q_len, call.kv_len, device)
-    bias = shifted_bias(m, call.batch, call.q_len, call.kv_len, device, allowed=allowed)
+    allowed, bias = call.reduced.dense(device)
     if bias is not None:
         bt = sdpa_bias_dtype(call.device_type, dtype) if bias_dtype is None else bias_dtype
         bias = bias.float() if bias.dtype != torch.float64 else bias
@@ -141,13 +138,6 @@ def sdpa_mask(call: AttentionCall, dtype: torch.dtype, device,
     if not all_ok:
         attn_mask = attn_mask.masked_fill(~row_ok, 0.0)
     return attn_mask, (None if all_ok else row_ok)
-
-
-def _is_bottom_right_causal(m: Mask) -> bool:
-    """True iff ``m`` is ``Causal()`` (bottom-right, no per-sequence offsets), or an AND of such."""
-    if isinstance(m, And):
-        return all(_is_bottom_right_causal(p) for p in m.masks)
-    return isinstance(m, Causal) and m.offsets is None and m.align == "bottom_right"
 
 
 def _flash_usable(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> bool:
@@ -169,7 +159,7 @@ def _lower_right_bias(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> b
         return False
     if torch.is_autocast_enabled("cuda"):  # CausalBias calls kernels autocast does not cast
         return False
-    if not _is_bottom_right_causal(call.mask):
+    if not call.reduced.is_bottom_right_causal:
         return False
     return call.q_heads == call.kv_heads or _flash_usable(q, k, v, call)
 
@@ -198,10 +188,9 @@ class SdpaBackend(BackendBase):
     def sdpa_args(self, q: Tensor, k: Tensor, v: Tensor, call: AttentionCall):
         """(attn_mask, row_ok, is_causal) this backend hands to SDPA for ``call``; ``attn_mask``
         is None, a bool/float tensor or a ``CausalBias``; ``row_ok`` as in :func:`sdpa_mask`."""
-        m = call.mask
-        if m is None:
+        if call.mask is None:
             return None, None, False
-        if m.is_top_left_causal(call.q_len, call.kv_len):
+        if call.reduced.is_top_left_causal:
             return None, None, True
         if _lower_right_bias(q, k, v, call):
             return _causal_bias_module().causal_lower_right(call.q_len, call.kv_len), None, False
@@ -252,7 +241,7 @@ def sinks_refusals(call: AttentionCall) -> list[str]:
         why.append("sinks with gradients (SDPA cannot express them; the CPU flash path is inference-only)")
     elif call.dropout_p > 0:
         why.append("sinks with dropout (SDPA cannot express them)")
-    elif call.mask is not None and not call.mask.is_top_left_causal(call.q_len, call.kv_len):
+    elif call.mask is not None and not call.reduced.is_top_left_causal:
         why.append("sinks with a mask other than causal (SDPA cannot express them)")
     elif call.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         why.append(f"sinks in {call.dtype}")

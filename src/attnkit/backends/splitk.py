@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..masks import KeyPadding, Mask, shifted_bias, split_alibi
+from ..masks import Mask, ReducedMask
 from . import native
 
 __all__ = ["splitk_attention", "merge_partials", "finite", "engine_name", "v_is_prefix_of_k"]
@@ -73,25 +73,16 @@ def v_is_prefix_of_k(k: Tensor, v: Tensor) -> bool:
             and v.shape[-1] <= k.shape[-1] and v.stride() == k.stride() and v.data_ptr() == k.data_ptr())
 
 
-def _pages_only(mask: Mask | None, batch: int) -> bool:
-    """True for the mask a paged call carries alone: right key padding by one length per row."""
-    return (type(mask) is KeyPadding and mask.side == "right" and mask.lengths is not None
-            and mask.lengths.numel() == batch)
-
-
-def _bounds(mask: Mask | None, B: int, Hq: int, Sq: int, Sk: int, device,
+def _bounds(reduced: ReducedMask, B: int, Hq: int, Sq: int, Sk: int, device,
             shift: bool = True) -> tuple[Tensor, Tensor, Tensor | None]:
-    """(lo (B, Sq), hi (B, Sq)) int64 key intervals, and an fp32 bias (B|1, Hq|1, Sq, Sk) for a
-    mask that is not an interval (then the interval is everything). ``shift``: subtract each
-    row's largest bias (not with sinks, whose ratio to the scores a shift would change)."""
-    rng = None if mask is None else mask.key_range(B, Sq, Sk, device)
+    """(lo (B, Sq), hi (B, Sq)) int64 key intervals of the mask without its ALiBi part, and an
+    fp32 bias (B|1, Hq|1, Sq, Sk) for a mask that is not an interval (then each row's interval
+    spans its allowed keys). ``shift``: subtract each row's largest bias (not with sinks, whose
+    ratio to the scores a shift would change)."""
+    rng = reduced.intervals(device)
     bias = None
-    if rng is None and mask is None:
-        lo = torch.zeros(1, 1, dtype=torch.long, device=device)
-        hi = torch.full((1, 1), Sk, dtype=torch.long, device=device)
-    elif rng is None:
-        allowed = mask.materialize(B, Sq, Sk, device)
-        b = shifted_bias(mask, B, Sq, Sk, device, allowed=allowed) if shift else mask.bias(B, Sq, Sk, device)
+    if rng is None:
+        allowed, b = reduced.dense(device, alibi=False, shift=shift)
         b = torch.zeros((), device=device) if b is None else b.float()
         bias = b.masked_fill(~allowed, float("-inf"))
         bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
@@ -116,7 +107,8 @@ def _allowed_span(allowed: Tensor, Sk: int) -> tuple[Tensor, Tensor]:
     return torch.where(any_key, lo, zero), torch.where(any_key, hi, zero)
 
 
-def splitk_attention(q: Tensor, k: Tensor, v: Tensor | None, *, scale: float, mask: Mask | None = None,
+def splitk_attention(q: Tensor, k: Tensor, v: Tensor | None, *, scale: float,
+                     mask: Mask | ReducedMask | None = None,
                      block_table: Tensor | None = None, v_head_dim: int | None = None, kv_len: int | None = None,
                      sinks: Tensor | None = None, softcap: float | None = None,
                      return_lse: bool = False) -> tuple[Tensor, Tensor | None]:
@@ -127,7 +119,8 @@ def splitk_attention(q: Tensor, k: Tensor, v: Tensor | None, *, scale: float, ma
         q: (B, Hq, Sq, D).
         k, v: dense (B, Hkv, Sk, D) / (B, Hkv, Sk, Dv), or with ``block_table`` the pools
             (N, bs, Hkv, D) / (N, bs, Hkv, Dv). ``v=None``: V is K[..., :v_head_dim].
-        mask: an attnkit mask over (B, Hq, Sq, Sk) (the paged lengths already folded in).
+        mask: an attnkit mask over (B, Hq, Sq, Sk) (the paged lengths already folded in), or the
+            call's :class:`attnkit.masks.ReducedMask` (what the backend passes).
         block_table: (B, W) block ids for paged pools; ``kv_len`` is then the logical Sk.
         sinks: (Hq,) logits joining each row's denominator; softcap: c of c * tanh(s / c);
             an :class:`attnkit.masks.ALiBi` in ``mask`` is applied per score.
@@ -142,23 +135,22 @@ def splitk_attention(q: Tensor, k: Tensor, v: Tensor | None, *, scale: float, ma
     Dv = v.shape[-1] if v is not None else int(v_head_dim)
     Hkv = k.shape[2] if block_table is not None else k.shape[1]
     Sk = kv_len if block_table is not None else k.shape[2]
-    mask, alibi = split_alibi(mask)  # ALiBi is computed per score, never materialized
-    if mask is not None and alibi is not None and mask.allows_all(Sq, Sk):
-        mask = None  # e.g. decode's causal, kept beside ALiBi until ALiBi was split off
+    reduced = mask if isinstance(mask, ReducedMask) else ReducedMask(mask, B, Sq, Sk)
+    alibi = reduced.alibi  # computed per score, never materialized
     ops = native.load()
     if Sq > Q_CHUNK:
-        return _chunked(q, k, v, Dv, Hkv, Sk, scale, mask, alibi, block_table, sinks, softcap, return_lse)
-    if ops is not None and mask is None and block_table is None:
+        return _chunked(q, k, v, Dv, Hkv, Sk, scale, reduced, block_table, sinks, softcap, return_lse)
+    if ops is not None and reduced.rest is None and block_table is None:
         lo = hi = bias = None  # the kernel's default: every row sees all Sk keys
-    elif ops is not None and block_table is not None and Sq == 1 and _pages_only(mask, B):
+    elif ops is not None and block_table is not None and Sq == 1 and reduced.padding_lengths is not None:
         # A paged decode step: each row sees its sequence's keys [0, length), the lengths the
         # pages were validated against. No interval tensors to build: the kernel reads hi as
         # B * Sq = B contiguous int64, which the (B,) lengths already are.
-        lo, bias, hi = None, None, mask.lengths
+        lo, bias, hi = None, None, reduced.padding_lengths
         if hi.dtype != torch.long or hi.device != q.device or not hi.is_contiguous():
             hi = hi.to(device=q.device, dtype=torch.long).contiguous()
     else:
-        lo, hi, bias = _bounds(mask, B, Hq, Sq, Sk, q.device, shift=sinks is None)
+        lo, hi, bias = _bounds(reduced, B, Hq, Sq, Sk, q.device, shift=sinks is None)
     slopes = qpos = None
     if alibi is not None:
         slopes = alibi.slopes.to(q.device).contiguous()
@@ -203,11 +195,12 @@ def _table(block_table: Tensor | None) -> Tensor | None:
 Q_CHUNK = 64
 
 
-def _chunked(q, k, v, Dv, Hkv, Sk, scale, mask, alibi, block_table, sinks, softcap, return_lse):
+def _chunked(q, k, v, Dv, Hkv, Sk, scale, reduced, block_table, sinks, softcap, return_lse):
     """:func:`splitk_attention` a chunk of Q_CHUNK queries at a time: the intervals, bias and
     ALiBi positions of the whole call, sliced per chunk."""
     B, Hq, Sq, _ = q.shape
-    lo, hi, bias = _bounds(mask, B, Hq, Sq, Sk, q.device, shift=sinks is None)
+    alibi = reduced.alibi
+    lo, hi, bias = _bounds(reduced, B, Hq, Sq, Sk, q.device, shift=sinks is None)
     slopes = qpos = None
     if alibi is not None:
         slopes = alibi.slopes.to(q.device).contiguous()

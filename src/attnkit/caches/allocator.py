@@ -18,14 +18,14 @@ import heapq
 import operator
 import weakref
 from collections import OrderedDict
-from typing import Iterable
+from typing import Iterable, Protocol
 
 import torch
 from torch import Tensor
 
 from .base import CacheStep
 
-__all__ = ["BlockAllocator", "OutOfBlocks", "PagedStep"]
+__all__ = ["BlockAllocator", "OutOfBlocks", "PagedPools", "PagedStep"]
 
 #: How many freed sequence ids are remembered to report a double free (older ones read "unknown").
 _FREED_MEMORY = 4096
@@ -76,6 +76,17 @@ def _as_tokens(token_ids, name: str = "token_ids") -> list[int]:
         raise TypeError(f"{name} must be a 1-D integer tensor or a list of ints") from None
 
 
+class PagedPools(Protocol):
+    """What the allocator asks of a layer's pools it holds (:meth:`BlockAllocator.attach`);
+    :class:`~attnkit.caches.PagedKVCache` is one."""
+
+    def copy_on_write(self, step: "PagedStep") -> None:
+        """Copy the step's shared blocks (``step.cow`` pairs) into their private copies, once per step."""
+
+    def erase(self, step: "PagedStep") -> None:
+        """Zero the pool rows this layer wrote in ``step`` (an aborted step)."""
+
+
 class _Seq:
     """One sequence: its blocks (in position order), its length, the token ids confirmed for its
     first positions (prefix caching) and the chain hashes of its leading full blocks."""
@@ -104,11 +115,15 @@ class PagedStep(CacheStep):
     ``blocks`` (each row's block list after the step), ``cow`` ((shared block, private copy)
     pairs each layer copies before writing), ``slots`` (T,) and ``src`` (T,) (pool slot of each
     valid new token and its row in the step's B * S tokens; ``src`` None when all are valid).
+    ``uncache``: prefix-cached blocks the step writes over (free cached blocks it reserved, a
+    cropped sequence's cached partial block it appends into), still registered until commit so
+    an abort leaves the prefix cache as it was.
     """
 
     def __init__(self, alloc: "BlockAllocator", seq_ids, old: list[int], n: list[int], S: int,
                  blocks: list[list[int]], cow: list[tuple[int, int]], taken: list[int], token_ids,
-                 base: Tensor | None = None, first_changed: list[int] | None = None):
+                 base: Tensor | None = None, first_changed: list[int] | None = None,
+                 uncache: list[int] | None = None):
         bs, B = alloc.block_size, len(old)
         slots, src = [], []
         for b, (o, k, blks) in enumerate(zip(old, n, blocks)):
@@ -126,6 +141,7 @@ class PagedStep(CacheStep):
         old_t, n_t, new_t, self.slots, src_t = packed.split_with_sizes((B, B, B, T, len(src)))
         super().__init__(old_t, n_t, S, old_host=old, num_new_host=n, new=new_t)
         self.alloc, self.seq_ids, self.blocks, self.cow, self.taken = alloc, seq_ids, blocks, cow, taken
+        self.uncache = [] if uncache is None else uncache
         self.token_ids = token_ids
         self.copied: set[int] = set()  # ids of the layer caches that made their CoW copies
         self.src = None if dense else src_t
@@ -189,7 +205,7 @@ class BlockAllocator:
         self._next_id = 0
         self._cached: dict[tuple, int] = {}  # (parent chain hash, token ids) -> block
         self._block_key: dict[int, tuple] = {}
-        self._caches: weakref.WeakSet = weakref.WeakSet()  # layer pools (CoW copies)
+        self._pools: weakref.WeakSet = weakref.WeakSet()  # attached layer pools (see attach())
         self._batch: tuple[int, ...] = ()
         self._open: PagedStep | None = None
         # The last committed step's block table, reused by the next step of the same batch when
@@ -228,6 +244,17 @@ class BlockAllocator:
     def open_step(self) -> PagedStep | None:
         """The step begun and not yet committed or aborted, if any."""
         return self._open
+
+    @property
+    def num_attached(self) -> int:
+        """How many live layer pools share this allocator (see :meth:`attach`)."""
+        return len(self._pools)
+
+    def attach(self, pools: "PagedPools") -> None:
+        """Register a layer's pools: at commit they make the step's copy-on-write copies even if
+        they did not write this step, and at abort the ones that wrote erase what they wrote.
+        Held weakly: a dropped cache detaches itself."""
+        self._pools.add(pools)
 
     def __contains__(self, seq_id) -> bool:
         return seq_id in self._seqs
@@ -445,7 +472,7 @@ class BlockAllocator:
         need = self._needed(list(zip(seqs, n)))
         if need > self.num_free:
             raise OutOfBlocks(need, self.num_free, self.num_blocks, f"writing {sum(n)} tokens for a batch of {batch}")
-        bs, dropped, cow, taken, plans, first = self.block_size, {}, [], [], [], []
+        bs, dropped, cow, taken, plans, first, uncache = self.block_size, {}, [], [], [], [], []
         for seq, k in zip(seqs, n):
             # The sequence's own list while the step changes nothing in it (most decode steps):
             # a copy of a long table per row per step is what this saves; commit assigns it back.
@@ -456,18 +483,18 @@ class BlockAllocator:
                 if self._ref[last] - dropped.get(last, 0) > 1:  # shared partial block: write a private copy
                     dropped[last] = dropped.get(last, 0) + 1
                     blocks = list(blocks)
-                    blocks[-1] = self._reserve(taken)
+                    blocks[-1] = self._reserve(taken, uncache)
                     cow.append((last, blocks[-1]))
                     first[-1] -= 1
                 elif last in self._block_key:  # a cached block cropped into: its content will change
-                    del self._cached[self._block_key.pop(last)]
+                    uncache.append(last)
             if len(blocks) * bs < seq.length + k:
                 blocks = list(blocks) if blocks is seq.blocks else blocks
                 while len(blocks) * bs < seq.length + k:
-                    blocks.append(self._reserve(taken))
+                    blocks.append(self._reserve(taken, uncache))
             plans.append(blocks)
         base = known[1] if known is not None and seq_ids is None and ids is not None else None
-        step = PagedStep(self, ids, [s.length for s in seqs], n, S, plans, cow, taken, tok, base, first)
+        step = PagedStep(self, ids, [s.length for s in seqs], n, S, plans, cow, taken, tok, base, first, uncache)
         self._open = step
         return step
 
@@ -475,8 +502,10 @@ class BlockAllocator:
         """Make ``step`` the sequences' state: blocks, lengths, confirmed token ids, refcounts."""
         self._check_open(step, "commit")
         if step.cow:
-            for cache in list(self._caches):  # pools that did not write this step still need the copies
-                cache._cow_copy(step)
+            for pools in list(self._pools):  # pools that did not write this step still need the copies
+                pools.copy_on_write(step)
+        for blk in step.uncache:  # written over: no longer the blocks their ids describe
+            del self._cached[self._block_key.pop(blk)]
         for blk in step.taken:
             self._ref[blk] = 1
         self._used += len(step.taken)
@@ -501,10 +530,21 @@ class BlockAllocator:
         self._table = ((self._version, self._batch), step.table) if ids == self._batch else None
 
     def abort(self, step: PagedStep) -> None:
-        """Forget ``step``: its reserved blocks go back to the pool; nothing else changed."""
+        """Forget ``step``: its reserved blocks go back to the pool as they were (cached free
+        blocks still cached, at their place in the eviction order), the pool rows the layers
+        wrote are zeroed (never left holding K/V, NaN included, that a backend reading masked
+        rows could multiply by 0); nothing else changed."""
         self._check_open(step, "abort")
-        for blk in step.taken:
-            heapq.heappush(self._clean, blk)
+        for pools in list(self._pools):
+            if id(pools) in step.writers:
+                pools.erase(step)
+        reused = set(step.uncache)
+        for blk in reversed(step.taken):  # reversed: the least recently freed goes back first in line
+            if blk in reused:
+                self._evictable[blk] = None
+                self._evictable.move_to_end(blk, last=False)
+            else:
+                heapq.heappush(self._clean, blk)
         self._open = None
 
     def _check_open(self, step: PagedStep, what: str) -> None:
@@ -524,21 +564,15 @@ class BlockAllocator:
                            f"{' ...' if len(self._seqs) > 16 else ''})")
         return seq
 
-    def _reserve(self, taken: list[int]) -> int:
+    def _reserve(self, taken: list[int], uncache: list[int]) -> int:
         """A free block for an open step (fresh first; else the least recently freed cached one,
-        which stops being cached: the step writes over it)."""
+        which stops being cached when the step commits: the step writes over it)."""
         if self._clean:
             blk = heapq.heappop(self._clean)
         else:
             blk, _ = self._evictable.popitem(last=False)
-            del self._cached[self._block_key.pop(blk)]
+            uncache.append(blk)
         taken.append(blk)
-        return blk
-
-    def _take(self) -> int:
-        blk = self._reserve([])
-        self._ref[blk] = 1
-        self._used += 1
         return blk
 
     def _release(self, blk: int) -> None:

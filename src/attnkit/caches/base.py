@@ -38,14 +38,12 @@ from typing import Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
+from .._checks import positive_int, shape_of
 from ..functional import attention
 from ..masks import Causal, KeyPadding, Mask, as_mask
 
 __all__ = ["KVCache", "DynamicCache", "StaticCache", "CacheStep", "BoundCache", "step", "reorder", "crop", "reset"]
 
-
-def _shape(t) -> tuple[int, ...]:
-    return tuple(getattr(t, "shape", ()))
 
 
 class CacheStep:
@@ -94,8 +92,7 @@ class KVCache(nn.Module):
         super().__init__()
         v_head_dim = head_dim if v_head_dim is None else v_head_dim
         for name, val in (("kv_heads", kv_heads), ("head_dim", head_dim), ("v_head_dim", v_head_dim)):
-            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-                raise ValueError(f"{name} must be a positive int, got {val!r}")
+            positive_int(name, val)
         if value_from_key and v_head_dim > head_dim:
             raise ValueError(f"value_from_key needs v_head_dim <= head_dim, got {v_head_dim} > {head_dim}")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -200,7 +197,7 @@ class KVCache(nn.Module):
     @staticmethod
     def _batch_tokens(k) -> tuple[int, int]:
         if not isinstance(k, Tensor) or k.dim() != 4:
-            raise ValueError(f"k must be a (B, Hkv, S, D) tensor, got shape {_shape(k)}")
+            raise ValueError(f"k must be a (B, Hkv, S, D) tensor, got shape {shape_of(k)}")
         return k.shape[0], k.shape[2]
 
     # ---------------------------------------------------------------- validation helpers
@@ -242,15 +239,15 @@ class KVCache(nn.Module):
         elif v is None:
             raise ValueError("v is None but this cache stores values (value_from_key=False)")
         if not isinstance(k, Tensor) or not isinstance(v, Tensor) or k.dim() != 4 or v.dim() != 4:
-            raise ValueError(f"k and v must be (B, Hkv, S, D) tensors, got k {_shape(k)}, v {_shape(v)}")
+            raise ValueError(f"k and v must be (B, Hkv, S, D) tensors, got k {shape_of(k)}, v {shape_of(v)}")
         if k.dtype != self.dtype or v.dtype != self.dtype:
             raise TypeError(f"k/v dtype {k.dtype}/{v.dtype} differs from the cache's {self.dtype}")
         B, H, S, D = k.shape
         if v.shape[:3] != k.shape[:3] or H != self.kv_heads or D != self.head_dim or v.shape[3] != self.v_head_dim:
-            raise ValueError(f"k {_shape(k)} and v {_shape(v)} do not fit this cache "
+            raise ValueError(f"k {shape_of(k)} and v {shape_of(v)} do not fit this cache "
                              f"(Hkv={self.kv_heads}, D={self.head_dim}, Dv={self.v_head_dim})")
         if (B, S) != (step.batch, step.tokens):
-            raise ValueError(f"k {_shape(k)} does not fit the step (B={step.batch}, S={step.tokens})")
+            raise ValueError(f"k {shape_of(k)} does not fit the step (B={step.batch}, S={step.tokens})")
         if k.device != self._cache_device():
             raise ValueError(f"k is on {k.device} but the cache is on {self._cache_device()}")
         if id(self) in step.writers:
@@ -348,7 +345,7 @@ class BoundCache:
         user_mask = as_mask(mask)
         if not isinstance(q, Tensor) or q.dim() != 4 or q.shape[0] != self.step.batch or q.shape[2] != self.step.tokens:
             raise ValueError(f"q must be (B, Hq, S, D) with B={self.step.batch}, S={self.step.tokens}, got shape "
-                             f"{_shape(q)}")
+                             f"{shape_of(q)}")
         self.cache.write(self.step, k, v)
         k_all, v_all, cache_mask = self.cache.view(self.step)
         full = cache_mask if user_mask is None else user_mask if cache_mask is None else cache_mask & user_mask
@@ -560,8 +557,7 @@ class StaticCache(_ContiguousCache):
                  value_from_key=False, dtype=torch.float32, device=None):
         super().__init__(kv_heads, head_dim, v_head_dim, value_from_key=value_from_key, dtype=dtype, device=device)
         for name, val in (("max_batch", max_batch), ("max_len", max_len)):
-            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-                raise ValueError(f"{name} must be a positive int, got {val!r}")
+            positive_int(name, val)
         self.max_batch, self.max_len = max_batch, max_len
         self._alloc(max_batch, max_len)
 

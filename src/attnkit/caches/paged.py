@@ -101,7 +101,7 @@ class PagedKVCache(KVCache):
         self.register_buffer("k_pool", torch.zeros(N, bs, kv_heads, head_dim, **kw), persistent=False)
         self.register_buffer("v_pool", torch.zeros(0 if value_from_key else N, bs, kv_heads, self.v_head_dim, **kw),
                              persistent=False)
-        allocator._caches.add(self)
+        allocator.attach(self)
 
     # ---------------------------------------------------------------- state
 
@@ -113,8 +113,7 @@ class PagedKVCache(KVCache):
         """(B,) tokens each batch row holds (committed)."""
         if "allocator" not in self.__dict__:
             raise AttributeError("lengths")  # during __init__ (nn.Module probes attribute names)
-        a = self.allocator
-        return torch.tensor([a._seqs[s].length for s in a._batch], dtype=torch.long, device=self.k_pool.device)
+        return self.allocator.context_lengths(device=self.k_pool.device)
 
     @property
     def step_group(self) -> int:
@@ -149,7 +148,7 @@ class PagedKVCache(KVCache):
                 f"blocks={a.num_blocks}x{a.block_size}, used={a.num_used}, value_from_key={self.value_from_key}")
 
     def _shared(self) -> bool:
-        return len(self.allocator._caches) > 1
+        return self.allocator.num_attached > 1
 
     def _pools(self) -> tuple[Tensor, ...]:
         return (self.k_pool,) if self.value_from_key else (self.k_pool, self.v_pool)
@@ -165,8 +164,9 @@ class PagedKVCache(KVCache):
         """The allocator's step for every cache that shares it (see :meth:`BlockAllocator.begin_step`)."""
         return self.allocator.begin_step(batch, tokens, num_new, token_ids=token_ids)
 
-    def _cow_copy(self, step: PagedStep) -> None:
-        """Copy the step's shared blocks into their private copies in this layer's pools (once)."""
+    def copy_on_write(self, step: PagedStep) -> None:
+        """Copy the step's shared blocks into their private copies in this layer's pools (once per
+        step; the allocator calls it at commit for layers that did not write)."""
         if id(self) in step.copied:
             return
         step.copied.add(id(self))
@@ -182,7 +182,7 @@ class PagedKVCache(KVCache):
         if step.alloc is not self.allocator:
             raise ValueError("the step was begun on another allocator")
         if step.cow:
-            self._cow_copy(step)
+            self.copy_on_write(step)
         B, H, S, _ = k.shape
         pools = self._pools()
         _, slots, src, _, _ = step.on(pools[0].device)
@@ -193,6 +193,13 @@ class PagedKVCache(KVCache):
                 rows = rows.index_select(0, src)
             pool.flatten(0, 1).index_copy_(0, slots, rows)
         step.writers.add(id(self))
+
+    def erase(self, step: PagedStep) -> None:
+        """Zero the pool rows this layer wrote in ``step`` (an aborted step: see
+        :meth:`BlockAllocator.abort`)."""
+        _, slots, _, _, _ = step.on(self.k_pool.device)
+        for pool in self._pools():
+            pool.flatten(0, 1).index_fill_(0, slots, 0)
 
     def view(self, step, *, dense=False):
         table, _, _, old, new = step.on(self.k_pool.device)
@@ -213,7 +220,7 @@ class PagedKVCache(KVCache):
 
     def _transaction(self, batch, tokens, num_new):
         if self._shared():
-            raise RuntimeError(f"this cache's allocator is shared by {len(self.allocator._caches)} caches: a forward "
+            raise RuntimeError(f"this cache's allocator is shared by {self.allocator.num_attached} caches: a forward "
                                f"appends to all of them at once; run it inside attnkit.caches.step(caches, ...)")
         return super()._transaction(batch, tokens, num_new)
 
@@ -236,7 +243,7 @@ class PagedKVCache(KVCache):
         if t.dtype.is_floating_point or t.dtype == torch.bool or t.dim() > 1:
             raise ValueError(f"n must be an int or a (B,) int tensor, got {t.dtype} of shape {tuple(t.shape)}")
         a = self.allocator
-        lengths = [a._seqs[s].length for s in a._batch]
+        lengths = [a.length(s) for s in a.batch]
         if t.dim() == 0:
             keep = [x + int(t) for x in lengths] if int(t) < 0 else [int(t)] * len(lengths)
         else:
@@ -245,7 +252,7 @@ class PagedKVCache(KVCache):
             keep = t.tolist()
         if any(x < 0 for x in keep):
             raise ValueError(f"crop({t.tolist()}) would leave a negative length: lengths {lengths}")
-        for sid, kp in zip(a._batch, keep):
+        for sid, kp in zip(a.batch, keep):
             a.crop(sid, kp)
 
     def reorder(self, indices) -> None:
@@ -264,7 +271,7 @@ class PagedKVCache(KVCache):
     def _not_shared(self, what: str, fn: str) -> None:
         """``crop`` / ``reorder`` act on the allocator: with shared layers, once for all of them."""
         if self._shared():
-            raise RuntimeError(f"{what}() on a cache whose allocator is shared by {len(self.allocator._caches)} caches "
+            raise RuntimeError(f"{what}() on a cache whose allocator is shared by {self.allocator.num_attached} caches "
                                f"would act once per layer; call attnkit.caches.{fn}(caches, ...) (once per allocator)")
 
     def _reorder_buffers(self, idx: Tensor) -> None:  # reorder() is overridden; nothing to move

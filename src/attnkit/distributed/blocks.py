@@ -16,8 +16,9 @@ nothing and a row masked everywhere ends as exactly 0 (the library's contract).
 
 On CPU, outside autograd, whole tiles (``allowed`` None, or ``causal`` on a diagonal tile) run
 torch's fused flash-attention ops instead of the matmuls below (backward given the final ``out``
-and ``lse``: flash-attention's backward then yields exactly this tile's share), the same
-arithmetic 1.3-1.5x faster. Tiles a mask cuts through keep the matmuls.
+and ``lse``: flash-attention's backward then yields exactly this tile's share): the same
+arithmetic, faster (``benchmarks/bench_ring.py``, ``benchmarks/results/ring.md``). Tiles a mask
+cuts through keep the matmuls.
 
 Equivalent code for one block, one (b, h)::
 
@@ -33,6 +34,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._checks import shape_of
 from ..backends.sdpa import CPU_FLASH
 from ..backends.splitk import finite, merge_partials  # the engine's merge rule, written once
 from ..masks import Mask, has_bias
@@ -78,9 +80,9 @@ _FUSED = CPU_FLASH  # torch's fused CPU flash forward / backward (log-sum-exp in
 
 
 def _use_fused(q: Tensor, allowed: Tensor | None, softcap: float | None, bias: Tensor | None) -> bool:
-    """Whole tiles (or causal diagonal tiles) on CPU run in torch's fused flash kernel: 1.3-1.5x
-    faster than the matmuls below (measured on 256-row tiles, fp32, forward + backward), with the
-    same fp32 (fp64) arithmetic. Masked tiles keep the matmul path (rows with nothing allowed),
+    """Whole tiles (or causal diagonal tiles) on CPU run in torch's fused flash kernel: faster than
+    the matmuls below (``benchmarks/bench_ring.py``, ``benchmarks/results/ring.md``) with the same
+    fp32 (fp64) arithmetic (``test_fused_cpu_tiles_equal_the_matmul_path``). Masked tiles keep the matmul path (rows with nothing allowed),
     and so do soft-capped or biased (ALiBi) tiles: the fused op has neither."""
     return (_FUSED is not None and allowed is None and softcap is None and bias is None and q.device.type == "cpu"
             and not torch.is_grad_enabled())
@@ -273,6 +275,6 @@ def mask_at(mask: Mask, q_idx: Tensor, kv_idx: Tensor, *, batch: int, heads: int
     if not isinstance(out, Tensor) or out.dtype != torch.bool or out.dim() > 4 or any(
             g not in (1, w) for g, w in zip((1,) * (4 - out.dim()) + tuple(out.shape), want)):
         raise TypeError(f"mask {mask!r}: mask_mod on index tensors gave "
-                        f"{getattr(out, 'dtype', type(out).__name__)} of shape {tuple(getattr(out, 'shape', ()))}, "
+                        f"{getattr(out, 'dtype', type(out).__name__)} of shape {shape_of(out)}, "
                         f"expected a bool tensor broadcastable to (B, H, n, m) = {want}")
     return out.reshape((1,) * (4 - out.dim()) + tuple(out.shape))

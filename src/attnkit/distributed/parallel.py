@@ -17,8 +17,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..masks import ALiBi, And, as_mask
-from ..modules.attention import MultiHeadAttention, window_mask
+from .._checks import shape_of
+from ..masks import as_mask
+from ..modules.attention import MultiHeadAttention
+from ..modules.options import alibi_mask, and_masks, window_mask
 from ..rope import RotaryAngles, RotaryEmbedding
 from .ring import ring_attention
 from .sharding import SHARDINGS, shard_positions
@@ -71,7 +73,7 @@ class ContextParallel(nn.Module):
                              "in training mode; set dropout=0 or call .eval()")
         if not isinstance(x, Tensor) or x.dim() != 3:
             raise ValueError(f"x must be a 3-D tensor ({'B, S/P' if m.batch_first else 'S/P, B'}, {m.embed_dim}), "
-                             f"got shape {tuple(getattr(x, 'shape', ()))}")
+                             f"got shape {shape_of(x)}")
         if not m.batch_first:
             x = x.transpose(0, 1)
         if x.shape[-1] != m.embed_dim:
@@ -82,10 +84,10 @@ class ContextParallel(nn.Module):
             angles = self._angles(positions, B, S_loc, x.device)
         elif positions is not None:
             raise ValueError("positions given, but the module has no rope")
-        q, k, v = m._project(x, x, x, angles)  # (B, H, S/P, hd), (B, Hkv, S/P, hd), (B, Hkv, S/P, hdv)
-        parts = [as_mask(mask), window_mask(m.window, None, B, x.device), ALiBi(m.alibi_slopes) if m.alibi else None]
-        parts = [p for p in parts if p is not None]
-        mask = None if not parts else parts[0] if len(parts) == 1 else And(*parts)
+        q, k, v = m.project(x, x, x, angles)  # (B, H, S/P, hd), (B, Hkv, S/P, hd), (B, Hkv, S/P, hdv)
+        # over the whole sequence: no cache, so the window and ALiBi anchor at global positions
+        mask = and_masks(as_mask(mask), window_mask(m.window, None, B, x.device),
+                         alibi_mask(m.alibi_slopes, None, B, x.device) if m.alibi else None)
         out = ring_attention(q, k, v, causal=m.causal, mask=mask, scale=m.scale, softcap=m.softcap, sinks=m.sinks,
                              group=self.group, sharding=self.sharding)
         out = m.o_proj(out.transpose(1, 2).flatten(2))
@@ -102,7 +104,7 @@ class ContextParallel(nn.Module):
         # largest over the whole sequence, not this shard's. Append it as one extra position.
         if not isinstance(positions, Tensor) or positions.dim() != 2:
             raise ValueError(f"positions must be a (B, S/P) integer tensor, got "
-                             f"{tuple(getattr(positions, 'shape', ()))}")
+                             f"{shape_of(positions)}")
         if positions.shape[1] != S_loc or positions.shape[0] not in (1, B):
             raise ValueError(f"positions of shape {tuple(positions.shape)} do not match (B, S/P) = ({B}, {S_loc})")
         top = positions.amax().reshape(1).to(torch.int64) if positions.numel() else \

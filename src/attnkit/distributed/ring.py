@@ -17,9 +17,9 @@ accumulator is added to in place, so a rank holds at most two dK/dV sets (the on
 one arriving, only during the hop). Overlapping the hop with the next step's compute would need
 a third (a fresh block to fill while the accumulator is still on its way): 2 more shard-sized
 buffers per rank, at the peak. The price is P hops of 2 fp32 shards per backward on the critical
-path; the hop grows like S/P while a step's compute grows like (S/P)^2, so it is a few percent
-at the lengths context parallelism is for (gloo on this project's CPU, S=8k, P=2: about 15 ms
-per hop against about 1 s of backward compute per step). Peak per rank, in shard-sized tensors:
+path; the hop grows like S/P while a step's compute grows like (S/P)^2, so it is a small share
+at the lengths context parallelism is for (``benchmarks/bench_ring.py``,
+``benchmarks/results/ring.md``). Peak per rank, in shard-sized tensors:
 q, k, v, out, dq and the caller's dout (6), plus the K/V block in use, the next one arriving and
 the accumulator while computing, or the K/V block and two accumulators during the hop: 12 either
 way (fp16/bf16: the accumulators are fp32), against 8 for 1/P of a single process. Score tiles
@@ -47,9 +47,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .._checks import check_sinks, positive_number
 from ..backends.splitk import with_sinks
-from ..functional import _check_sinks, _check_softcap, check_qkv
-from ..masks import ALiBi, And, Causal, Mask, as_mask, has_bias, split_alibi
+from ..functional import check_qkv
+from ..masks import ALiBi, And, Causal, Mask, ReducedMask, as_mask
 from .blocks import block_backward, block_forward, compute_dtype, mask_at, merge_partials, softmax_delta
 from .sharding import SHARDINGS, shard_ranges
 
@@ -315,7 +316,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, mas
     if sharding not in SHARDINGS:
         raise ValueError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")
     scale = _validate(q, k, v, scale)
-    softcap, sinks = _check_softcap(softcap), _check_sinks(sinks, q)
+    softcap, sinks = positive_number("softcap", softcap, none_means=""), check_sinks(sinks, q)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if rank < 0:
         raise ValueError("this process is not a member of `group`")
@@ -335,8 +336,9 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, mas
     alibi = None
     if m is not None:
         m.check(B, Hq, Sq_l * world, Sk_l * world)
-        m, alibi = split_alibi(m)
-        if has_bias(m):
+        reduced = ReducedMask(m, B, Sq_l * world, Sk_l * world)
+        m, alibi = reduced.rest, reduced.alibi
+        if reduced.rest_has_bias:
             raise TypeError("ring_attention does not take additive (float) masks other than ALiBi (ANDed at the top "
                             "level): use a bool tensor or an attnkit.masks object (Causal, KeyPadding, Document, "
                             "SlidingWindow, ALiBi, ...)")

@@ -73,6 +73,7 @@ try:  # transformers' record of which outputs the current forward collects (see 
 except ImportError:  # pragma: no cover - older/newer transformers: only the output_attentions flag counts
     _output_collector = None
 
+from .._checks import shape_of
 from ..functional import attention
 from ..masks import Additive, And, Causal, Dense, KeyPadding, Mask, SlidingWindow
 
@@ -375,9 +376,6 @@ def _weights_requested(kwargs: dict) -> bool:
 # ---------------------------------------------------------------------------- the attention function
 
 
-def _shape(t) -> tuple:
-    return tuple(getattr(t, "shape", ()))
-
 
 def _and(mask: Mask | None, other: Mask) -> Mask:
     return other if mask is None else mask & other
@@ -391,7 +389,7 @@ def _dense_to_attnkit(m: Tensor) -> Mask:
         return Dense(m)
     if not m.dtype.is_floating_point:
         raise TypeError(f"attention_mask must be bool (True = attend) or floating (added), got {m.dtype} "
-                        f"of shape {_shape(m)}")
+                        f"of shape {shape_of(m)}")
     blocked = m <= torch.finfo(m.dtype).min
     rest = m.masked_fill(blocked, 0.0)
     if not bool(rest.any()):
@@ -443,7 +441,7 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     if isinstance(attention_mask, AttnkitMask):
         if attention_mask.shape[2:] != (Sq, Sk):
             raise ValueError(f"attention_mask was built for (Sq, Sk) = {tuple(attention_mask.shape[2:])} but this "
-                             f"layer has query {_shape(query)} and key {_shape(key)}")
+                             f"layer has query {shape_of(query)} and key {shape_of(key)}")
         mask = attention_mask.mask
     elif isinstance(attention_mask, Tensor):
         mask = _dense_to_attnkit(attention_mask)
@@ -553,7 +551,7 @@ def _install_load_check() -> None:
     current = PreTrainedModel.get_correct_attn_implementation
     # Registering again (another name, or this module reloaded) replaces our wrapper rather than
     # stacking a second one around it.
-    original = getattr(current, "_attnkit_original", current)
+    original = getattr(current, "attnkit_original", current)  # our wrapper says what it wraps
 
     @functools.wraps(original)
     def get_correct_attn_implementation(self, requested_attention, is_init_check=False):
@@ -566,7 +564,7 @@ def _install_load_check() -> None:
             _guard_layer_tables(self, chosen)
         return chosen
 
-    get_correct_attn_implementation._attnkit_original = original
+    get_correct_attn_implementation.attnkit_original = original
     PreTrainedModel.get_correct_attn_implementation = get_correct_attn_implementation
 
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
+from .._checks import positive_int
+
 __all__ = ["DecoderConfig", "ATTENTION_VARIANTS", "HIDDEN_ACTS", "LAYER_TYPES", "NORM_STYLES", "NORM_PLACEMENTS"]
 
 ATTENTION_VARIANTS = ("mha", "gqa", "mqa", "mla")
@@ -32,13 +34,6 @@ NORM_PLACEMENTS = ("pre", "sandwich", "post")
 #: MLP activations (Hugging Face ``hidden_act`` names) of the gated MLP.
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "gelu")
 _MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-
-
-def _pos_int(name: str, val, *, allow_none: bool = False) -> None:
-    if val is None and allow_none:
-        return
-    if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-        raise ValueError(f"{name} must be a positive int{' or None' if allow_none else ''}, got {val!r}")
 
 
 def default_intermediate_size(hidden_size: int) -> int:
@@ -137,9 +132,9 @@ class DecoderConfig:
         if self.attention not in ATTENTION_VARIANTS:
             raise ValueError(f"attention must be one of {ATTENTION_VARIANTS}, got {self.attention!r}")
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_position_embeddings"):
-            _pos_int(name, getattr(self, name))
+            positive_int(name, getattr(self, name))
         for name in ("num_kv_heads", "head_dim", "intermediate_size", *_MLA_FIELDS):
-            _pos_int(name, getattr(self, name), allow_none=True)
+            positive_int(name, getattr(self, name), allow_none=True)
         if self.hidden_act not in HIDDEN_ACTS:
             raise ValueError(f"hidden_act must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}")
         for name in ("tie_word_embeddings", "attention_bias", "mlp_bias", "fused_projections"):
@@ -210,8 +205,8 @@ class DecoderConfig:
             raise TypeError(f"rope_interleave must be a bool or None, got {self.rope_interleave!r}")
 
     def _check_variants(self, set_) -> None:
-        _pos_int("num_layers", self.num_layers)
-        _pos_int("sliding_window", self.sliding_window, allow_none=True)
+        positive_int("num_layers", self.num_layers)
+        positive_int("sliding_window", self.sliding_window, allow_none=True)
         lt = self.layer_types
         if lt is None:
             lt = (LAYER_TYPES[1] if self.sliding_window is not None else LAYER_TYPES[0],) * self.num_layers

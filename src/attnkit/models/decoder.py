@@ -27,19 +27,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._checks import shape_of
 from ..caches import DynamicCache, KVCache, PagedKVCache, StaticCache
 from ..caches import step as cache_step
-from ..modules import MultiHeadAttention, RMSNorm
+from ..modules import FusedLoadHook, MultiHeadAttention, RMSNorm
 from ..modules.mla import MLAConfig, MultiHeadLatentAttention
-from ..modules._fused import FusedLoadHook
 from ..rope import RotaryEmbedding
 from .config import DecoderConfig
 
 __all__ = ["Decoder", "RMSNorm", "GatedMLP", "SwiGLU", "DecoderLayer", "CACHE_KINDS", "ACTIVATIONS", "make_cache",
-           "paged_allocator"]
+           "layer_cache_kind", "paged_allocator"]
 
-#: Cache kinds :meth:`Decoder.new_caches` builds (one cache per layer).
-CACHE_KINDS = ("dynamic", "static", "paged")
+#: Cache kinds :meth:`Decoder.new_caches` builds (one cache per layer; see :func:`layer_cache_kind`
+#: for what each means per layer).
+CACHE_KINDS = ("dynamic", "sliding", "static", "paged")
 
 
 class GatedMLP(nn.Module):
@@ -130,22 +131,45 @@ def paged_allocator(max_batch: int, max_len: int, block_size: int = 16):
     return BlockAllocator(max_batch * -(-max_len // block_size), block_size)
 
 
+def layer_cache_kind(attn: nn.Module, kind: str) -> str:
+    """The cache one layer with attention module ``attn`` gets for the model-wide ``kind`` (the one
+    place cache kinds are resolved; ``attn.new_cache`` of the result builds it):
+
+    ============  ======================================  =========================================
+    ``kind``      full-attention layer                    sliding-window layer (``attn.window``)
+    ============  ======================================  =========================================
+    "dynamic"     :class:`~attnkit.caches.DynamicCache`   DynamicCache: keeps every position, the
+                                                          module masks the window
+    "sliding"     DynamicCache                            :class:`~attnkit.caches.SlidingWindowCache`
+                                                          of the layer's window (needs max_batch);
+                                                          an MLA layer: its DynamicCache (latent
+                                                          caches keep every position)
+    "static"      :class:`~attnkit.caches.StaticCache`    StaticCache: keeps every position, masked
+    "paged"       :class:`~attnkit.caches.PagedKVCache`   PagedKVCache: keeps every position, masked
+    ============  ======================================  =========================================
+    """
+    if kind not in CACHE_KINDS:
+        raise ValueError(f"cache must be one of {CACHE_KINDS} (or None for no cache), got {kind!r}")
+    if kind == "sliding":
+        return "sliding" if isinstance(attn, MultiHeadAttention) and attn.window else "dynamic"
+    return kind
+
+
 def make_cache(attn: nn.Module, kind: str, *, max_batch: int | None = None, max_len: int | None = None,
                dtype: torch.dtype | None = None, device=None, allocator=None) -> KVCache:
     """One layer's empty cache of ``kind`` for the attention module ``attn`` (the one place the
-    decoder creates caches). "dynamic" grows (a layer with a sliding window keeps a ring of just
-    its window, :class:`attnkit.caches.SlidingWindowCache`, when ``max_batch`` is given);
+    decoder creates caches; :func:`layer_cache_kind` says which cache each kind gives a layer).
+    "dynamic" grows; "sliding" is "dynamic" except that a layer with a sliding window keeps a
+    ring of just its window (:class:`attnkit.caches.SlidingWindowCache`, needs ``max_batch``);
     "static" preallocates (max_batch, max_len) and compiles without recompiles; "paged" keeps
     blocks of a pool managed by ``allocator`` (shared by the layers of a model; default: a
-    private one sized by max_batch and max_len). Static and paged layers with a window keep every
-    position and mask the window."""
-    if kind not in CACHE_KINDS:
-        raise ValueError(f"cache must be one of {CACHE_KINDS} (or None for no cache), got {kind!r}")
+    private one sized by max_batch and max_len)."""
+    kind = layer_cache_kind(attn, kind)
     if kind != "paged" and allocator is not None:
         raise TypeError(f"allocator= applies to paged caches, not to a {kind} cache")
     if kind == "paged" and allocator is None:
         allocator = paged_allocator(max_batch, max_len)
-    if kind == "dynamic" and max_batch is not None and isinstance(attn, MultiHeadAttention) and attn.window:
+    if kind == "sliding":  # the module's own window (a ring of it)
         return attn.new_cache("sliding", max_batch=max_batch, dtype=dtype, device=device)
     return attn.new_cache(kind, max_batch=max_batch, max_len=max_len, allocator=allocator, dtype=dtype,
                           device=device)
@@ -294,12 +318,6 @@ class Decoder(nn.Module):
         for slot, (_, idx) in enumerate(groups):
             for i in idx:
                 self._rope_of_layer[i] = slot
-        self._compiled_steps: dict = {}
-
-    def __getstate__(self):
-        # Compiled decode steps and their cache pool are per-process helpers: never pickled or
-        # deep-copied (copy.deepcopy(model), torch.save(model)).
-        return {**self.__dict__, "_compiled_steps": {}}
 
     def init_weights(self, std: float = 0.02) -> None:
         """Llama's initialisation: N(0, std) for projections and embeddings, zero biases, unit
@@ -344,10 +362,12 @@ class Decoder(nn.Module):
 
     def new_caches(self, kind: str = "dynamic", *, max_batch: int | None = None, max_len: int | None = None,
                    dtype: torch.dtype | None = None, device=None, block_size: int = 16) -> list[KVCache]:
-        """One empty cache per layer (see :func:`make_cache`), in the weights' dtype and device.
-        "static" and "paged" need ``max_batch`` and ``max_len``; paged layers share one block
-        allocator (one block table for the model) of ``block_size``-token blocks; with
-        ``max_batch``, "dynamic" gives sliding-window layers a cache of just their window."""
+        """One empty cache per layer (what each ``kind`` gives each layer: :func:`layer_cache_kind`),
+        in the weights' dtype and device. "dynamic" is a :class:`~attnkit.caches.DynamicCache` in
+        every layer; "sliding" gives sliding-window layers a ring of just their window
+        (:class:`~attnkit.caches.SlidingWindowCache`, needs ``max_batch``) and the others a
+        DynamicCache; "static" and "paged" need ``max_batch`` and ``max_len``; paged layers share
+        one block allocator (one block table for the model) of ``block_size``-token blocks."""
         dtype, device = dtype or self.dtype, device or self.device
         alloc = paged_allocator(max_batch, max_len, block_size) if kind == "paged" else None
         return [make_cache(layer.self_attn, kind, max_batch=max_batch, max_len=max_len, dtype=dtype,
@@ -436,7 +456,7 @@ class Decoder(nn.Module):
                 or input_ids.dtype == torch.bool or input_ids.is_complex():
             raise ValueError(f"input_ids must be a (B, S) integer tensor, got "
                              f"{getattr(input_ids, 'dtype', type(input_ids).__name__)} of shape "
-                             f"{tuple(getattr(input_ids, 'shape', ()))}")
+                             f"{shape_of(input_ids)}")
         B, S = input_ids.shape
         V = self.config.vocab_size
         if input_ids.numel() and not torch.compiler.is_compiling():
@@ -446,7 +466,7 @@ class Decoder(nn.Module):
         if positions is not None and (not isinstance(positions, Tensor) or positions.dim() != 2
                                       or positions.shape[0] not in (1, B) or positions.shape[1] != S):
             raise ValueError(f"positions must be (B, S) = ({B}, {S}) or (1, {S}) like input_ids, got "
-                             f"shape {tuple(getattr(positions, 'shape', ()))}")
+                             f"shape {shape_of(positions)}")
         if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
             raise ValueError(f"logits_to_keep must be an int >= 0, got {logits_to_keep!r}")
         layers = self.model.layers
@@ -470,7 +490,7 @@ class Decoder(nn.Module):
             kpm = key_padding_mask
             if not isinstance(kpm, Tensor) or kpm.dim() != 2 or kpm.shape[0] != B:
                 raise ValueError(f"key_padding_mask must be a (B, Sk) tensor with B={B}, got shape "
-                                 f"{tuple(getattr(kpm, 'shape', ()))}")
+                                 f"{shape_of(kpm)}")
             if kpm.dtype != torch.bool and not kpm.dtype.is_floating_point:
                 raise TypeError(f"key_padding_mask must be bool (True = padding) or float (added), got {kpm.dtype}")
             if torch.compiler.is_compiling():

@@ -22,13 +22,18 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import torch
 from torch import Tensor
 
-from .decoder import CACHE_KINDS, Decoder
+from .decoder import Decoder
+
+#: What ``cache=`` takes. "dynamic" builds the decoder's "sliding" caches: they grow like dynamic
+#: ones, and a sliding-window layer keeps just its window (same tokens, less memory).
+CACHES = ("dynamic", "static", "paged")
 
 __all__ = ["generate", "stream", "Generation", "sample_next"]
 
@@ -167,8 +172,8 @@ def _check_options(max_new_tokens, temperature, top_k, top_p, eos, cache, compil
     bad = [e for e in eos_ids if not 0 <= e < vocab_size]
     if bad:
         raise ValueError(f"eos ids {bad} are outside the vocabulary [0, {vocab_size})")
-    if cache is not None and cache not in CACHE_KINDS:
-        raise ValueError(f"cache must be one of {CACHE_KINDS} or None (recompute every step), got {cache!r}")
+    if cache is not None and cache not in CACHES:
+        raise ValueError(f"cache must be one of {CACHES} or None (recompute every step), got {cache!r}")
     if not isinstance(compile, (bool, str)):
         raise TypeError(f"compile must be a bool or a torch.compile backend name, got {compile!r}")
     if compile and cache != "static":
@@ -206,6 +211,31 @@ def _check_capacity(model: Decoder, kind: str, batch: int, capacity: int) -> Non
 
 
 # ---------------------------------------------------------------------------- the session
+
+
+@dataclass
+class _CompiledSteps:
+    """One model's compiled decode steps and the static caches they run on (``compile=``).
+
+    The pool keeps the same cache objects per shape, so a compiled step sees the same objects
+    every call and its guards hold (nothing recompiles across :func:`generate` calls)."""
+
+    caches: dict = field(default_factory=dict)  # (B, capacity, dtype, device) -> caches
+    steps: dict = field(default_factory=dict)  # (backend, id of the first cache) -> compiled step
+
+
+#: Per-process helpers of each model, owned here so the model knows nothing of them. Weakly keyed:
+#: they go with the model (never pickled or deep-copied with it: a copy is another key). Nothing
+#: in a value may hold the model strongly (a compiled step reaches it through a weakref), or the
+#: model would keep itself alive.
+_COMPILED: "weakref.WeakKeyDictionary[Decoder, _CompiledSteps]" = weakref.WeakKeyDictionary()
+
+
+def _compiled_of(model: Decoder) -> _CompiledSteps:
+    got = _COMPILED.get(model)
+    if got is None:
+        got = _COMPILED[model] = _CompiledSteps()
+    return got
 
 
 class _Session:
@@ -259,13 +289,13 @@ class _Session:
     def _caches(self):
         m = self.model
         if not self.compile:
-            if self.cache_kind == "dynamic":  # sliding-window layers: a ring of their window
-                return m.new_caches("dynamic", max_batch=self.B)
+            if self.cache_kind == "dynamic":  # sliding-window layers: a ring of their window (see CACHES)
+                return m.new_caches("sliding", max_batch=self.B)
             return m.new_caches(self.cache_kind, max_batch=self.B, max_len=self.capacity)
         # One pool of static caches per shape: the compiled step sees the same cache objects
         # every call, so its guards hold and nothing recompiles.
         key = (self.B, self.capacity, m.dtype, m.device)
-        pool = m._compiled_steps.setdefault("caches", {})
+        pool = _compiled_of(m).caches
         if key not in pool:
             pool[key] = m.new_caches("static", max_batch=self.B, max_len=self.capacity)
         caches = pool[key]
@@ -276,16 +306,17 @@ class _Session:
     def _compiled_step(self):
         m = self.model
         backend = "inductor" if self.compile is True else self.compile
-        key = ("step", backend, id(self.caches[0]))
-        fn = m._compiled_steps.get(key)
+        steps = _compiled_of(m).steps
+        key = (backend, id(self.caches[0]))
+        fn = steps.get(key)
         if fn is None:
-            caches = self.caches
+            caches, model = self.caches, weakref.ref(m)  # weak: the registry entry must not keep m alive
 
             def step(ids: Tensor) -> Tensor:
-                return m(ids, caches=caches, logits_to_keep=1)[:, -1]
+                return model()(ids, caches=caches, logits_to_keep=1)[:, -1]
 
             fn = torch.compile(step, backend=backend, fullgraph=True, mode=compile_mode(backend, m.device.type))
-            m._compiled_steps[key] = fn
+            steps[key] = fn
         return fn
 
     def _sample(self, logits: Tensor, t: int) -> Tensor:
@@ -375,7 +406,8 @@ def generate(model: Decoder, prompts, max_new_tokens: int = 32, *, temperature: 
         top_k, top_p: sampling filters (ignored by greedy decoding).
         eos: token id(s) that end a sequence (it is included in the output); the batch stops
             when every sequence has ended.
-        cache: "dynamic" (grows with the tokens generated), "static" (preallocated for
+        cache: "dynamic" (grows with the tokens generated; a sliding-window layer keeps a
+            ring of its window, :class:`~attnkit.caches.SlidingWindowCache`), "static" (preallocated for
             ``P + max_new_tokens`` positions; required by ``compile``), "paged" (blocks of a
             pool of that capacity), or None to recompute the whole sequence every step (the
             reference the cached paths are tested against). Every step is one

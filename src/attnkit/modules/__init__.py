@@ -1,8 +1,9 @@
 """Attention modules: parameters and wiring around :func:`attnkit.attention`."""
 
+from ._fused import FusedLoadHook
 from .attention import GroupedQueryAttention, MultiHeadAttention, MultiQueryAttention
 from .mla import MLAConfig, MultiHeadLatentAttention
 from .norm import RMSNorm
 
 __all__ = ["MultiHeadAttention", "GroupedQueryAttention", "MultiQueryAttention", "MLAConfig", "MultiHeadLatentAttention",
-           "RMSNorm"]
+           "RMSNorm", "FusedLoadHook"]

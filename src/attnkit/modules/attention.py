@@ -21,82 +21,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-import inspect
-import math
-
-from .. import masks as _masks
-from ..caches import BoundCache, KVCache, SlidingWindowCache, new_cache
+from .._checks import positive_int, shape_of
+from ..caches import KVCache, new_cache
 from ..functional import attention
-from ..masks import KeyPadding, Mask, SlidingWindow, as_mask
+from ..masks import alibi_slopes, as_mask
 from ..rope import RotaryEmbedding
 from ._fused import FusedLoadHook, HeadInterleavedLoadHook
 from .norm import RMSNorm
+from .options import (alibi_mask, and_masks, attention_kwargs, check_flag, check_variant_options, torch_key_padding,
+                      window_mask)
 
 __all__ = ["MultiHeadAttention", "GroupedQueryAttention", "MultiQueryAttention"]
-
-
-#: Which core options this attnkit's :func:`attnkit.attention` takes (softcap / sinks and the
-#: ``ALiBi`` mask arrive with issue 14's core work); a module asking for a missing one fails at
-#: construction, naming it, instead of at its first call.
-_CORE_HAS = {"softcap": "softcap" in inspect.signature(attention).parameters,
-             "sinks": "sinks" in inspect.signature(attention).parameters,
-             "alibi": hasattr(_masks, "ALiBi") and hasattr(_masks, "alibi_slopes")}
-
-
-def _need_core(option: str) -> None:
-    if not _CORE_HAS[option]:
-        raise NotImplementedError(f"{option} needs attnkit.attention(..., {option}=) / attnkit.masks.ALiBi from issue "
-                                  f"14's core work, which this attnkit does not have yet" if option != "alibi" else
-                                  "alibi=True needs attnkit.masks.ALiBi and alibi_slopes (issue 14's core work), "
-                                  "which this attnkit does not have yet")
-
-
-def check_variant_options(num_heads: int, scale, softcap, window) -> None:
-    """Shared checks of the attention-variant options of the attention modules."""
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
-                              or not math.isfinite(scale) or scale <= 0):
-        raise ValueError(f"scale must be a finite number > 0 or None (1 / sqrt(head_dim)), got {scale!r}")
-    if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) \
-                or softcap <= 0:
-            raise ValueError(f"softcap must be a finite number > 0 or None, got {softcap!r}")
-        _need_core("softcap")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"window must be a positive int (tokens each query sees, itself included) or None, "
-                         f"got {window!r}")
-
-
-def window_mask(window: int | None, cache, batch: int, device) -> Mask | None:
-    """The sliding-window mask of a module with ``window`` over ``cache`` (None: no cache): each
-    query sees itself and the ``window - 1`` keys before it, anchored at each row's own position
-    (the cache's lengths before this step). A sliding cache applies its window itself (it must be
-    the module's); None then."""
-    if window is None:
-        return None
-    if cache is None:
-        return SlidingWindow(window - 1)
-    base = cache.cache if isinstance(cache, BoundCache) else cache
-    if isinstance(base, SlidingWindowCache):
-        if base.window != window:
-            raise ValueError(f"this module attends over a window of {window} tokens but the sliding cache keeps "
-                             f"window={base.window}; build the cache with window={window}")
-        return None
-    return SlidingWindow(window - 1, offsets=_offsets(cache, batch, device))
-
-
-def _offsets(cache, batch: int, device) -> Tensor:
-    """(B,) tokens each row of ``cache`` holds before this step (a copy: a cache may advance its
-    lengths in place when it commits, before a mask built from them is read)."""
-    old = cache.lengths
-    if old.numel() == 0:
-        return torch.zeros(batch, dtype=torch.long, device=device)
-    return old if isinstance(cache, BoundCache) else old.clone()
-
-
-def _positive(name: str, val) -> int:
-    if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-        raise ValueError(f"{name} must be a positive int, got {val!r}")
-    return val
 
 
 class MultiHeadAttention(nn.Module):
@@ -146,9 +81,9 @@ class MultiHeadAttention(nn.Module):
                  sinks: bool = False, qk_norm: bool | str = False, qk_norm_kw: dict | None = None,
                  window: int | None = None, alibi: bool = False, device=None, dtype=None):
         super().__init__()
-        self.embed_dim = _positive("embed_dim", embed_dim)
-        self.num_heads = _positive("num_heads", num_heads)
-        self.num_kv_heads = _positive("num_kv_heads", num_heads if num_kv_heads is None else num_kv_heads)
+        self.embed_dim = positive_int("embed_dim", embed_dim)
+        self.num_heads = positive_int("num_heads", num_heads)
+        self.num_kv_heads = positive_int("num_kv_heads", num_heads if num_kv_heads is None else num_kv_heads)
         if num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})")
         if head_dim is None:
@@ -156,11 +91,11 @@ class MultiHeadAttention(nn.Module):
                 raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads}) "
                                  f"unless head_dim is given")
             head_dim = embed_dim // num_heads
-        self.head_dim = _positive("head_dim", head_dim)
-        self.v_head_dim = _positive("v_head_dim", head_dim if v_head_dim is None else v_head_dim)
-        self.kdim = _positive("kdim", embed_dim if kdim is None else kdim)
-        self.vdim = _positive("vdim", embed_dim if vdim is None else vdim)
-        self.out_dim = _positive("out_dim", embed_dim if out_dim is None else out_dim)
+        self.head_dim = positive_int("head_dim", head_dim)
+        self.v_head_dim = positive_int("v_head_dim", head_dim if v_head_dim is None else v_head_dim)
+        self.kdim = positive_int("kdim", embed_dim if kdim is None else kdim)
+        self.vdim = positive_int("vdim", embed_dim if vdim is None else vdim)
+        self.out_dim = positive_int("out_dim", embed_dim if out_dim is None else out_dim)
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
         self.dropout, self.causal, self.batch_first, self.backend = float(dropout), causal, batch_first, backend
@@ -191,17 +126,13 @@ class MultiHeadAttention(nn.Module):
         self.register_load_state_dict_pre_hook(
             FusedLoadHook("qkv_proj", ("q_proj", "k_proj", "v_proj"), sizes, to_fused=fused_qkv))
 
-        check_variant_options(num_heads, scale, softcap, window)
-        for name, val in (("sinks", sinks), ("alibi", alibi)):
-            if not isinstance(val, bool):
-                raise TypeError(f"{name} must be a bool, got {val!r}")
+        self.scale, self.softcap, self.window = check_variant_options(scale, softcap, window)
+        check_flag("sinks", sinks)
+        check_flag("alibi", alibi)
         if qk_norm not in (False, True, "head", "full"):
             raise ValueError(f"qk_norm must be False, True / 'head' (per head) or 'full' (whole width), got {qk_norm!r}")
         if window is not None and not causal:
             raise ValueError("window= is a causal sliding window: it needs causal=True")
-        self.scale = None if scale is None else float(scale)
-        self.softcap = None if softcap is None else float(softcap)
-        self.window = window
         self.qk_norm = {False: None, True: "head"}.get(qk_norm, qk_norm)
         if self.qk_norm is not None:
             widths = (self.head_dim, self.head_dim) if self.qk_norm == "head" else sizes[:2]
@@ -211,14 +142,12 @@ class MultiHeadAttention(nn.Module):
         elif qk_norm_kw is not None:
             raise ValueError("qk_norm_kw applies with qk_norm")
         if sinks:
-            _need_core("sinks")
             self.sinks = nn.Parameter(torch.zeros(num_heads, **kw))
         else:
             self.sinks = None
         self.alibi = alibi
         if alibi:
-            _need_core("alibi")
-            self.register_buffer("alibi_slopes", _masks.alibi_slopes(num_heads).to(device=device, dtype=torch.float32),
+            self.register_buffer("alibi_slopes", alibi_slopes(num_heads).to(device=device, dtype=torch.float32),
                                  persistent=False)
 
     def extra_repr(self) -> str:
@@ -232,7 +161,7 @@ class MultiHeadAttention(nn.Module):
     def _check_input(self, name: str, x: Tensor, width: int) -> None:
         if not isinstance(x, Tensor) or x.dim() != 3:
             raise ValueError(f"{name} must be a 3-D tensor ({'B, S' if self.batch_first else 'S, B'}, "
-                             f"{width}), got shape {tuple(getattr(x, 'shape', ()))}")
+                             f"{width}), got shape {shape_of(x)}")
         if x.shape[-1] != width:
             raise ValueError(f"{name} has width {x.shape[-1]} (shape {tuple(x.shape)}), expected {width}")
 
@@ -286,23 +215,17 @@ class MultiHeadAttention(nn.Module):
                 positions = cache.positions(Sq) if cache is not None else \
                     torch.arange(Sq, device=query.device)[None]
             angles = self.rope.angles(positions)  # validates once for q and k
-        q, k, v = self._project(query, key, value, angles)  # (B, H, Sq, hd), (B, Hkv, Sk, hd), (B, Hkv, Sk, hdv)
+        q, k, v = self.project(query, key, value, angles)  # (B, H, Sq, hd), (B, Hkv, Sk, hd), (B, Hkv, Sk, hdv)
         user_mask = as_mask(mask)
         if key_padding_mask is not None:
             # With a cache, the key length is the cache's; the mask's own check names it.
             kv_len = k.shape[2] if cache is None else None
-            user_mask = _and(user_mask, _torch_key_padding(key_padding_mask, B, kv_len))
-        user_mask = _and(user_mask, window_mask(self.window, cache, B, q.device))
-        if self.alibi:
-            user_mask = _and(user_mask, self._alibi(cache, B, q.device))
+            user_mask = and_masks(user_mask, torch_key_padding(key_padding_mask, B, kv_len))
+        user_mask = and_masks(user_mask, window_mask(self.window, cache, B, q.device),
+                              alibi_mask(self.alibi_slopes, cache, B, q.device) if self.alibi else None)
         kw = dict(dropout_p=self.dropout if self.training else 0.0, backend=self.backend,
-                  return_weights=need_weights)
-        if self.scale is not None:
-            kw["scale"] = self.scale
-        if self.softcap is not None:
-            kw["softcap"] = self.softcap
-        if self.sinks is not None:
-            kw["sinks"] = self.sinks
+                  return_weights=need_weights,
+                  **attention_kwargs(scale=self.scale, softcap=self.softcap, sinks=self.sinks))
         if cache is None:
             res = attention(q, k, v, user_mask, causal=self.causal, **kw)
         else:  # the cache's own mask places each query after its sequence's past
@@ -313,16 +236,13 @@ class MultiHeadAttention(nn.Module):
             out = out.transpose(0, 1)
         return (out, weights) if need_weights else out
 
-    def _alibi(self, cache, batch: int, device) -> Mask:
-        """ALiBi bias ``slope_h * (j - i)`` in key coordinates, anchored like the causal mask
-        (each row's own position with a cache)."""
-        if cache is None:
-            return _masks.ALiBi(self.alibi_slopes)
-        return _masks.ALiBi(self.alibi_slopes, offsets=_offsets(cache, batch, device))
-
-    def _project(self, query: Tensor, key: Tensor, value: Tensor, angles) -> tuple[Tensor, Tensor, Tensor]:
-        """q (B, H, Sq, hd), k (B, Hkv, Sk, hd), v (B, Hkv, Sk, hdv), normalised (``qk_norm``) and
-        rotated at ``angles``.
+    def project(self, query: Tensor, key: Tensor, value: Tensor, angles=None) -> tuple[Tensor, Tensor, Tensor]:
+        """The heads this module attends with: q (B, H, Sq, hd), k (B, Hkv, Sk, hd), v (B, Hkv,
+        Sk, hdv) from query (B, Sq, E), key (B, Sk, kdim), value (B, Sk, vdim) (batch first;
+        the same tensor three times for self-attention, which a fused module requires),
+        normalised (``qk_norm``) and rotated at ``angles`` (:class:`attnkit.rope.RotaryAngles`
+        of this module's ``rope``; None: no rotation). What :meth:`forward` does before
+        attention; wrappers that run the attention themselves (context parallelism) call it.
 
         Heads are split from the (B, S, heads * dim) projections as (B, S, heads, dim) views and
         normalised and rotated there; fused without QK-norm, q and k sit side by side and rotate
@@ -393,23 +313,6 @@ class MultiHeadAttention(nn.Module):
             if mha.out_proj.bias is not None:
                 m.o_proj.bias.copy_(mha.out_proj.bias)
         return m
-
-
-def _and(a: Mask | None, b: Mask | None) -> Mask | None:
-    return b if a is None else a if b is None else a & b
-
-
-def _torch_key_padding(kpm: Tensor, batch: int, kv_len: int | None) -> Mask:
-    """``nn.MultiheadAttention``'s key_padding_mask (True / -inf = ignore) as an attnkit mask."""
-    if (not isinstance(kpm, Tensor) or kpm.dim() != 2 or kpm.shape[0] != batch
-            or (kv_len is not None and kpm.shape[1] != kv_len)):
-        raise ValueError(f"key_padding_mask must be (B, Sk) = ({batch}, {'cached length' if kv_len is None else kv_len}), got shape "
-                         f"{tuple(getattr(kpm, 'shape', ()))}")
-    if kpm.dtype == torch.bool:
-        return KeyPadding(valid=~kpm)
-    if kpm.dtype.is_floating_point:
-        return as_mask(kpm[:, None, None, :])
-    raise TypeError(f"key_padding_mask must be bool (True = padding) or float (added), got {kpm.dtype}")
 
 
 class GroupedQueryAttention(MultiHeadAttention):

@@ -42,12 +42,13 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor, nn
 
+from .._checks import shape_of
 from ..caches import BoundCache, KVCache, new_cache
 from ..functional import attention
 from ..masks import as_mask
 from ..rope import RopeConfig, RotaryEmbedding, yarn_get_mscale
-from .attention import _and, _need_core, _torch_key_padding, check_variant_options, window_mask
 from .norm import RMSNorm
+from .options import and_masks, attention_kwargs, check_flag, check_variant_options, torch_key_padding, window_mask
 
 __all__ = ["MLAConfig", "MultiHeadLatentAttention"]
 
@@ -229,8 +230,8 @@ class _RopeView:
 
 
 def _cpu_half(x: Tensor) -> bool:
-    """fp16/bf16 GEMMs on CPU have no fast kernel without AVX512-BF16/AMX (measured ~5x slower
-    than fp32 on AVX2), so the matmuls MLA adds run in fp32 there and round once to the input
+    """fp16/bf16 GEMMs on CPU have no fast kernel without AVX512-BF16/AMX (much slower than fp32:
+    ``benchmarks/bench_mla.py``, ``benchmarks/results/mla.md``), so the matmuls MLA adds run in fp32 there and round once to the input
     dtype (the same single rounding a half GEMM with fp32 accumulation makes)."""
     return x.device.type == "cpu" and x.dtype in (torch.float16, torch.bfloat16)
 
@@ -285,14 +286,9 @@ class MultiHeadLatentAttention(nn.Module):
         self.config, self.mode, self.backend = config, mode, backend
         c = config
         H, E, r = c.num_heads, c.hidden_size, c.kv_lora_rank
-        check_variant_options(H, scale, softcap, window)
-        if not isinstance(sinks, bool):
-            raise TypeError(f"sinks must be a bool, got {sinks!r}")
-        self.scale = c.softmax_scale if scale is None else float(scale)
-        self.softcap = None if softcap is None else float(softcap)
-        self.window = window
-        if sinks:
-            _need_core("sinks")
+        scale, self.softcap, self.window = check_variant_options(scale, softcap, window)
+        check_flag("sinks", sinks)
+        self.scale = c.softmax_scale if scale is None else scale
         self.sinks = nn.Parameter(torch.zeros(H, device=device, dtype=dtype)) if sinks else None
         kw = {"device": device, "dtype": dtype}
         if c.q_lora_rank is None:
@@ -413,13 +409,10 @@ class MultiHeadLatentAttention(nn.Module):
         mode = self.resolve_mode(S, cache is not None) if mode is None else mode
         if mode not in ("naive", "absorb"):
             raise ValueError(f"mode must be 'naive', 'absorb' or None, got {mode!r}")
-        user_mask = _and(as_mask(mask), window_mask(self.window, cache, q_nope.shape[0], q_nope.device))
-        kw = dict(scale=self.scale, dropout_p=c.attention_dropout if self.training else 0.0,
-                  backend=self.backend, return_weights=need_weights)
-        if self.softcap is not None:
-            kw["softcap"] = self.softcap
-        if self.sinks is not None:
-            kw["sinks"] = self.sinks
+        user_mask = and_masks(as_mask(mask), window_mask(self.window, cache, q_nope.shape[0], q_nope.device))
+        kw = dict(dropout_p=c.attention_dropout if self.training else 0.0, backend=self.backend,
+                  return_weights=need_weights,
+                  **attention_kwargs(scale=self.scale, softcap=self.softcap, sinks=self.sinks))
         if mode == "absorb":
             w_uk, w_uv = self.absorbed_weights()
             q_cat = torch.cat((_per_head_matmul(q_nope, w_uk), q_pe), dim=-1)  # (B, H, S, r + dr)
@@ -435,9 +428,12 @@ class MultiHeadLatentAttention(nn.Module):
                 k, v = self.expand_latent(latent)
                 res = attention(q, k, v, user_mask, causal=True, **kw)
             else:  # the cache's own mask places each query after its sequence's past
-                all_latent, _, cache_mask = cache.update(latent, None)
-                k, v = self.expand_latent(all_latent)
-                res = attention(q, k, v, _and(cache_mask, user_mask), **kw)
+                # One transaction: the latent is committed only once attention has returned, so a
+                # call that raises (a bad mask, a refusing backend) leaves the cache unchanged.
+                with cache.transaction(latent.shape[0], S) as step:
+                    all_latent, _, cache_mask = step.update(latent, None)
+                    k, v = self.expand_latent(all_latent)
+                    res = attention(q, k, v, and_masks(cache_mask, user_mask), **kw)
             out, weights = res if need_weights else (res, None)
         return (out, weights) if need_weights else out
 
@@ -462,7 +458,7 @@ class MultiHeadLatentAttention(nn.Module):
         c = self.config
         if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != c.hidden_size:
             raise ValueError(f"x must be (B, S, hidden_size={c.hidden_size}), got shape "
-                             f"{tuple(getattr(x, 'shape', ()))}")
+                             f"{shape_of(x)}")
         B, S, _ = x.shape
         if cache is not None:  # before any work: a wrong cache is the likeliest mistake
             self.check_cache(cache)
@@ -471,7 +467,7 @@ class MultiHeadLatentAttention(nn.Module):
         q_nope, q_pe, latent = self.project(x, positions)
         user_mask = as_mask(mask)
         if key_padding_mask is not None:
-            user_mask = _and(user_mask, _torch_key_padding(key_padding_mask, B, S if cache is None else None))
+            user_mask = and_masks(user_mask, torch_key_padding(key_padding_mask, B, S if cache is None else None))
         res = self.attend_latent(q_nope, q_pe, latent, user_mask, cache=cache, need_weights=need_weights)
         out, weights = res if need_weights else (res, None)
         out = self.o_proj(out.transpose(1, 2).flatten(2))  # (B, S, H * dv) -> (B, S, E)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._checks import positive_int
 from ..backends import native
 
 __all__ = ["RMSNorm"]
@@ -59,8 +60,7 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6, *, unit_offset: bool = False, scale_in_fp32: bool = False,
                  device=None, dtype=None):
         super().__init__()
-        if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
-            raise ValueError(f"dim must be a positive int, got {dim!r}")
+        positive_int("dim", dim)
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
             raise ValueError(f"eps must be a float in (0, 1), got {eps!r}")
         for name, val in (("unit_offset", unit_offset), ("scale_in_fp32", scale_in_fp32)):

@@ -19,9 +19,7 @@ import importlib.util
 import os
 
 import torch
-from torch import Tensor
 
-from ...masks import And, Causal, KeyPadding, Mask, split_alibi
 from ..splitk import v_is_prefix_of_k
 from ..decode import decode_refusals
 from ..registry import AttentionCall, BackendBase
@@ -58,35 +56,6 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _limit_parts(mask: Mask | None) -> tuple[Causal | None, KeyPadding | None] | None:
-    """(the Causal, the KeyPadding) ``mask`` is an AND of (each optional), or None when it is
-    anything else (structure only: no tensor is read)."""
-    parts = [] if mask is None else list(mask.masks) if isinstance(mask, And) else [mask]
-    causal = [p for p in parts if type(p) is Causal]
-    pads = [p for p in parts if type(p) is KeyPadding and p.lengths is not None and p.side == "right"]
-    if len(causal) + len(pads) != len(parts) or len(causal) > 1 or len(pads) > 1:
-        return None
-    return (causal[0] if causal else None), (pads[0] if pads else None)
-
-
-def decode_limits(mask: Mask | None, batch: int, q_len: int, kv_len: int, device) -> tuple[Tensor, Tensor] | None:
-    """(q_start (B,), seq_lens (B,)) int64 expressing ``mask`` as per-sequence limits, or None
-    when the mask is anything but an AND of at most one Causal and one right-side KeyPadding."""
-    parts = _limit_parts(mask)
-    if parts is None:
-        return None
-    causal, pad = parts
-    if causal is not None:
-        q_start = causal._offset(q_len, kv_len, device).reshape(-1).expand(batch)
-    else:
-        q_start = torch.full((batch,), NO_CAUSAL, device=device)
-    if pad is not None:
-        seq = pad.lengths.to(device).reshape(-1).expand(batch).clamp(0, kv_len)
-    else:
-        seq = torch.full((batch,), kv_len, device=device)
-    return q_start.long(), seq.long()
-
-
 class TritonBackend(BackendBase):
     name = "triton"
     layouts = ("dense", "paged")
@@ -111,7 +80,7 @@ class TritonBackend(BackendBase):
             why.append("CPU tensors without TRITON_INTERPRET=1")
         elif call.device_type not in ("cpu", "cuda"):
             why.append(f"device {call.device_type}")
-        if _limit_parts(split_alibi(call.mask)[0]) is None:
+        if call.reduced.limit_parts() is None:
             why.append(f"mask {call.mask!r} (takes causal and right-side key padding only)")
         return why
 
@@ -125,8 +94,8 @@ class TritonBackend(BackendBase):
     def run(self, q, k, v, call: AttentionCall):
         from . import decode as triton_decode
 
-        mask, alibi = split_alibi(call.mask)
-        q_start, seq = decode_limits(mask, call.batch, call.q_len, call.kv_len, q.device)
+        alibi = call.reduced.alibi
+        q_start, seq = call.reduced.limits(q.device, NO_CAUSAL)
         mods = dict(softcap=call.softcap, sinks=call.sinks)
         if alibi is not None:  # slopes and each sequence's first ALiBi query position
             mods.update(alibi_slopes=alibi.slopes,

@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..._checks import shape_of
 from . import MAX_HEAD_DIM, MAX_Q_LEN, MAX_V_HEAD_DIM, NO_CAUSAL, interpreting
 
 try:
@@ -292,10 +293,6 @@ def _(q, k, v, table, q_start, seq_lens, scale, v_head_dim, max_len, num_splits,
 
 # ------------------------------------------------------------------ public entry points
 
-def _shape(t) -> tuple:
-    return tuple(getattr(t, "shape", ()))
-
-
 def _lengths(x, name: str, B: int, device, default: Tensor | None = None) -> Tensor:
     if x is None:
         return default
@@ -339,32 +336,32 @@ def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor | None, blo
     if why:
         raise RuntimeError(f"paged_decode_attention: {why}")
     if not isinstance(q, Tensor) or q.dim() != 4:
-        raise ValueError(f"q must be (B, Hq, S, D), got shape {_shape(q)}")
+        raise ValueError(f"q must be (B, Hq, S, D), got shape {shape_of(q)}")
     if not isinstance(k_pool, Tensor) or k_pool.dim() != 4:
-        raise ValueError(f"k_pool must be (N, page, Hkv, D), got shape {_shape(k_pool)}")
+        raise ValueError(f"k_pool must be (N, page, Hkv, D), got shape {shape_of(k_pool)}")
     B, Hq, S, D = q.shape
     N, page, Hkv, Dk = k_pool.shape
     if Dk != D:
-        raise ValueError(f"q {_shape(q)} and k_pool {_shape(k_pool)} must share the head dim")
+        raise ValueError(f"q {shape_of(q)} and k_pool {shape_of(k_pool)} must share the head dim")
     if Hkv == 0 or Hq % Hkv:
-        raise ValueError(f"query heads ({Hq}, q {_shape(q)}) must be a multiple of KV heads ({Hkv}, k_pool "
-                         f"{_shape(k_pool)})")
+        raise ValueError(f"query heads ({Hq}, q {shape_of(q)}) must be a multiple of KV heads ({Hkv}, k_pool "
+                         f"{shape_of(k_pool)})")
     if S > MAX_Q_LEN:
-        raise ValueError(f"q has {S} tokens per sequence (shape {_shape(q)}); this kernel takes at most {MAX_Q_LEN}")
+        raise ValueError(f"q has {S} tokens per sequence (shape {shape_of(q)}); this kernel takes at most {MAX_Q_LEN}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"q dtype must be float16, bfloat16 or float32, got {q.dtype}")
     if D > MAX_HEAD_DIM:
-        raise ValueError(f"head dim {D} (q {_shape(q)}) is above the kernel's {MAX_HEAD_DIM}")
+        raise ValueError(f"head dim {D} (q {shape_of(q)}) is above the kernel's {MAX_HEAD_DIM}")
     if v_pool is None:
         if v_head_dim is None or not 0 < v_head_dim <= D:
             raise ValueError(f"with v_pool=None (V = K[..., :Dv]) v_head_dim must be in [1, D={D}], got {v_head_dim}")
         Dv = v_head_dim
     else:
         if not isinstance(v_pool, Tensor) or v_pool.dim() != 4 or v_pool.shape[:3] != k_pool.shape[:3]:
-            raise ValueError(f"v_pool must be (N, page, Hkv, Dv) matching k_pool {_shape(k_pool)}, got "
-                             f"{_shape(v_pool)}")
+            raise ValueError(f"v_pool must be (N, page, Hkv, Dv) matching k_pool {shape_of(k_pool)}, got "
+                             f"{shape_of(v_pool)}")
         if v_head_dim is not None and v_head_dim != v_pool.shape[3]:
-            raise ValueError(f"v_head_dim={v_head_dim} but v_pool {_shape(v_pool)}")
+            raise ValueError(f"v_head_dim={v_head_dim} but v_pool {shape_of(v_pool)}")
         Dv = v_pool.shape[3]
     if Dv > MAX_V_HEAD_DIM:
         raise ValueError(f"value head dim {Dv} is above the kernel's {MAX_V_HEAD_DIM}")
@@ -374,7 +371,7 @@ def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor | None, blo
     if not isinstance(block_table, Tensor) or block_table.dim() != 2 or block_table.shape[0] != B \
             or block_table.dtype.is_floating_point or block_table.dtype == torch.bool:
         raise ValueError(f"block_table must be a (B={B}, max_blocks) int tensor, got "
-                         f"{getattr(block_table, 'dtype', type(block_table).__name__)} of shape {_shape(block_table)}")
+                         f"{getattr(block_table, 'dtype', type(block_table).__name__)} of shape {shape_of(block_table)}")
     seq = _lengths(seq_lens, "seq_lens", B, q.device)
     qs = _lengths(q_start, "q_start", B, q.device, default=seq - S if isinstance(seq, Tensor) else None)
     room = block_table.shape[1] * page
@@ -382,14 +379,14 @@ def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor | None, blo
         lo, hi = int(seq.min()), int(seq.max())
         if lo < 0 or hi > room:
             raise ValueError(f"seq_lens must be in [0, max_blocks * page = {room}] (block_table "
-                             f"{_shape(block_table)}, page {page}), got {seq.tolist()}")
+                             f"{shape_of(block_table)}, page {page}), got {seq.tolist()}")
         if max_len is not None and max_len < hi:
             raise ValueError(f"max_len={max_len} is below the longest sequence ({hi} keys): keys would be skipped")
         used = torch.arange(block_table.shape[1], device=block_table.device)[None] < (-(-seq // page))[:, None]
         bad = used & ((block_table < 0) | (block_table >= N))
         if bool(bad.any()):  # entries past a sequence's last page (padding such as -1) are never read
-            raise ValueError(f"block_table entries holding tokens must be in [0, N={N}) (k_pool {_shape(k_pool)}, "
-                             f"block_table {_shape(block_table)}), got {block_table[bad].tolist()[:8]}")
+            raise ValueError(f"block_table entries holding tokens must be in [0, N={N}) (k_pool {shape_of(k_pool)}, "
+                             f"block_table {shape_of(block_table)}), got {block_table[bad].tolist()[:8]}")
     if max_len is None:
         max_len = int(seq.max()) if B else 0
     if scale is None:
@@ -417,15 +414,15 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor | None, *, seq_lens=None, q
     or None (V = ``k[..., :v_head_dim]``). ``seq_lens`` defaults to L and ``q_start`` to
     ``seq_lens - S`` (bottom-right causal); pass ``q_start=NO_CAUSAL`` for no causality."""
     if not isinstance(k, Tensor) or k.dim() != 4 or not isinstance(q, Tensor) or q.dim() != 4 or k.shape[0] != q.shape[0]:
-        raise ValueError(f"q must be (B, Hq, S, D) and k (B, Hkv, L, D) with the same B, got q {_shape(q)}, "
-                         f"k {_shape(k)}")
+        raise ValueError(f"q must be (B, Hq, S, D) and k (B, Hkv, L, D) with the same B, got q {shape_of(q)}, "
+                         f"k {shape_of(k)}")
     if v is not None and (not isinstance(v, Tensor) or v.dim() != 4 or v.shape[:3] != k.shape[:3]):
-        raise ValueError(f"v must be (B, Hkv, L, Dv) matching k {_shape(k)}, got {_shape(v)}")
+        raise ValueError(f"v must be (B, Hkv, L, Dv) matching k {shape_of(k)}, got {shape_of(v)}")
     B, L = k.shape[0], k.shape[2]
     table = torch.arange(B, dtype=torch.int32, device=k.device)[:, None]
     if L == 0:  # nothing cached: a page of one empty slot keeps the kernel's indexing valid
         if seq_lens is not None and bool((torch.as_tensor(seq_lens) != 0).any()):
-            raise ValueError(f"seq_lens must be 0 for an empty cache (k {_shape(k)}), got {seq_lens}")
+            raise ValueError(f"seq_lens must be 0 for an empty cache (k {shape_of(k)}), got {seq_lens}")
         k = k.new_zeros(B, k.shape[1], 1, k.shape[3])
         v = None if v is None else v.new_zeros(B, v.shape[1], 1, v.shape[3])
         seq_lens = 0
