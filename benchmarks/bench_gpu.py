@@ -35,7 +35,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from _common import bench_main, machine, skip  # noqa: E402
 import attnkit  # noqa: E402
-from attnkit.backends.triton import decode as triton_decode  # noqa: E402
+from attnkit.backends.triton_splitk import kernel as triton_decode  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"

@@ -32,7 +32,7 @@ import sys
 import torch
 
 from _common import bench_main, interleaved_medians, machine, timed
-from attnkit.backends import splitk
+from attnkit.backends.cpu_splitk import engine as splitk
 from attnkit.caches import BlockAllocator, DynamicCache, PagedKVCache
 from attnkit.masks import KeyPadding
 

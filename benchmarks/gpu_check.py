@@ -219,7 +219,7 @@ def main(argv=None) -> int:
     print(f"[gpu_check] {info.get('gpu') or 'CPU'}; writing to {out}", flush=True)
     steps: dict[str, dict] = {}
     py = sys.executable
-    steps["native build"] = run_step([py, "-c", "from attnkit.backends import native; print(native.status())"],
+    steps["native build"] = run_step([py, "-c", "from attnkit import _native as native; print(native.status())"],
                                      out / "native.log", timeout=600)
     if "tests" not in args.skip:
         files = args.tests if args.tests is not None else (QUICK_TESTS if args.quick else ["tests"])

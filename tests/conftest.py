@@ -10,7 +10,7 @@ import pytest
 import torch
 
 # Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors. It is read when a
-# kernel is defined, so it must be set before anything imports attnkit.backends.triton.decode.
+# kernel is defined, so it must be set before anything imports attnkit.backends.triton_splitk.kernel.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -142,7 +142,7 @@ def _seed():
 @pytest.fixture(params=["native", "torch"])
 def engine(request, monkeypatch):
     """Which implementation the split-K engine runs: the compiled kernel, or the torch fallback."""
-    from attnkit.backends import native
+    from attnkit import _native as native
 
     if request.param == "torch":
         monkeypatch.setattr(native, "load", lambda: None)

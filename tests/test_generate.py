@@ -52,7 +52,7 @@ def test_batched_row_does_not_depend_on_its_neighbours(model):
 ROPES = {
     "default": None,
     "linear": {"rope_type": "linear", "factor": 2.0},
-    "dynamic": {"rope_type": "dynamic", "factor": 2.0},  # within max_position_embeddings: see rope.py
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},  # within max_position_embeddings: see attnkit/rope/
     "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8},
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8},

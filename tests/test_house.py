@@ -41,11 +41,11 @@ TORCH_PRIVATE = {
 }
 
 #: Reach-ins in the files the lead owns (backends/, functional.py, masks.py, reference.py,
-#: rope.py), as (file under src/attnkit, what is read). Every other file is clean; shrink this
+#: rope/), as (file under src/attnkit, what is read). Every other file is clean; shrink this
 #: list as those files gain public APIs.
 KNOWN: set[tuple[str, str]] = {
     # Python's own private: the caller's frame, for naming where a native build was asked for
-    ("backends/native/__init__.py", "sys._getframe"),
+    ("_native/__init__.py", "sys._getframe"),
     # torch's private aten ops (the fused CPU flash kernels SDPA uses), reached as ``aten._...``
     ("backends/sdpa.py", "aten._scaled_dot_product_flash_attention_for_cpu"),
     ("backends/sdpa.py", "aten._scaled_dot_product_flash_attention_for_cpu_backward"),
@@ -54,10 +54,10 @@ KNOWN: set[tuple[str, str]] = {
     # a tensor's private version counter (in-place change detection)
     ("masks.py", "t._version"),
     # a private table of a transformers config object
-    ("rope.py", "getattr(config, '_rope_type_labels', None)"),
+    ("rope/config.py", "getattr(config, '_rope_type_labels', None)"),
 }
 
-_LEAD_OWNED = ("backends/", "functional.py", "masks.py", "reference.py", "rope.py")
+_LEAD_OWNED = ("backends/", "_native/", "functional.py", "masks.py", "reference.py", "rope/")
 
 
 def _root_name(node: ast.AST) -> str | None:
@@ -152,7 +152,9 @@ def reach_ins(path: Path, text: str | None = None) -> list[str]:
                     found.append(f"from {'.'.join(target)} import ...")
                     break
             for alias in node.names:
-                if _private(alias.name) and target != here:
+                top_level_module = target == ["attnkit"] and ((SRC / alias.name).is_dir()
+                                                           or (SRC / f"{alias.name}.py").is_file())
+                if _private(alias.name) and target != here and not top_level_module:
                     found.append(f"from {'.'.join(target)} import {alias.name}")
     return found
 

@@ -124,7 +124,7 @@ def test_sinks_on_sdpas_flash_kernel_keep_fp64_precision():
 def test_soft_capped_prefill_runs_the_engine_a_chunk_of_queries_at_a_time(engine, case):
     """Soft-capped calls longer than a decode step take the split-K engine (SDPA cannot cap) in
     chunks of queries; every chunk keeps its rows' intervals, bias and ALiBi positions."""
-    from attnkit.backends import splitk
+    from attnkit.backends.cpu_splitk import engine as splitk
     g = torch.Generator().manual_seed(11)
     Hq, Hkv, D = 8, 2, 32
     Sq, Sk = (150, 150) if case != "cross_sinks" else (130, 400)
@@ -275,7 +275,7 @@ def test_triton_kernel_applies_every_modifier(dtype, paged):
     in the merge. Every tensor lives where the kernel runs: CPU tensors on a CUDA machine (no
     interpreter there) are refused, which failed this test on an H100."""
     from attnkit.backends import get_backend
-    from attnkit.backends.triton import interpreting
+    from attnkit.backends.triton_splitk import interpreting
     if get_backend("triton").available() is not None:
         pytest.skip(get_backend("triton").available())
     dev = "cpu" if interpreting() else "cuda"

@@ -22,7 +22,7 @@ import torch
 import attnkit
 from attnkit import masks as M
 from attnkit.backends import BackendNotSupported
-from attnkit.backends.decode import MAX_DECODE_Q_LEN
+from attnkit.backends.cpu_splitk.backend import MAX_DECODE_Q_LEN
 
 from conftest import DTYPES, INFERENCE_ONLY, base_attention, check_against_oracle, make_qkv, rule_r, stable_seed
 

@@ -107,7 +107,7 @@ def test_auto_skip_reason_passes_over_but_forcing_works():
 def test_auto_sends_only_unequal_width_cuda_decode_to_triton():
     """`auto` picks the Triton decode kernel on CUDA for MLA-style calls (K wider than V: SDPA has
     no fused kernel for them) and leaves equal widths and every CPU call to the other backends."""
-    from attnkit.backends.triton import NO_CAUSAL, TritonBackend
+    from attnkit.backends.triton_splitk import NO_CAUSAL, TritonBackend
     from attnkit.masks import Causal, KeyPadding, ReducedMask, SlidingWindow
 
     def decode_limits(mask, B, Sq, Sk, device):

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from attnkit.backends import native
+from attnkit import _native as native
 from attnkit.rope import (
     ROPE_TYPES,
     RopeConfig,
@@ -566,7 +566,7 @@ def test_bad_input(call, exc, match):
 def test_compiled_rotation_is_the_torch_rotation_bit_for_bit(monkeypatch, dtype, interleaved, rotary):
     """Inference on CPU rotates in one compiled pass; it must give the torch ops' floats exactly
     (products and sum rounded on their own: no fused multiply-add), in both layouts."""
-    from attnkit import rope as R
+    from attnkit.rope import rotate as R
 
     if native.load() is None:
         pytest.skip("no native kernel on this machine (no C++ compiler)")
@@ -576,10 +576,10 @@ def test_compiled_rotation_is_the_torch_rotation_bit_for_bit(monkeypatch, dtype,
     sin = torch.randn(1, 130, 1, rotary, generator=g)
     for xs, c, s in ((x, cos, sin), (x.transpose(1, 2), cos.transpose(1, 2), sin.transpose(1, 2))):
         assert R._native_ok(xs, c, s)
-        got = R._rotate_signed(xs, c, s, interleaved)
+        got = R.rotate_signed(xs, c, s, interleaved)
         with monkeypatch.context() as m:
             m.setattr(R, "_native_ok", lambda *a: False)
-            want = R._rotate_signed(xs, c, s, interleaved)
+            want = R.rotate_signed(xs, c, s, interleaved)
         assert got.dtype == want.dtype and torch.equal(got, want)
     leaf = x.float().requires_grad_()  # autograd keeps the torch ops
     assert not R._native_ok(leaf, cos, sin)

@@ -13,7 +13,7 @@ import torch
 
 import attnkit
 from attnkit import masks as M
-from attnkit.backends import splitk
+from attnkit.backends.cpu_splitk import engine as splitk
 
 from conftest import DTYPES, base_attention, make_qkv, rule_r, stable_seed
 
@@ -276,7 +276,7 @@ def test_native_build_targets_the_running_cpu_unless_told(monkeypatch, tmp_path)
     on an AVX-512 machine, say), under its own cache key."""
     from pathlib import Path
 
-    from attnkit.backends import native
+    from attnkit import _native as native
 
     monkeypatch.delenv("ATTNKIT_NATIVE_MARCH", raising=False)
     cmd = native._command("c++", [Path("src.cpp")], Path("out.so"), True)

@@ -20,7 +20,7 @@ from attnkit.masks import Causal, KeyPadding, SlidingWindow
 
 from conftest import base_attention, rule_r, stable_seed
 
-triton_decode = pytest.importorskip("attnkit.backends.triton.decode")
+triton_decode = pytest.importorskip("attnkit.backends.triton_splitk.kernel")
 if triton_decode.available() is not None:
     pytest.skip(f"Triton kernels unavailable: {triton_decode.available()}", allow_module_level=True)
 
@@ -262,7 +262,7 @@ _SMEM = {80: 166912, 90: 232448}  # shared memory per block (bytes) on A100 and 
 _AOT = r"""
 import json, sys, torch, triton
 from triton.backends.compiler import GPUTarget
-from attnkit.backends.triton import decode as td
+from attnkit.backends.triton_splitk import kernel as td
 fn = td._split_kernel
 ints = ["stride_qb", "stride_qh", "stride_qs", "stride_kn", "stride_kt", "stride_kh", "stride_vn", "stride_vt",
         "stride_vh", "stride_tb", "HKV", "G", "S", "DK", "DR", "DV", "PAGE", "SPLIT_LEN", "NSPLIT", "NPAGES"]

@@ -3,14 +3,14 @@ the split-K engine), triton (CUDA decode), flex (CUDA calls with modifiers or bl
 that SDPA cannot fuse), sdpa, math. ``flash`` (the optional flash-attn package) is registered but
 never picked by ``auto`` (why: :mod:`attnkit.backends.flash`)."""
 
-from .decode import SplitKBackend
+from .cpu_splitk import SplitKBackend
 from .flash import FlashBackend
 from .flex import FlexBackend
 from .math import MathBackend
 from .registry import (AttentionCall, BackendBase, BackendNotSupported, auto_order, backend_names, explain,
                        get_backend, register_backend, select)
 from .sdpa import SdpaBackend
-from .triton import TritonBackend
+from .triton_splitk import TritonBackend
 
 register_backend(SplitKBackend("decode", "dense"))
 register_backend(SplitKBackend("paged", "paged"))

@@ -16,7 +16,7 @@ takes the materialized mask directly).
 "math", "overrideable"; "unknown" where torch cannot say).
 
 Sinks (gpt-oss) on CPU, for inference: SDPA's CPU flash kernel returns each row's log-sum-exp
-beside its output, which is all a sink needs (:func:`attnkit.backends.splitk.with_sinks`), so
+beside its output, which is all a sink needs (:func:`attnkit.backends.cpu_splitk.engine.with_sinks`), so
 unmasked and causal prefill with sinks runs the fused kernel (K/V expanded per query head, as
 the op has no grouped heads). Soft-capping changes every score, which no SDPA kernel can do.
 """
@@ -31,7 +31,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .registry import AttentionCall, BackendBase
-from .splitk import with_sinks
+from .cpu_splitk.engine import with_sinks
 
 
 def _cpu_flash_ops():

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from .._checks import shape_of
 from ..backends.sdpa import CPU_FLASH
-from ..backends.splitk import finite, merge_partials  # the engine's merge rule, written once
+from ..backends.cpu_splitk.engine import finite, merge_partials  # the engine's merge rule, written once
 from ..masks import Mask, has_bias
 from ..reference import group_heads
 

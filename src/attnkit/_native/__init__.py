@@ -30,7 +30,7 @@ AVX-512 machine, to compare the two code paths on one CPU); it is part of the ca
 
 When no compiler is found, the build fails, or ``ATTNKIT_NATIVE=0`` is set, ``load()`` returns
 None, :func:`status` says why and :func:`report` adds the compiler's last lines; the split-K engine
-then runs its pure-torch path (:mod:`attnkit.backends.splitk`), with the same results, and ``auto``
+then runs its pure-torch path (:mod:`attnkit.backends.cpu_splitk.engine`), with the same results, and ``auto``
 leaves the calls SDPA runs to SDPA. :func:`engine` with ``build=False`` says which implementation
 a call would get without compiling anything (what ``describe_call`` reports).
 """
@@ -52,7 +52,7 @@ from pathlib import Path
 
 import torch
 
-from ..._sysinfo import cpu_flags, cpu_isa, cpu_name
+from .._sysinfo import cpu_flags, cpu_isa, cpu_name
 
 __all__ = ["load", "status", "engine", "report", "library_path", "cache_dir", "cpu_description"]
 

@@ -1,4 +1,4 @@
-"""``triton``: the fused split-K decode kernel (:mod:`attnkit.backends.triton.decode`) for
+"""``triton``: the fused split-K decode kernel (:mod:`attnkit.backends.triton_splitk.kernel`) for
 ``attnkit.attention`` calls with a few queries per sequence (Sq <= 16).
 
 It takes the masks a KV cache produces, causal (any offsets) and right-side key padding, which it
@@ -20,8 +20,8 @@ import os
 
 import torch
 
-from ..splitk import v_is_prefix_of_k
-from ..decode import decode_refusals
+from ..cpu_splitk.backend import decode_refusals
+from ..cpu_splitk.engine import v_is_prefix_of_k
 from ..registry import AttentionCall, BackendBase
 
 #: Most query tokens per sequence in one call (decode and speculative verification).
@@ -92,7 +92,7 @@ class TritonBackend(BackendBase):
         return None  # paged K/V: read in place (the alternative gathers the whole cache every step)
 
     def run(self, q, k, v, call: AttentionCall):
-        from . import decode as triton_decode
+        from . import kernel as triton_decode
 
         alibi = call.reduced.alibi
         q_start, seq = call.reduced.limits(q.device, NO_CAUSAL)

@@ -1,5 +1,5 @@
 """``decode`` and ``paged``: few-query attention on CPU through the split-K engine
-(:mod:`attnkit.backends.splitk`), over contiguous K/V (``decode``) or pages (``paged``).
+(:mod:`attnkit.backends.cpu_splitk.engine`), over contiguous K/V (``decode``) or pages (``paged``).
 
 Both read each KV head once for all the query heads of its group and every query of the step
 (decode, speculative verification: Sq <= 16; soft-capped or ALiBi calls of any length, which
@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from .._sysinfo import cpu_flags
-from . import native, splitk
-from .registry import AttentionCall, BackendBase
-from .sdpa import sinks_refusals
+from ... import _native as native
+from ..._sysinfo import cpu_flags
+from ..registry import AttentionCall, BackendBase
+from ..sdpa import sinks_refusals
+from . import engine as splitk
 
 #: Largest Sq these backends take: past this the work is matmul-bound and SDPA's tiled kernels win.
 MAX_DECODE_Q_LEN = 16
