@@ -21,6 +21,7 @@ deepseek_v3   multi-head latent attention, dense MLPs only (``first_k_dense_repl
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Mapping
 
@@ -31,21 +32,49 @@ from .config import HIDDEN_ACTS, DecoderConfig
 
 __all__ = ["config_from_hf", "config_dtype", "SUPPORTED_MODEL_TYPES"]
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2")
-GEMMA_FAMILY = ("gemma2", "gemma3_text")
-SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, *GEMMA_FAMILY, "deepseek_v3")
+@dataclass(frozen=True)
+class _Family:
+    """What one ``model_type``'s config.json means for the decoder, as data."""
 
-# transformers' class defaults for fields a config.json may leave out (v4-era files omit defaults).
-_FAMILY_DEFAULTS = {
-    "gemma2": dict(tie_word_embeddings=True, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
-                   attn_logit_softcapping=50.0, final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh"),
-    "gemma3_text": dict(tie_word_embeddings=True, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
-                        hidden_activation="gelu_pytorch_tanh", rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
-                        sliding_window_pattern=6),
-    "phi3": dict(rms_norm_eps=1e-5),
-    "olmo2": dict(rms_norm_eps=1e-5),
-    "qwen3": dict(head_dim=128),
+    #: transformers' class defaults for fields a config.json may leave out (v4-era files omit them)
+    defaults: dict = field(default_factory=dict)
+    #: (q/k/v bias, o_proj bias) fixed by the architecture; None: the file's ``attention_bias``
+    bias: tuple[bool, bool] | None = None
+    #: DecoderConfig fields the architecture fixes
+    fields: dict = field(default_factory=dict)
+    #: Gemma's sandwich norms, embedding scale, query_pre_attn_scalar and soft-capping
+    gemma: bool = False
+    #: which layers slide when the file predates ``layer_types`` (see _layer_types)
+    sliding: str = "all"
+    #: sliding layers only with ``use_sliding_window`` (Qwen: transformers ignores the window otherwise)
+    sliding_needs_flag: bool = False
+    #: a second RoPE for the sliding layers (Gemma 3)
+    local_rope: bool = False
+    #: multi-head latent attention (DeepSeek-V3), read by _mla_config
+    mla: bool = False
+
+
+_GEMMA_DEFAULTS = dict(tie_word_embeddings=True, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
+                       hidden_activation="gelu_pytorch_tanh")
+
+#: One row per supported ``model_type``.
+_FAMILIES: dict[str, _Family] = {
+    "llama": _Family(),
+    "mistral": _Family(bias=(False, False)),
+    "qwen2": _Family(bias=(True, False), sliding="after_max_window_layers", sliding_needs_flag=True),
+    "qwen3": _Family(defaults=dict(head_dim=128), fields=dict(qk_norm="head"), sliding="after_max_window_layers",
+                     sliding_needs_flag=True),
+    "phi3": _Family(defaults=dict(rms_norm_eps=1e-5), bias=(False, False)),
+    "olmo2": _Family(defaults=dict(rms_norm_eps=1e-5),
+                     fields=dict(qk_norm="full", norm_style="olmo2", norm_placement="post")),
+    "gemma2": _Family(defaults=dict(_GEMMA_DEFAULTS, attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+                      gemma=True, sliding="every_other"),
+    "gemma3_text": _Family(defaults=dict(_GEMMA_DEFAULTS, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+                                         sliding_window_pattern=6),
+                           fields=dict(qk_norm="head"), gemma=True, sliding="pattern", local_rope=True),
+    "deepseek_v3": _Family(mla=True),
 }
+SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
 
 
 def _as_dict(cfg) -> dict[str, Any]:
@@ -77,12 +106,12 @@ def _rope_fields(c: dict, head_dim: int | None, layer_type: str | None = None) -
     return {"rope_theta": rc.base, "rope_scaling": scaling}
 
 
-def _layer_types(f: "_Fields", mt: str, L: int) -> tuple[list[str], int | None]:
+def _layer_types(f: "_Fields", fam: _Family, L: int) -> tuple[list[str], int | None]:
     """Per-layer attention kinds and the sliding window W (None: every layer full)."""
     c = f.c
     window = f.int("sliding_window", None)
     given = c.get("layer_types")
-    if mt in ("qwen2", "qwen3") and not f.bool("use_sliding_window", False):
+    if fam.sliding_needs_flag and not f.bool("use_sliding_window", False):
         return ["full_attention"] * L, None  # transformers ignores sliding_window then
     if given is not None:
         if not isinstance(given, list) or len(given) != L or any(t not in ("full_attention", "sliding_attention")
@@ -92,12 +121,12 @@ def _layer_types(f: "_Fields", mt: str, L: int) -> tuple[list[str], int | None]:
         types = list(given)
     elif window is None:
         types = ["full_attention"] * L
-    elif mt == "gemma2":  # transformers' defaults when the file predates layer_types
+    elif fam.sliding == "every_other":  # transformers' defaults when the file predates layer_types
         types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(L)]
-    elif mt == "gemma3_text":
+    elif fam.sliding == "pattern":
         pattern = f.int("sliding_window_pattern", f.int("_sliding_window_pattern", 6))
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(L)]
-    elif mt in ("qwen2", "qwen3"):
+    elif fam.sliding == "after_max_window_layers":
         first = f.int("max_window_layers", L, low=0)
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(L)]
     else:  # Mistral, Phi-3: every layer
@@ -172,10 +201,10 @@ def config_from_hf(cfg) -> DecoderConfig:
     if mt not in SUPPORTED_MODEL_TYPES:
         hint = " (load the text model's checkpoint, model_type 'gemma3_text')" if mt == "gemma3" else ""
         raise ValueError(f"model_type {mt!r} is not supported{hint}; attnkit.models loads {SUPPORTED_MODEL_TYPES}")
-    c = {**_FAMILY_DEFAULTS.get(mt, {}), **c}  # an explicit null stays null (e.g. no soft-capping)
+    fam = _FAMILIES[mt]
+    c = {**fam.defaults, **c}  # an explicit null stays null (e.g. no soft-capping)
     f = _Fields(c)
-    gemma = mt in GEMMA_FAMILY
-    act_key = "hidden_activation" if gemma and "hidden_activation" in c else "hidden_act"
+    act_key = "hidden_activation" if fam.gemma and "hidden_activation" in c else "hidden_act"
     act = f.str(act_key, "silu")
     if act not in HIDDEN_ACTS:
         raise ValueError(f"{act_key} {act!r} is not supported (the decoder's gated MLP takes {HIDDEN_ACTS})")
@@ -197,7 +226,7 @@ def config_from_hf(cfg) -> DecoderConfig:
     f.float("rope_theta", None)  # type-checked here; resolved with the rope dict below
     f.dict("rope_scaling")
     f.dict("rope_parameters")
-    if mt == "deepseek_v3":
+    if fam.mla:
         k_dense = f.int("first_k_dense_replace", 0, low=0)
         experts = f.int("n_routed_experts", 0, low=0)
         if experts and k_dense < L:
@@ -218,27 +247,16 @@ def config_from_hf(cfg) -> DecoderConfig:
                              "there is no head_dim")
         head_dim = E // H
     attention = "mha" if kv == H else "mqa" if kv == 1 else "gqa"
-    if mt == "qwen2":
-        bias, out_bias = True, False
-    elif mt in ("mistral", "phi3"):
-        bias = out_bias = False
-    else:
-        bias = out_bias = f.bool("attention_bias", False)
-    types, window = _layer_types(f, mt, L)
-    family: dict[str, Any] = {}
-    if gemma:
-        family = dict(norm_style="gemma", norm_placement="sandwich", embedding_multiplier=E ** 0.5,
+    bias, out_bias = fam.bias if fam.bias is not None else (f.bool("attention_bias", False),) * 2
+    types, window = _layer_types(f, fam, L)
+    family: dict[str, Any] = dict(fam.fields)
+    if fam.gemma:
+        family.update(norm_style="gemma", norm_placement="sandwich", embedding_multiplier=E ** 0.5,
                       query_scale=f.float("query_pre_attn_scalar") ** -0.5,
                       attn_softcap=f.float("attn_logit_softcapping", None),
                       final_softcap=f.float("final_logit_softcapping", None))
-        if mt == "gemma3_text":
-            family["qk_norm"] = "head"
-    elif mt == "qwen3":
-        family = dict(qk_norm="head")
-    elif mt == "olmo2":
-        family = dict(qk_norm="full", norm_style="olmo2", norm_placement="post")
     rope = _rope_fields(c, head_dim, "full_attention" if _nested_rope(c) else None)
-    if mt == "gemma3_text" and "sliding_attention" in types:
+    if fam.local_rope and "sliding_attention" in types:
         if _nested_rope(c):
             local = _rope_fields(c, head_dim, "sliding_attention")
         else:  # v4 files: rope_local_base_freq, default RoPE on the local layers
