@@ -387,63 +387,70 @@ X* grown(std::vector<X>& v, int64_t n) noexcept {
   return v.data();
 }
 
-// One unit: all M rows of each of its nh KV heads over keys [s0, s1). Writes m (nh, M), l (nh, M)
-// and the unnormalised acc (nh, M, Dv). The heads of a unit share the walk over the keys: a tile's
-// rows of all nh heads are gathered (prefetched) together, then each head runs over them in turn.
-//
-// InPlace: the loops read key and value rows as T itself, in place in the cache, widened to fp32
-// in registers (when whole vectors cover D and Dv); else as floats from a tile buffer the rows are
-// copied (converted) into (other widths: q and the buffers are zero-padded to whole vectors, so padding
-// lanes add 0 to the dot products; V lanes past Dv are accumulated and dropped).
-//
-// Scores take two keys and four rows per pass over D (8 accumulators; every key and q vector is
-// loaded once per pass); P @ V keeps four rows x two vectors of accumulators in registers while
-// the tile's V rows stream by. The next tile's rows are prefetched a row per key, so their memory
-// latency overlaps this tile's arithmetic.
-template <typename T, bool InPlace>
-void run_unit(const Args& a, const Unit& u, float* m, float* l, float* acc_out) {
-  using R = typename std::conditional<InPlace, T, float>::type;
-  const int64_t M = a.G * a.Sq, D = a.D, Dv = a.Dv, NH = u.nh;
-  // distance between the rows of consecutive heads: paged (block, slot, h) / dense (b, h, j)
-  const int64_t kstep = a.paged ? a.ks2 : a.ks1, vstep = a.paged ? a.vs2 : a.vs1;
-  const int64_t Dp = round_up(D, VL), Dvp = round_up(Dv, VL);
-  const int64_t TILE = a.tile;
-  const bool v_from_k = a.v == nullptr;
-  constexpr bool in_place = InPlace;
-  // bf16 K read in place by the CPU's bf16 dot product, for bf16 queries (exact in bf16 already).
-  constexpr bool kDotType = InPlace && kDotBF16 && std::is_same<T, c10::BFloat16>::value;
-  const bool dot = kDotType && a.q_type == at::kBFloat16 && Dp % 32 == 0;
-  // Scratch reused across units of a thread. Plain pointers from here on: every access to a
-  // thread_local in the loops would go through the TLS lookup of a shared library.
+// A unit's working memory, carved from buffers each thread keeps across its units (one set per
+// instantiation of run_unit: the thread_locals live in unit_scratch<T, InPlace>).
+//   q (NH, M, Dp): the scaled fp32 q rows, zero-padded to whole vectors; qb (NH, M, Dp): the
+//   same rows unscaled in bf16 for the dot product (nullptr when it is not used); kbuf / vbuf
+//   (NH, TILE, Dp / Dvp): a tile's rows widened to fp32 (empty when read in place); s (M, TILE):
+//   one head's scores, then probabilities; acc (NH, M, Dvp); rlo / rhi (M): each row's keys in
+//   the unit; krow / vrow (NH, TILE): where a tile's key / value rows are read.
+template <typename R>
+struct UnitScratch {
+  float *q, *kbuf, *vbuf, *s, *acc;
+  uint16_t* qb;
+  int64_t *rlo, *rhi;
+  const R **krow, **vrow;
+};
+
+// Takes (and zeroes) the unit's scratch; false when memory ran out, which the caller reports
+// instead of throwing. Plain pointers from here on: every access to a thread_local in the loops
+// would go through the TLS lookup of a shared library.
+template <typename T, bool InPlace, typename R>
+inline bool unit_scratch(int64_t NH, int64_t M, int64_t Dp, int64_t Dvp, int64_t TILE, bool v_from_k, bool dot,
+                         UnitScratch<R>& w) {
   thread_local std::vector<float> scratch;
   thread_local std::vector<int64_t> bounds;
   thread_local std::vector<const void*> rows;
   thread_local std::vector<uint16_t> qbits;
-  const int64_t kbuf_n = in_place ? 0 : NH * TILE * Dp, vbuf_n = (in_place || v_from_k) ? 0 : NH * TILE * Dvp;
+  const int64_t kbuf_n = InPlace ? 0 : NH * TILE * Dp, vbuf_n = (InPlace || v_from_k) ? 0 : NH * TILE * Dvp;
   const int64_t scratch_n = NH * M * Dp + kbuf_n + vbuf_n + M * TILE + NH * M * Dvp;
   float* const qbuf = grown(scratch, scratch_n);
   int64_t* const rlo = grown(bounds, 2 * M);
-  const R** const krow = reinterpret_cast<const R**>(grown(rows, 2 * NH * TILE));  // (NH, TILE)
+  const R** const krow = reinterpret_cast<const R**>(grown(rows, 2 * NH * TILE));
   uint16_t* const qb = dot ? grown(qbits, NH * M * Dp) : nullptr;
-  if (qbuf == nullptr || rlo == nullptr || krow == nullptr || (dot && qb == nullptr)) {
-    a.failed->store(kNoMemory, std::memory_order_relaxed);
-    return;
-  }
-  std::fill(qbuf, qbuf + scratch_n, 0.0f);  // zero padding lanes
-  float* const kbuf = qbuf + NH * M * Dp;
-  float* const vbuf = kbuf + kbuf_n;
-  float* const sbuf = vbuf + vbuf_n;
-  float* const acc = sbuf + M * TILE;
-  int64_t* const rhi = rlo + M;
-  const R** const vrow = krow + NH * TILE;
-  if (dot) std::fill(qb, qb + NH * M * Dp, 0);  // zero padding lanes
-  for (int64_t r = 0; r < NH * M; ++r) {
+  if (qbuf == nullptr || rlo == nullptr || krow == nullptr || (dot && qb == nullptr)) return false;
+  std::fill(qbuf, qbuf + scratch_n, 0.0f);  // padding lanes must add 0 to the dot products
+  w.q = qbuf;
+  w.kbuf = qbuf + NH * M * Dp;
+  w.vbuf = w.kbuf + kbuf_n;
+  w.s = w.vbuf + vbuf_n;
+  w.acc = w.s + M * TILE;
+  w.qb = qb;
+  w.rlo = rlo;
+  w.rhi = rlo + M;
+  w.krow = krow;
+  w.vrow = krow + NH * TILE;
+  if (dot) std::fill(qb, qb + NH * M * Dp, 0);  // as above
+  return true;
+}
+
+// The unit's NH * M query rows, scaled, into ``qbuf`` (and, for the bf16 dot product, unscaled
+// into ``qb``: the sums are scaled instead, so the bf16 products stay exact).
+__attribute__((always_inline)) inline void load_unit_q(const Args& a, const Unit& u, int64_t M, int64_t Dp, bool dot,
+                                                       float* qbuf, uint16_t* qb) {
+  for (int64_t r = 0; r < u.nh * M; ++r) {
     const int64_t hh = r / M, rr = r % M, row = (u.b * a.Hq + (u.h + hh) * a.G + rr / a.Sq) * a.Sq + rr % a.Sq;
     load_q(a, row, qbuf + r * Dp);
-    if (dot) std::memcpy(qb + r * Dp, static_cast<const uint16_t*>(a.q) + row * D, D * sizeof(uint16_t));
+    if (dot) std::memcpy(qb + r * Dp, static_cast<const uint16_t*>(a.q) + row * a.D, a.D * sizeof(uint16_t));
   }
+}
 
-  int64_t start = u.s1, end = u.s0;
+// Each row's keys inside the unit, [rlo[r], rhi[r]), and the span [start, end) the unit walks:
+// the union of the non-empty ones (start >= end when no row sees any key of the unit).
+__attribute__((always_inline)) inline void unit_key_bounds(const Args& a, const Unit& u, int64_t M, int64_t* rlo,
+                                                           int64_t* rhi, int64_t& start, int64_t& end) {
+  start = u.s1;
+  end = u.s0;
   for (int64_t r = 0; r < M; ++r) {
     const int64_t i = r % a.Sq;
     rlo[r] = std::max(row_lo(a, u.b, i), u.s0);
@@ -453,37 +460,66 @@ void run_unit(const Args& a, const Unit& u, float* m, float* l, float* acc_out) 
       end = std::max(end, rhi[r]);
     }
   }
-  std::fill(m, m + NH * M, kNegInf);
-  std::fill(l, l + NH * M, 0.0f);
-  // prefetch span of a key / value row of all NH heads
-  const int64_t kspan = ((NH - 1) * kstep + D) * static_cast<int64_t>(sizeof(T));
-  const int64_t vspan = ((NH - 1) * vstep + Dv) * static_cast<int64_t>(sizeof(T));
+}
 
-  Rows<T> kr_walk(a, a.k, a.ks0, a.ks1, a.ks2, u.b, u.h), kp_walk = kr_walk;
-  Rows<T> vr_walk(a, v_from_k ? a.k : a.v, a.vs0, a.vs1, a.vs2, u.b, u.h), vp_walk = vr_walk;
-  for (int64_t t0 = start; t0 < end; t0 += TILE) {
-    const int64_t n = std::min(TILE, end - t0);
-    kr_walk.seek(t0);
-    vr_walk.seek(t0);
+// The key and value rows of a unit's NH heads, a tile at a time. gather() points krow / vrow
+// (NH, TILE) at a tile's rows (in place, or copied to fp32 buffers) and, a key at a time,
+// prefetches the same key of the next tile, so its memory latency overlaps this tile's arithmetic.
+template <typename T, bool InPlace>
+struct TileRows {
+  using R = typename std::conditional<InPlace, T, float>::type;
+  Rows<T> k, v, k_next, v_next;
+  const int64_t NH, D, Dv, Dp, Dvp, TILE;
+  const int64_t kstep, vstep;  // between the rows of consecutive heads
+  const int64_t kspan, vspan;  // bytes a key / value row of all NH heads spans (what is prefetched)
+  const bool v_from_k;
+
+  TileRows(const Args& a, const Unit& u)
+      : k(a, a.k, a.ks0, a.ks1, a.ks2, u.b, u.h),
+        v(a, a.v == nullptr ? a.k : a.v, a.vs0, a.vs1, a.vs2, u.b, u.h),
+        k_next(k),
+        v_next(v),
+        NH(u.nh),
+        D(a.D),
+        Dv(a.Dv),
+        Dp(round_up(a.D, VL)),
+        Dvp(round_up(a.Dv, VL)),
+        TILE(a.tile),
+        // paged (block, slot, h) / dense (b, h, j)
+        kstep(a.paged ? a.ks2 : a.ks1),
+        vstep(a.paged ? a.vs2 : a.vs1),
+        kspan(((u.nh - 1) * kstep + a.D) * static_cast<int64_t>(sizeof(T))),
+        vspan(((u.nh - 1) * vstep + a.Dv) * static_cast<int64_t>(sizeof(T))),
+        v_from_k(a.v == nullptr) {}
+
+  // The n keys from t0 (the unit walks up to ``end``).
+  __attribute__((always_inline)) inline void gather(int64_t t0, int64_t n, int64_t end, const R** krow, const R** vrow,
+                                                    float* kbuf, float* vbuf) {
+    // Locals, not members, in the loop: the compiler need not prove the row writes leave *this alone.
+    const int64_t NH = this->NH, D = this->D, Dv = this->Dv, Dp = this->Dp, Dvp = this->Dvp, TILE = this->TILE;
+    const int64_t kstep = this->kstep, vstep = this->vstep, kspan = this->kspan, vspan = this->vspan;
+    const bool v_from_k = this->v_from_k;
+    k.seek(t0);
+    v.seek(t0);
     const int64_t ahead = std::min(TILE, std::max<int64_t>(0, end - t0 - TILE));  // keys of the next tile
-    kp_walk.seek(t0 + TILE);
-    vp_walk.seek(t0 + TILE);
+    k_next.seek(t0 + TILE);
+    v_next.seek(t0 + TILE);
     for (int64_t j = 0; j < n; ++j) {
-      if (j < ahead) {  // the same key of the next tile, requested now (its latency overlaps this tile)
-        const char* pk = reinterpret_cast<const char*>(kp_walk.next());
+      if (j < ahead) {
+        const char* pk = reinterpret_cast<const char*>(k_next.next());
         for (int64_t c = 0; c < kspan; c += 64) __builtin_prefetch(pk + c, 0, 3);
         if (!v_from_k) {
-          const char* pv = reinterpret_cast<const char*>(vp_walk.next());
+          const char* pv = reinterpret_cast<const char*>(v_next.next());
           for (int64_t c = 0; c < vspan; c += 64) __builtin_prefetch(pv + c, 0, 3);
         }
       }
-      const T* kr0 = kr_walk.next();
-      const T* vr0 = v_from_k ? kr0 : vr_walk.next();
+      const T* kr0 = k.next();
+      const T* vr0 = v_from_k ? kr0 : v.next();
       for (int64_t hh = 0; hh < NH; ++hh) {
         const T* kr = kr0 + hh * kstep;
         const T* vr = v_from_k ? kr : vr0 + hh * vstep;
         const int64_t x = hh * TILE + j;
-        if constexpr (in_place) {
+        if constexpr (InPlace) {
           krow[x] = kr;
           vrow[x] = vr;  // V = K[:Dv] reads the K row
         } else {
@@ -498,183 +534,285 @@ void run_unit(const Args& a, const Unit& u, float* m, float* l, float* acc_out) 
         }
       }
     }
-    for (int64_t hh = 0; hh < NH; ++hh) {
-    const R* const* const krh = krow + hh * TILE;
-    const R* const* const vrh = vrow + hh * TILE;
-    const float* const qh = qbuf + hh * M * Dp;
-    float* const mh = m + hh * M;
-    float* const lh = l + hh * M;
-    float* const ach = acc + hh * M * Dvp;
-    // Scores s[r][j] = q_r . k_j
-    int64_t j = 0;
-    for (; j + 2 <= n; j += 2) {
-      const R* k0 = krh[j];
-      const R* k1 = krh[j + 1];
-      int64_t r = 0;
-      if constexpr (kDotType) {
-        if (dot) {
-          for (; r + 4 <= M; r += 4) {
-            float sums[8];
-            dot_4x2_bf16(qb + (hh * M + r) * Dp, Dp, reinterpret_cast<const c10::BFloat16*>(k0),
-                         reinterpret_cast<const c10::BFloat16*>(k1), sums);
-            float* sr = sbuf + r * TILE + j;
-            for (int64_t x = 0; x < 4; ++x) {
-              sr[x * TILE] = sums[2 * x] * a.scale;
-              sr[x * TILE + 1] = sums[2 * x + 1] * a.scale;
-            }
-          }
-        }
-      }
-      for (; r + 4 <= M; r += 4) {
-        const float* q0 = qh + r * Dp;
-        vf c00 = {}, c01 = {}, c10 = {}, c11 = {}, c20 = {}, c21 = {}, c30 = {}, c31 = {};
-        for (int64_t d = 0; d < Dp; d += VL) {
-          const vf x0 = vload_as_f32(k0 + d), x1 = vload_as_f32(k1 + d);
-          const vf y0 = vload(q0 + d), y1 = vload(q0 + Dp + d), y2 = vload(q0 + 2 * Dp + d), y3 = vload(q0 + 3 * Dp + d);
-          c00 += y0 * x0; c01 += y0 * x1;
-          c10 += y1 * x0; c11 += y1 * x1;
-          c20 += y2 * x0; c21 += y2 * x1;
-          c30 += y3 * x0; c31 += y3 * x1;
-        }
-        const vf c[8] = {c00, c01, c10, c11, c20, c21, c30, c31};
-        float sums[8];
-        hsum8(c, sums);
-        float* sr = sbuf + r * TILE + j;
-        sr[0] = sums[0]; sr[1] = sums[1];
-        sr[TILE] = sums[2]; sr[TILE + 1] = sums[3];
-        sr[2 * TILE] = sums[4]; sr[2 * TILE + 1] = sums[5];
-        sr[3 * TILE] = sums[6]; sr[3 * TILE + 1] = sums[7];
-      }
-      for (; r < M; ++r) {
-        const float* q0 = qh + r * Dp;
-        vf c0 = {}, c1 = {};
-        for (int64_t d = 0; d < Dp; d += VL) {
-          const vf y = vload(q0 + d);
-          c0 += y * vload_as_f32(k0 + d);
-          c1 += y * vload_as_f32(k1 + d);
-        }
-        sbuf[r * TILE + j] = hsum(c0);
-        sbuf[r * TILE + j + 1] = hsum(c1);
-      }
-    }
-    for (; j < n; ++j) {
-      for (int64_t r = 0; r < M; ++r) {
-        const float* q0 = qh + r * Dp;
-        vf c0 = {};
-        for (int64_t d = 0; d < Dp; d += VL) c0 += vload(q0 + d) * vload_as_f32(krh[j] + d);
-        sbuf[r * TILE + j] = hsum(c0);
-      }
-    }
-    // Modifiers, the row's interval, online softmax: s becomes p, l and acc are rescaled.
-    int64_t vis_lo = n, vis_hi = 0;  // keys of this tile some row sees
-    for (int64_t r = 0; r < M; ++r) {
-      float* s = sbuf + r * TILE;
-      const int64_t jlo = std::max<int64_t>(0, rlo[r] - t0), jhi = std::min<int64_t>(n, rhi[r] - t0);
-      if (jlo >= jhi) {  // nothing of this tile is visible to r: contributes p = 0
-        std::fill(s, s + n, 0.0f);
-        continue;
-      }
-      const int64_t g = r / a.Sq, i = r % a.Sq, hq = (u.h + hh) * a.G + g;
-      if (a.softcap > 0.0f) {
-        const float c = a.softcap, inv = 1.0f / a.softcap;
-        for (int64_t jj = 0; jj < n; jj += VL) vstore(s + jj, vtanh(vload(s + jj) * inv) * c);
-      }
-      if (a.bias != nullptr) {
-        const float* br = a.bias + u.b * a.bs0 + hq * a.bs1 + i * a.bs2;
-        for (int64_t jj = 0; jj < n; ++jj) s[jj] += br[(t0 + jj) * a.bs3];
-      }
-      if (a.slopes != nullptr) {
-        const float slope = a.slopes[hq];
-        const int64_t p = a.qpos ? a.qpos[u.b * a.Sq + i] : i + a.Sk - a.Sq;
-        // distances t0 + jj - p as exact floats (|d| < 2^24), a vector at a time (lanes past n are
-        // overwritten with -inf below)
-        vf dist;
-        for (int64_t x = 0; x < VL; ++x) dist[x] = static_cast<float>(t0 - p + x);
-        const vf sl = vsplat(slope), step = vsplat(static_cast<float>(VL));
-        for (int64_t jj = 0; jj < n; jj += VL, dist += step) vstore(s + jj, vload(s + jj) + sl * dist);
-      }
-      for (int64_t jj = 0; jj < jlo; ++jj) s[jj] = kNegInf;
-      for (int64_t jj = jhi; jj < TILE; ++jj) s[jj] = kNegInf;  // also the padding past n
-      vf vmax = vsplat(kNegInf);
-      for (int64_t jj = 0; jj < TILE; jj += VL) {
-        const vf x = vload(s + jj);
-        vmax = (x != x || x > vmax) ? x : vmax;  // NaN-propagating
-      }
-      float mt = kNegInf;
-      for (int64_t k = 0; k < VL; ++k) mt = nan_max(vmax[k], mt);
-      const float m_new = nan_max(mt, mh[r]);
-      if (m_new == kNegInf) {  // every visible score so far is -inf (masked by the bias)
-        std::fill(s, s + n, 0.0f);
-        continue;
-      }
-      const float alpha = exp_f32(mh[r] - m_new);  // 0 while m is -inf; NaN poisons the row
-      vf vsum = {};
-      const vf mv = vsplat(m_new);
-      for (int64_t jj = 0; jj < TILE; jj += VL) {
-        const vf p = vexp(vload(s + jj) - mv);
-        vstore(s + jj, p);
-        vsum += p;
-      }
-      lh[r] = lh[r] * alpha + hsum(vsum);
-      if (alpha != 1.0f) {
-        float* ar = ach + r * Dvp;
-        const vf va = vsplat(alpha);
-        for (int64_t d = 0; d < Dvp; d += VL) vstore(ar + d, vload(ar + d) * va);
-      }
-      mh[r] = m_new;
-      vis_lo = std::min(vis_lo, jlo);
-      vis_hi = std::max(vis_hi, jhi);
-    }
-    // acc += P @ V over the keys some row sees (p = 0 for the others, as in P @ V of the math).
-    // Four rows x two vectors of acc stay in registers while the tile's V rows stream by: per key
-    // two V loads and four broadcasts feed eight FMAs. Each tile's sum starts from zero and is
-    // added to acc once (blocked summation): a long single-threaded walk no longer adds every
-    // key's term to one running total, whose rounding grows with the number of keys.
-    int64_t d = 0;
-    for (; d + 2 * VL <= Dvp; d += 2 * VL) {
-      int64_t r = 0;
-      for (; r + 4 <= M; r += 4) {
-        float* a0 = ach + r * Dvp + d;
-        const float* p0 = sbuf + r * TILE;
-        vf x0 = {}, y0 = {}, x1 = {}, y1 = {}, x2 = {}, y2 = {}, x3 = {}, y3 = {};
-        for (int64_t jj = vis_lo; jj < vis_hi; ++jj) {
-          const vf va = vload_as_f32(vrh[jj] + d), vb = vload_as_f32(vrh[jj] + d + VL);
-          const vf p_0 = vsplat(p0[jj]), p_1 = vsplat(p0[TILE + jj]), p_2 = vsplat(p0[2 * TILE + jj]), p_3 = vsplat(p0[3 * TILE + jj]);
-          x0 += p_0 * va; y0 += p_0 * vb;
-          x1 += p_1 * va; y1 += p_1 * vb;
-          x2 += p_2 * va; y2 += p_2 * vb;
-          x3 += p_3 * va; y3 += p_3 * vb;
-        }
-        vstore(a0, vload(a0) + x0); vstore(a0 + VL, vload(a0 + VL) + y0);
-        vstore(a0 + Dvp, vload(a0 + Dvp) + x1); vstore(a0 + Dvp + VL, vload(a0 + Dvp + VL) + y1);
-        vstore(a0 + 2 * Dvp, vload(a0 + 2 * Dvp) + x2); vstore(a0 + 2 * Dvp + VL, vload(a0 + 2 * Dvp + VL) + y2);
-        vstore(a0 + 3 * Dvp, vload(a0 + 3 * Dvp) + x3); vstore(a0 + 3 * Dvp + VL, vload(a0 + 3 * Dvp + VL) + y3);
-      }
-      for (; r < M; ++r) {
-        float* a0 = ach + r * Dvp + d;
-        const float* p0 = sbuf + r * TILE;
-        vf x0 = {}, y0 = {};
-        for (int64_t jj = vis_lo; jj < vis_hi; ++jj) {
-          const vf pp = vsplat(p0[jj]);
-          x0 += pp * vload_as_f32(vrh[jj] + d);
-          y0 += pp * vload_as_f32(vrh[jj] + d + VL);
-        }
-        vstore(a0, vload(a0) + x0);
-        vstore(a0 + VL, vload(a0 + VL) + y0);
-      }
-    }
-    for (; d < Dvp; d += VL) {
-      for (int64_t r = 0; r < M; ++r) {
-        float* a0 = ach + r * Dvp + d;
-        const float* p0 = sbuf + r * TILE;
-        vf x0 = {};
-        for (int64_t jj = vis_lo; jj < vis_hi; ++jj) x0 += p0[jj] * vload_as_f32(vrh[jj] + d);
-        vstore(a0, vload(a0) + x0);
-      }
-    }
-    }  // heads
   }
-  for (int64_t r = 0; r < NH * M; ++r) std::copy(acc + r * Dvp, acc + r * Dvp + Dv, acc_out + r * Dv);
+};
+
+// Scores of 4 rows x 2 keys by bf16 dot products of the unscaled q, scaled afterwards, into
+// ``sr`` (rows TILE apart).
+__attribute__((always_inline)) inline void score_4x2_bf16dot(const uint16_t* qb, int64_t Dp, const c10::BFloat16* k0,
+                                                             const c10::BFloat16* k1, float scale, int64_t TILE,
+                                                             float* sr) {
+  float sums[8];
+  dot_4x2_bf16(qb, Dp, k0, k1, sums);
+  for (int64_t x = 0; x < 4; ++x) {
+    sr[x * TILE] = sums[2 * x] * scale;
+    sr[x * TILE + 1] = sums[2 * x + 1] * scale;
+  }
+}
+
+// Scores of 4 rows x 2 keys by fp32 FMAs: 8 accumulators in registers, every key and q vector
+// loaded once per pass over D. ``q0`` holds the 4 rows Dp apart; ``sr`` takes them TILE apart.
+template <typename R>
+__attribute__((always_inline)) inline void score_4x2_fma(const float* q0, int64_t Dp, const R* k0, const R* k1,
+                                                         int64_t TILE, float* sr) {
+  vf c00 = {}, c01 = {}, c10 = {}, c11 = {}, c20 = {}, c21 = {}, c30 = {}, c31 = {};
+  for (int64_t d = 0; d < Dp; d += VL) {
+    const vf x0 = vload_as_f32(k0 + d), x1 = vload_as_f32(k1 + d);
+    const vf y0 = vload(q0 + d), y1 = vload(q0 + Dp + d), y2 = vload(q0 + 2 * Dp + d), y3 = vload(q0 + 3 * Dp + d);
+    c00 += y0 * x0; c01 += y0 * x1;
+    c10 += y1 * x0; c11 += y1 * x1;
+    c20 += y2 * x0; c21 += y2 * x1;
+    c30 += y3 * x0; c31 += y3 * x1;
+  }
+  const vf c[8] = {c00, c01, c10, c11, c20, c21, c30, c31};
+  float sums[8];
+  hsum8(c, sums);
+  sr[0] = sums[0]; sr[1] = sums[1];
+  sr[TILE] = sums[2]; sr[TILE + 1] = sums[3];
+  sr[2 * TILE] = sums[4]; sr[2 * TILE + 1] = sums[5];
+  sr[3 * TILE] = sums[6]; sr[3 * TILE + 1] = sums[7];
+}
+
+// One row's scores against keys j, j + 1 (the rows past the last group of 4).
+template <typename R>
+__attribute__((always_inline)) inline void score_1x2_fma(const float* q0, int64_t Dp, const R* k0, const R* k1,
+                                                         float* sr) {
+  vf c0 = {}, c1 = {};
+  for (int64_t d = 0; d < Dp; d += VL) {
+    const vf y = vload(q0 + d);
+    c0 += y * vload_as_f32(k0 + d);
+    c1 += y * vload_as_f32(k1 + d);
+  }
+  sr[0] = hsum(c0);
+  sr[1] = hsum(c1);
+}
+
+// One row's score against one key (the tile's odd last key).
+template <typename R>
+__attribute__((always_inline)) inline float score_1x1_fma(const float* q0, int64_t Dp, const R* k0) {
+  vf c0 = {};
+  for (int64_t d = 0; d < Dp; d += VL) c0 += vload(q0 + d) * vload_as_f32(k0 + d);
+  return hsum(c0);
+}
+
+// s[r][j] = q_r . k_j (scaled) for the M rows of one head and the tile's n keys ``krh``: two keys
+// and four rows per pass, through the bf16 dot product where ``qbh`` is given (DotType: the
+// instantiation can take it), else by FMAs.
+template <typename R, bool DotType>
+__attribute__((always_inline)) inline void score_tile(const float* qh, const uint16_t* qbh, const R* const* krh,
+                                                      int64_t M, int64_t Dp, int64_t n, int64_t TILE, float scale,
+                                                      float* sbuf) {
+  int64_t j = 0;
+  for (; j + 2 <= n; j += 2) {
+    const R* k0 = krh[j];
+    const R* k1 = krh[j + 1];
+    int64_t r = 0;
+    if constexpr (DotType) {
+      if (qbh != nullptr) {
+        for (; r + 4 <= M; r += 4)
+          score_4x2_bf16dot(qbh + r * Dp, Dp, reinterpret_cast<const c10::BFloat16*>(k0),
+                            reinterpret_cast<const c10::BFloat16*>(k1), scale, TILE, sbuf + r * TILE + j);
+      }
+    }
+    for (; r + 4 <= M; r += 4) score_4x2_fma(qh + r * Dp, Dp, k0, k1, TILE, sbuf + r * TILE + j);
+    for (; r < M; ++r) score_1x2_fma(qh + r * Dp, Dp, k0, k1, sbuf + r * TILE + j);
+  }
+  for (; j < n; ++j)
+    for (int64_t r = 0; r < M; ++r) sbuf[r * TILE + j] = score_1x1_fma(qh + r * Dp, Dp, krh[j]);
+}
+
+// Soft cap, bias and ALiBi on row i (query head hq) of a tile's n scores from key t0, in that
+// order (the cap applies to the scaled score alone).
+__attribute__((always_inline)) inline void modify_scores(const Args& a, int64_t b, int64_t hq, int64_t i, int64_t t0,
+                                                         int64_t n, float* s) {
+  if (a.softcap > 0.0f) {
+    const float c = a.softcap, inv = 1.0f / a.softcap;
+    for (int64_t jj = 0; jj < n; jj += VL) vstore(s + jj, vtanh(vload(s + jj) * inv) * c);
+  }
+  if (a.bias != nullptr) {
+    const float* br = a.bias + b * a.bs0 + hq * a.bs1 + i * a.bs2;
+    for (int64_t jj = 0; jj < n; ++jj) s[jj] += br[(t0 + jj) * a.bs3];
+  }
+  if (a.slopes != nullptr) {
+    const float slope = a.slopes[hq];
+    const int64_t p = a.qpos ? a.qpos[b * a.Sq + i] : i + a.Sk - a.Sq;
+    // distances t0 + jj - p as exact floats (|d| < 2^24), a vector at a time (lanes past n are
+    // overwritten with -inf by the caller)
+    vf dist;
+    for (int64_t x = 0; x < VL; ++x) dist[x] = static_cast<float>(t0 - p + x);
+    const vf sl = vsplat(slope), step = vsplat(static_cast<float>(VL));
+    for (int64_t jj = 0; jj < n; jj += VL, dist += step) vstore(s + jj, vload(s + jj) + sl * dist);
+  }
+}
+
+// The online softmax over one row's TILE scores ``s`` (masked ones -inf): s becomes p =
+// exp(s - m_new), and the row's running max m, sum l and accumulator ``ar`` (Dvp) are rescaled
+// to m_new. False, with s zeroed, while every visible score so far is -inf (masked by the bias).
+__attribute__((always_inline)) inline bool online_softmax_row(float* s, int64_t n, int64_t TILE, float& m, float& l,
+                                                              float* ar, int64_t Dvp) {
+  vf vmax = vsplat(kNegInf);
+  for (int64_t jj = 0; jj < TILE; jj += VL) {
+    const vf x = vload(s + jj);
+    vmax = (x != x || x > vmax) ? x : vmax;  // NaN-propagating
+  }
+  float mt = kNegInf;
+  for (int64_t k = 0; k < VL; ++k) mt = nan_max(vmax[k], mt);
+  const float m_new = nan_max(mt, m);
+  if (m_new == kNegInf) {
+    std::fill(s, s + n, 0.0f);
+    return false;
+  }
+  const float alpha = exp_f32(m - m_new);  // 0 while m is -inf; NaN poisons the row
+  vf vsum = {};
+  const vf mv = vsplat(m_new);
+  for (int64_t jj = 0; jj < TILE; jj += VL) {
+    const vf p = vexp(vload(s + jj) - mv);
+    vstore(s + jj, p);
+    vsum += p;
+  }
+  l = l * alpha + hsum(vsum);
+  if (alpha != 1.0f) {
+    const vf va = vsplat(alpha);
+    for (int64_t d = 0; d < Dvp; d += VL) vstore(ar + d, vload(ar + d) * va);
+  }
+  m = m_new;
+  return true;
+}
+
+// Modifiers, the rows' intervals and the online softmax over one head's tile (n keys from t0):
+// the scores in ``sbuf`` become probabilities (0 where a row sees nothing). Returns in
+// [vis_lo, vis_hi) the tile's keys some row sees (vis_lo >= vis_hi: none).
+__attribute__((always_inline)) inline void softmax_tile(const Args& a, const Unit& u, int64_t hh, int64_t M,
+                                                        int64_t t0, int64_t n, int64_t TILE, const int64_t* rlo,
+                                                        const int64_t* rhi, float* sbuf, float* mh, float* lh,
+                                                        float* ach, int64_t Dvp, int64_t& vis_lo, int64_t& vis_hi) {
+  vis_lo = n;
+  vis_hi = 0;
+  for (int64_t r = 0; r < M; ++r) {
+    float* s = sbuf + r * TILE;
+    const int64_t jlo = std::max<int64_t>(0, rlo[r] - t0), jhi = std::min<int64_t>(n, rhi[r] - t0);
+    if (jlo >= jhi) {  // nothing of this tile is visible to r: contributes p = 0
+      std::fill(s, s + n, 0.0f);
+      continue;
+    }
+    const int64_t g = r / a.Sq, i = r % a.Sq, hq = (u.h + hh) * a.G + g;
+    modify_scores(a, u.b, hq, i, t0, n, s);
+    for (int64_t jj = 0; jj < jlo; ++jj) s[jj] = kNegInf;
+    for (int64_t jj = jhi; jj < TILE; ++jj) s[jj] = kNegInf;  // also the padding past n
+    if (!online_softmax_row(s, n, TILE, mh[r], lh[r], ach + r * Dvp, Dvp)) continue;
+    vis_lo = std::min(vis_lo, jlo);
+    vis_hi = std::max(vis_hi, jhi);
+  }
+}
+
+// acc (4 rows Dvp apart, 2 vectors from d) += P @ V over keys [lo, hi): eight accumulators stay
+// in registers while the V rows stream by (per key two V loads and four broadcasts feed eight
+// FMAs); ``p0`` holds the 4 rows' probabilities TILE apart.
+template <typename R>
+__attribute__((always_inline)) inline void pv_4x2(float* a0, const float* p0, const R* const* vrh, int64_t d,
+                                                  int64_t Dvp, int64_t TILE, int64_t lo, int64_t hi) {
+  vf x0 = {}, y0 = {}, x1 = {}, y1 = {}, x2 = {}, y2 = {}, x3 = {}, y3 = {};
+  for (int64_t jj = lo; jj < hi; ++jj) {
+    const vf va = vload_as_f32(vrh[jj] + d), vb = vload_as_f32(vrh[jj] + d + VL);
+    const vf p_0 = vsplat(p0[jj]), p_1 = vsplat(p0[TILE + jj]), p_2 = vsplat(p0[2 * TILE + jj]), p_3 = vsplat(p0[3 * TILE + jj]);
+    x0 += p_0 * va; y0 += p_0 * vb;
+    x1 += p_1 * va; y1 += p_1 * vb;
+    x2 += p_2 * va; y2 += p_2 * vb;
+    x3 += p_3 * va; y3 += p_3 * vb;
+  }
+  vstore(a0, vload(a0) + x0); vstore(a0 + VL, vload(a0 + VL) + y0);
+  vstore(a0 + Dvp, vload(a0 + Dvp) + x1); vstore(a0 + Dvp + VL, vload(a0 + Dvp + VL) + y1);
+  vstore(a0 + 2 * Dvp, vload(a0 + 2 * Dvp) + x2); vstore(a0 + 2 * Dvp + VL, vload(a0 + 2 * Dvp + VL) + y2);
+  vstore(a0 + 3 * Dvp, vload(a0 + 3 * Dvp) + x3); vstore(a0 + 3 * Dvp + VL, vload(a0 + 3 * Dvp + VL) + y3);
+}
+
+// One row, two vectors (the rows past the last group of 4).
+template <typename R>
+__attribute__((always_inline)) inline void pv_1x2(float* a0, const float* p0, const R* const* vrh, int64_t d,
+                                                  int64_t lo, int64_t hi) {
+  vf x0 = {}, y0 = {};
+  for (int64_t jj = lo; jj < hi; ++jj) {
+    const vf pp = vsplat(p0[jj]);
+    x0 += pp * vload_as_f32(vrh[jj] + d);
+    y0 += pp * vload_as_f32(vrh[jj] + d + VL);
+  }
+  vstore(a0, vload(a0) + x0);
+  vstore(a0 + VL, vload(a0 + VL) + y0);
+}
+
+// One row, one vector (an odd last vector of Dvp).
+template <typename R>
+__attribute__((always_inline)) inline void pv_1x1(float* a0, const float* p0, const R* const* vrh, int64_t d,
+                                                  int64_t lo, int64_t hi) {
+  vf x0 = {};
+  for (int64_t jj = lo; jj < hi; ++jj) x0 += p0[jj] * vload_as_f32(vrh[jj] + d);
+  vstore(a0, vload(a0) + x0);
+}
+
+// acc += P @ V for one head's tile, over the keys some row sees (p = 0 for the others, as in
+// P @ V of the math). Each tile's sum starts from zero and is added to acc once (blocked
+// summation): a long single-threaded walk no longer adds every key's term to one running total,
+// whose rounding grows with the number of keys.
+template <typename R>
+__attribute__((always_inline)) inline void accumulate_pv(float* ach, const float* sbuf, const R* const* vrh, int64_t M,
+                                                         int64_t Dvp, int64_t TILE, int64_t vis_lo, int64_t vis_hi) {
+  int64_t d = 0;
+  for (; d + 2 * VL <= Dvp; d += 2 * VL) {
+    int64_t r = 0;
+    for (; r + 4 <= M; r += 4) pv_4x2(ach + r * Dvp + d, sbuf + r * TILE, vrh, d, Dvp, TILE, vis_lo, vis_hi);
+    for (; r < M; ++r) pv_1x2(ach + r * Dvp + d, sbuf + r * TILE, vrh, d, vis_lo, vis_hi);
+  }
+  for (; d < Dvp; d += VL)
+    for (int64_t r = 0; r < M; ++r) pv_1x1(ach + r * Dvp + d, sbuf + r * TILE, vrh, d, vis_lo, vis_hi);
+}
+
+// The unit's unnormalised accumulators, (rows, Dvp) with padding lanes, to its partials (rows, Dv).
+inline void write_unit_partials(const float* acc, int64_t rows, int64_t Dvp, int64_t Dv, float* acc_out) {
+  for (int64_t r = 0; r < rows; ++r) std::copy(acc + r * Dvp, acc + r * Dvp + Dv, acc_out + r * Dv);
+}
+
+// One unit: all M rows of each of its nh KV heads over keys [s0, s1). Writes m (nh, M), l (nh, M)
+// and the unnormalised acc (nh, M, Dv). The heads of a unit share the walk over the keys: a tile's
+// rows of all nh heads are gathered (prefetched) together, then each head runs over them in turn.
+//
+// InPlace: the loops read key and value rows as T itself, in place in the cache, widened to fp32
+// in registers (when whole vectors cover D and Dv); else as floats from a tile buffer the rows are
+// copied (converted) into (other widths: q and the buffers are zero-padded to whole vectors, so padding
+// lanes add 0 to the dot products; V lanes past Dv are accumulated and dropped).
+template <typename T, bool InPlace>
+void run_unit(const Args& a, const Unit& u, float* m, float* l, float* acc_out) {
+  using R = typename std::conditional<InPlace, T, float>::type;
+  const int64_t M = a.G * a.Sq, Dv = a.Dv, NH = u.nh;
+  const int64_t Dp = round_up(a.D, VL), Dvp = round_up(Dv, VL);
+  const int64_t TILE = a.tile;
+  // bf16 K read in place by the CPU's bf16 dot product, for bf16 queries (exact in bf16 already).
+  constexpr bool kDotType = InPlace && kDotBF16 && std::is_same<T, c10::BFloat16>::value;
+  const bool dot = kDotType && a.q_type == at::kBFloat16 && Dp % 32 == 0;
+  UnitScratch<R> w;
+  if (!unit_scratch<T, InPlace>(NH, M, Dp, Dvp, TILE, a.v == nullptr, dot, w)) {
+    a.failed->store(kNoMemory, std::memory_order_relaxed);
+    return;
+  }
+  load_unit_q(a, u, M, Dp, dot, w.q, w.qb);
+  int64_t start, end;
+  unit_key_bounds(a, u, M, w.rlo, w.rhi, start, end);
+  std::fill(m, m + NH * M, kNegInf);
+  std::fill(l, l + NH * M, 0.0f);
+
+  TileRows<T, InPlace> tiles(a, u);
+  for (int64_t t0 = start; t0 < end; t0 += TILE) {
+    const int64_t n = std::min(TILE, end - t0);
+    tiles.gather(t0, n, end, w.krow, w.vrow, w.kbuf, w.vbuf);
+    for (int64_t hh = 0; hh < NH; ++hh) {
+      float* const ach = w.acc + hh * M * Dvp;
+      score_tile<R, kDotType>(w.q + hh * M * Dp, dot ? w.qb + hh * M * Dp : nullptr, w.krow + hh * TILE, M, Dp, n,
+                              TILE, a.scale, w.s);
+      int64_t vis_lo, vis_hi;
+      softmax_tile(a, u, hh, M, t0, n, TILE, w.rlo, w.rhi, w.s, m + hh * M, l + hh * M, ach, Dvp, vis_lo, vis_hi);
+      accumulate_pv(ach, w.s, w.vrow + hh * TILE, M, Dvp, TILE, vis_lo, vis_hi);
+    }
+  }
+  write_unit_partials(w.acc, NH * M, Dvp, Dv, acc_out);
 }
 
 // Each sequence's key range [start, end): the union of its rows' intervals (rows that see nothing
