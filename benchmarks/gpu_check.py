@@ -11,7 +11,8 @@ It runs, in order, each step with its own time limit so that one hang cannot eat
    GPU; ``--tests`` narrows it), the failures' full text kept in ``pytest.log``;
 4. the oracle sweep: ``auto`` and every backend that accepts the call, against the fp64 oracle
    under rule R (docs/testing.md) for every mask kind and score modifier, in bf16 and fp16,
-   prefill (forward and backward) and decode, with the kernel ``auto`` picked;
+   prefill (forward and backward), decode, and decode over scattered pages (``PagedKV``), with
+   the kernel ``auto`` picked;
 5. ``benchmarks/bench_gpu.py`` (its tables go to ``DIR/bench``).
 
 Everything lands in ``DIR``: ``summary.md`` (read this first), ``summary.json``, ``pytest.log``,
@@ -138,6 +139,49 @@ def _check(q, k, v, mask, kw, backend: str, grad: bool) -> dict:
     return row
 
 
+#: Cases the paged phase runs (masks a cache's step carries, with every score modifier).
+PAGED_CASES = ("none", "causal", "window", "alibi+causal", "softcap+causal", "sinks+causal")
+
+
+def _paged(k, v, block: int, g: torch.Generator):
+    """k, v (B, Hkv, Sk, D) in pools of ``block``-token pages on a scattered block table:
+    the PagedKV holding the same tokens."""
+    B, Hkv, Sk, D = k.shape
+    W = -(-Sk // block)
+    table = torch.randperm(B * W, generator=g).view(B, W).to(k.device)
+    pool_k = k.new_zeros(B * W, block, Hkv, D)
+    pool_v = v.new_zeros(B * W, block, Hkv, v.shape[-1])
+    pos = torch.arange(Sk, device=k.device)
+    for b in range(B):
+        pool_k[table[b, pos // block], pos % block] = k[b].transpose(0, 1)
+        pool_v[table[b, pos // block], pos % block] = v[b].transpose(0, 1)
+    return attnkit.PagedKV(pool_k, pool_v, table, torch.full((B,), Sk, device=k.device))
+
+
+def _paged_row(q, k, v, mask, kw, backend: str) -> dict:
+    """attention() over the paged copy of k, v against the fp64 oracle on the dense tensors."""
+    from conftest import base_attention, rule_r
+
+    pages = _paged(k, v, 16, torch.Generator().manual_seed(1))
+    try:
+        kernel = attnkit.describe_call(q, pages, None, mask, backend=backend, detail=True, **kw)
+    except BackendNotSupported:
+        return {"status": "refused"}
+    row = {"kernel": kernel}
+    try:
+        out = attnkit.attention(q, pages, None, mask, backend=backend, **kw)
+        sinks = kw.get("sinks")
+        gold = attnkit.attention_reference(q.double(), k.double(), v.double(), mask, softcap=kw.get("softcap"),
+                                           sinks=None if sinks is None else sinks.double())
+        rule_r(out, base_attention(q, k, v, mask, **kw), gold, n_terms=max(k.shape[2], k.shape[3]))
+        row["status"] = "pass"
+    except AssertionError as e:
+        row.update(status="FAIL", why=str(e).splitlines()[0][:300])
+    except Exception as e:  # noqa: BLE001 - a crash is a failed row, with its text
+        row.update(status="ERROR", why=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+    return row
+
+
 def sweep(device: str, quick: bool) -> list[dict]:
     dtypes = [torch.bfloat16] if quick else [torch.bfloat16, torch.float16]
     shapes = {"prefill": (2, 8, 2, 24, 40, 16) if quick else (2, 8, 2, 256, 320, 64),
@@ -156,6 +200,12 @@ def sweep(device: str, quick: bool) -> list[dict]:
                     grad = phase == "prefill" and device == "cuda"
                     t0 = time.time()
                     row = _check(q, k, v, mask, kw, backend, grad)
+                    if phase == "decode" and name in PAGED_CASES:  # the same call over pages
+                        paged = _paged_row(q, k, v, mask, kw, backend)
+                        if paged["status"] != "refused" or backend == "auto":
+                            paged.update(phase="paged", dtype=str(dtype).replace("torch.", ""), case=name,
+                                         backend=backend, grad=False, seconds=0.0)
+                            rows.append(paged)
                     if row["status"] == "refused" and backend != "auto":
                         continue
                     row.update(phase=phase, dtype=str(dtype).replace("torch.", ""), case=name, backend=backend,
@@ -187,12 +237,13 @@ def write_summary(out: Path, info: dict, steps: dict, rows: list[dict]) -> bool:
     lines += ["", f"## Oracle sweep: {passed} rows pass, {len(failed_rows)} fail", ""]
     auto_rows = [r for r in rows if r["backend"] == "auto"]
     if auto_rows:
-        lines += ["What `auto` picked, per case (prefill / decode, first dtype):", "",
-                  "| case | prefill | decode |", "|---|---|---|"]
+        lines += ["What `auto` picked, per case (prefill / decode / paged decode, first dtype):", "",
+                  "| case | prefill | decode | paged |", "|---|---|---|---|"]
         first = auto_rows[0]["dtype"]
         by = {(r["phase"], r["case"]): r.get("kernel", "-") for r in auto_rows if r["dtype"] == first}
         for case in dict.fromkeys(r["case"] for r in auto_rows):
-            lines.append(f"| {case} | {by.get(('prefill', case), '-')} | {by.get(('decode', case), '-')} |")
+            lines.append(f"| {case} | {by.get(('prefill', case), '-')} | {by.get(('decode', case), '-')} "
+                         f"| {by.get(('paged', case), '-')} |")
     if failed_rows:
         lines += ["", "### Failures", "", "| phase | dtype | case | backend | kernel | why |", "|---|---|---|---|---|---|"]
         for r in failed_rows:
@@ -219,7 +270,7 @@ def main(argv=None) -> int:
     print(f"[gpu_check] {info.get('gpu') or 'CPU'}; writing to {out}", flush=True)
     steps: dict[str, dict] = {}
     py = sys.executable
-    steps["native build"] = run_step([py, "-c", "from attnkit import _native as native; print(native.status())"],
+    steps["native build"] = run_step([py, "-c", "from attnkit import native; print(native.status())"],
                                      out / "native.log", timeout=600)
     if "tests" not in args.skip:
         files = args.tests if args.tests is not None else (QUICK_TESTS if args.quick else ["tests"])

@@ -142,7 +142,7 @@ def _seed():
 @pytest.fixture(params=["native", "torch"])
 def engine(request, monkeypatch):
     """Which implementation the split-K engine runs: the compiled kernel, or the torch fallback."""
-    from attnkit import _native as native
+    from attnkit import native
 
     if request.param == "torch":
         monkeypatch.setattr(native, "load", lambda: None)

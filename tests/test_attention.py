@@ -138,7 +138,7 @@ def test_fp64_math_matches_oracle_exactly_enough():
 
 
 def test_auto_never_copies_kv_per_head_and_picks_expected_backend():
-    from attnkit import _native as native
+    from attnkit import native
 
     q, k, v = make_qkv(1, 8, 2, 1, 20000, 16, dtype=torch.bfloat16)  # above the engine's size floor
     # Without the compiled kernel, auto leaves every call SDPA can run to SDPA.

@@ -75,7 +75,7 @@ def lying_table_battery(thread_counts=(1, 2, 16)) -> list[str]:
     thread count; direct kernel calls whose bounds lie raise too. Returns a line per failure."""
     import attnkit
     from attnkit import masks as M
-    from attnkit import _native as native
+    from attnkit import native
     from attnkit.backends.cpu_splitk import engine as splitk
     from conftest import base_attention, rule_r
 
@@ -160,7 +160,7 @@ def test_lying_checked_tables_raise_at_every_thread_count_and_tile_size():
     path, before any worker runs, at 1, 2 and 16 threads, at the L2-sized, smallest and
     largest tiles, and valid calls still match the oracle. The forced sizes do reach the
     kernel: the smallest and largest tiles round a long walk differently."""
-    from attnkit import _native as native
+    from attnkit import native
 
     probes = {}
     for name, tile_bytes in (("l2-sized", None), ("smallest", "1"), ("largest", str(1 << 30))):
@@ -182,7 +182,7 @@ def test_zero_block_size_pools_raise_a_value_error():
     raised a bare ZeroDivisionError in the gather (lengths 0)."""
     out = run_child("""
         import torch, attnkit
-        from attnkit import _native as native
+        from attnkit import native
         q = torch.randn(1, 2, 1, 8)
         pool = torch.zeros(4, 0, 1, 8)
         for n in (4, 0):
@@ -213,7 +213,7 @@ def test_huge_lengths_raise_without_allocating(length):
     directly, refuses bounds past the table without planning anything."""
     out = run_child(f"""
         import torch, attnkit
-        from attnkit import _native as native
+        from attnkit import native
         q = torch.randn(1, 2, 1, 8)
         pool = torch.zeros(4, 2, 1, 8)
         table = torch.tensor([[0, 1]])

@@ -99,3 +99,19 @@ def test_flex_zeroes_rows_with_no_key():
     out = attnkit.attention(q, k, v, mask, backend="flex")
     assert (out[1] == 0).all() and (out[0] != 0).any()
 
+
+
+def test_empty_rows_come_from_the_lse_on_cuda_and_from_intervals_on_cpu():
+    """The CUDA branch's decision, on CPU: CUDA calls ask the kernel for the log-sum-exp (its -inf
+    rows are the empty ones, zeroed), CPU calls only for sinks; on CPU the empty rows of an
+    interval mask come from its key intervals."""
+    from attnkit.backends.registry import AttentionCall
+
+    def call(device, mask=None, sinks=None):
+        return AttentionCall(2, 2, 2, 8, 12, 16, 16, torch.float32, torch.device(device), mask, 0.25, 0.0,
+                             False, False, sinks=sinks)
+
+    assert flex.wants_lse(call("cuda")) and not flex.wants_lse(call("cpu"))
+    assert flex.wants_lse(call("cpu", sinks=torch.zeros(2)))
+    empty = flex._empty_rows(call("cpu", M.SlidingWindow(2) & M.KeyPadding(torch.tensor([12, 2]))), "cpu")
+    assert empty.shape == (2, 1, 8) and bool(empty[1].all()) and not bool(empty[0].any())

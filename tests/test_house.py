@@ -45,7 +45,7 @@ TORCH_PRIVATE = {
 #: list as those files gain public APIs.
 KNOWN: set[tuple[str, str]] = {
     # Python's own private: the caller's frame, for naming where a native build was asked for
-    ("_native/__init__.py", "sys._getframe"),
+    ("native/__init__.py", "sys._getframe"),
     # torch's private aten ops (the fused CPU flash kernels SDPA uses), reached as ``aten._...``
     ("backends/sdpa.py", "aten._scaled_dot_product_flash_attention_for_cpu"),
     ("backends/sdpa.py", "aten._scaled_dot_product_flash_attention_for_cpu_backward"),
@@ -57,7 +57,7 @@ KNOWN: set[tuple[str, str]] = {
     ("rope/config.py", "getattr(config, '_rope_type_labels', None)"),
 }
 
-_LEAD_OWNED = ("backends/", "_native/", "functional.py", "masks.py", "reference.py", "rope/")
+_LEAD_OWNED = ("backends/", "native/", "functional.py", "masks.py", "reference.py", "rope/")
 
 
 def _root_name(node: ast.AST) -> str | None:

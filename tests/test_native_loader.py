@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnkit import _native as native
+from attnkit import native
 from attnkit.backends.cpu_splitk.backend import auto_skip
 from attnkit.backends.registry import AttentionCall
 from attnkit.masks import ALiBi
@@ -83,7 +83,7 @@ def run_py(code: str, tmp_path: Path, cxx, timeout: float = 300, **env) -> subpr
 
 
 LOAD = """
-from attnkit import _native as native
+from attnkit import native
 print(native.status())
 print(native.library_path())
 """
@@ -144,7 +144,7 @@ def test_import_compiles_and_loads_nothing(tmp_path, fake_cxx):
     log = tmp_path / "invocations"
     code = """
     import sys, attnkit
-    from attnkit import _native as native
+    from attnkit import native
     print("ops" in native._state, "torch.utils.cpp_extension" in sys.modules)
     """
     res = run_py(code, tmp_path, fake_cxx, FAKE_CXX_LOG=str(log))
@@ -293,7 +293,7 @@ def test_concurrent_first_uses_build_once(tmp_path, fake_cxx, real_lib):
     log, go = tmp_path / "invocations", tmp_path / "go"
     code = f"""
     import os, time
-    from attnkit import _native as native
+    from attnkit import native
     native._paths(native._compiler())  # everything but the build, before the start line
     print("ready", flush=True)
     while not os.path.exists({str(go)!r}):
@@ -347,7 +347,7 @@ def _start_hanging_build(tmp_path, fake_cxx):
     log = tmp_path / "invocations"
     env = dict(os.environ, ATTNKIT_CACHE_DIR=str(tmp_path / "cache"), CXX=str(fake_cxx), FAKE_CXX_MODE="hang",
                FAKE_CXX_LOG=str(log))
-    proc = subprocess.Popen([sys.executable, "-c", "from attnkit import _native as native; native.load()"],
+    proc = subprocess.Popen([sys.executable, "-c", "from attnkit import native; native.load()"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     return proc, _pids(log, 2)
 

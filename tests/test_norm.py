@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnkit import _native as native
+from attnkit import native
 from attnkit.modules import norm as N
 from attnkit.modules.norm import RMSNorm
 

@@ -111,7 +111,7 @@ def test_attend_equals_contiguous_cache_on_ragged_steps(variant, block_size, sca
 @pytest.mark.parametrize("engine", ["native", "torch"])
 def test_both_engine_implementations_read_scattered_pages(monkeypatch, engine):
     """The paged backend on the native kernel and on the torch fallback, over scattered tables."""
-    from attnkit import _native as native
+    from attnkit import native
     if engine == "torch":
         monkeypatch.setattr(native, "load", lambda: None)
     elif native.status() != "native":
@@ -418,7 +418,7 @@ def test_table_padding_past_a_sequences_last_block_is_never_read(monkeypatch, en
     ignored; a ragged batch with a Dense or additive mask made every row walk to max(lengths)
     and the kernel refused the -1. Only blocks below each sequence's own length are read, on
     every backend."""
-    from attnkit import _native as native
+    from attnkit import native
     if engine == "torch":
         monkeypatch.setattr(native, "load", lambda: None)
     elif native.status() != "native":
@@ -473,7 +473,7 @@ def test_a_lying_checked_table_raises_on_every_path(monkeypatch, engine):
     """Issue 29.11: a ``checked=True`` table entry outside the pool raised in the native kernel but
     was clamped to the last block everywhere else (the gather for SDPA / math / gradients, the
     torch engine), returning a plausible wrong result. Every path refuses it now."""
-    from attnkit import _native as native
+    from attnkit import native
     if engine == "torch":
         monkeypatch.setattr(native, "load", lambda: None)
     elif native.status() != "native":

@@ -45,7 +45,7 @@ def test_readme_example_takes_the_path_it_claims(quickstart):
     ns = quickstart
     assert "'decode' runs it" in _blocks("python")[0]
     import attnkit
-    from attnkit import _native as native
+    from attnkit import native
     # Without the compiled kernel, auto leaves decode to SDPA (docs/masks.md, "Which kernel ran").
     want = "sdpa" if native.engine(build=False) == "torch" else "decode"
     assert attnkit.describe_call(ns["q"], ns["k"], ns["v"], causal=True) == want

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from attnkit import _native as native
+from attnkit import native
 from attnkit.rope import (
     ROPE_TYPES,
     RopeConfig,

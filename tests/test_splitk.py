@@ -276,7 +276,7 @@ def test_native_build_targets_the_running_cpu_unless_told(monkeypatch, tmp_path)
     on an AVX-512 machine, say), under its own cache key."""
     from pathlib import Path
 
-    from attnkit import _native as native
+    from attnkit import native
 
     monkeypatch.delenv("ATTNKIT_NATIVE_MARCH", raising=False)
     cmd = native._command("c++", [Path("src.cpp")], Path("out.so"), True)

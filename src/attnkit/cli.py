@@ -73,11 +73,11 @@ def _sdpa_kernel_lines() -> list[str]:
 
 def _native_lines(build: bool) -> list[str]:
     """The native CPU kernel's section: which engine runs decode/paged calls and why, the cache,
-    the compiler and, after a failed build, its last lines (:func:`attnkit._native.report`).
+    the compiler and, after a failed build, its last lines (:func:`attnkit.native.report`).
     ``build``: compile the kernel now if it is not built (what the first such call would do)."""
     import warnings
 
-    from attnkit import _native as native
+    from attnkit import native
 
     with warnings.catch_warnings():  # the report below says the same, with the compiler's output
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -86,7 +86,7 @@ def _native_lines(build: bool) -> list[str]:
 
 
 def _engine_note(build: bool) -> str:
-    from attnkit import _native as native
+    from attnkit import native
 
     state = native.status(build=build)
     if state.startswith("torch"):

@@ -114,6 +114,13 @@ def _bias_score_mod(bias):
     return score_mod
 
 
+def wants_lse(call: AttentionCall) -> bool:
+    """Whether the call asks FlexAttention for each row's log-sum-exp: for sinks, and on CUDA for
+    the empty rows it marks (-inf); FlexAttention's CPU kernel cannot return it (there the empty
+    rows come from the mask's key intervals). A pure function of the call, tested on CPU."""
+    return call.sinks is not None or call.device_type == "cuda"
+
+
 def _empty_rows(call: AttentionCall, device):
     """(B|1, 1, Sq) bool, True where the mask leaves a query no key, for a mask that is one key
     interval per row (read without materializing it); None otherwise."""
@@ -190,7 +197,7 @@ class FlexBackend(BackendBase):
         # The log-sum-exp comes back where the kernel can return it (CUDA): it carries the sinks,
         # and -inf marks the rows with no key to attend to, which attnkit's contract makes exactly
         # 0 whatever FlexAttention's kernel of this torch version leaves there.
-        want_lse = call.sinks is not None or call.device_type == "cuda"
+        want_lse = wants_lse(call)
         res = _compiled()(q, k, v, scale=call.scale, enable_gqa=call.q_heads != call.kv_heads,
                           return_lse=want_lse, **kwargs)
         out, lse = res if want_lse else (res, None)

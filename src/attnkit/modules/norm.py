@@ -15,7 +15,7 @@ For fp32 inputs the three orders are the same floats.
 
 Inference on CPU (no autograd, not under torch.compile, contiguous x, weight in x's dtype) runs
 the same arithmetic in one compiled pass (``torch.ops.attnkit_cpu.rms_norm``,
-:mod:`attnkit._native`) instead of seven torch ops; only the order of the sum of squares
+:mod:`attnkit.native`) instead of seven torch ops; only the order of the sum of squares
 differs (torch's own order depends on the CPU's vector width). Without a compiler the torch ops run.
 """
 
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._checks import positive_int
-from .. import _native as native
+from .. import native
 
 __all__ = ["RMSNorm"]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import _native as native
+from .. import native
 
 __all__ = ["apply_rotary", "rotate_signed", "rotation_sign"]
 

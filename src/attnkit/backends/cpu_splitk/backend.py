@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ... import _native as native
+from ... import native
 from ..._sysinfo import cpu_flags
 from ..registry import AttentionCall, BackendBase
 from ..sdpa import sinks_refusals

@@ -6,7 +6,7 @@ query rows per KV head, Sk keys, D / Dv head dims.
 
 Two implementations with one semantics:
 
-* native (:mod:`attnkit._native`): a C++ kernel compiled on first use for the CPU it runs
+* native (:mod:`attnkit.native`): a C++ kernel compiled on first use for the CPU it runs
   on, threads from torch's intra-op pool. Each unit (sequence, KV head, key slice) streams its
   keys once for all M query rows, converting fp16/bf16 rows to fp32 in registers-sized tiles,
   with an online softmax; slices merge by log-sum-exp.
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ... import _native as native
+from ... import native
 from ...masks import Mask, ReducedMask
 
 __all__ = ["splitk_attention", "merge_partials", "finite", "engine_name", "v_is_prefix_of_k"]
