@@ -4,7 +4,7 @@ from . import caches, masks, models, nn, sizing
 from .backends import BackendNotSupported, backend_names, explain, register_backend
 from .caches import BlockAllocator, DynamicCache, OutOfBlocks, PagedKVCache, SlidingWindowCache, StaticCache
 from .functional import attention, describe_call, set_debug
-from .kvlayout import PagedKV
+from .kvlayout import PagedKV, QuantizedKV
 from .models import Decoder, DecoderConfig
 from .models.text import TextGenerator
 from .modules import GroupedQueryAttention, MLAConfig, MultiHeadAttention, MultiHeadLatentAttention, MultiQueryAttention
@@ -14,7 +14,7 @@ from .rope import RopeConfig, RotaryEmbedding, apply_rotary
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "attention_reference", "describe_call", "set_debug", "PagedKV", "masks", "caches",
+__all__ = ["attention", "attention_reference", "describe_call", "set_debug", "PagedKV", "QuantizedKV", "masks", "caches",
            "BackendNotSupported", "backend_names", "explain", "register_backend", "MultiHeadAttention",
            "GroupedQueryAttention", "MultiQueryAttention", "MLAConfig", "MultiHeadLatentAttention", "models", "Decoder",
            "DecoderConfig", "TextGenerator", "nn", "sizing", "kv_cache_bytes", "kv_cache_table", "DynamicCache",

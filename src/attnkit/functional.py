@@ -21,7 +21,7 @@ from torch import Tensor
 from . import backends  # noqa: F401  (registers the built-in backends)
 from ._checks import check_sinks, positive_number, shape_of
 from .backends.registry import AttentionCall, as_read_by, get_backend, select
-from .kvlayout import PagedKV
+from .kvlayout import PagedKV, QuantizedKV
 from .masks import KeyPadding, as_mask
 from .reference import attention_math
 
@@ -84,6 +84,9 @@ def _shape(t) -> tuple[int, ...] | str:
     """A tensor's shape, or a PagedKV's pool and table shapes, for messages."""
     if isinstance(t, PagedKV):
         return f"paged(pool {tuple(t.k_pool.shape)}, table {tuple(t.block_table.shape)})"
+    if isinstance(t, QuantizedKV):
+        table = f", table {tuple(t.block_table.shape)}" if t.paged else ""
+        return f"quantized({t.dtype}, k {tuple(t.k.shape)}{table})"
     return shape_of(t)
 
 
@@ -114,6 +117,20 @@ def _check_qkv(q, k, v, scale, layout: str = "(B, H, S, D)"):
             raise ValueError(f"q and the pages must be on one device, got q {q.device}, pages {kv_device}")
         if Bk != q.shape[0]:
             raise ValueError(f"batch sizes differ: q {_shape(q)}, block_table {_shape(k.block_table)}")
+    elif isinstance(k, QuantizedKV):
+        if v is not None:
+            raise ValueError("v must be None when k is a QuantizedKV (it holds both K and V)")
+        k.validate()
+        _check_tensor("q", q, layout)
+        if q.dtype == torch.float64:
+            raise TypeError("q must be fp16, bf16 or fp32 with a QuantizedKV (its K/V dequantize to q's dtype), "
+                            "got float64")
+        Bk = Bv = k.batch
+        Hk = Hkv = k.kv_heads
+        Sk_ = Sk = k.kv_len()
+        Dk, Dv = k.head_dim, k.value_dim
+        if q.device != k.device:
+            raise ValueError(f"q and the quantized K/V must be on one device, got q {q.device}, K/V {k.device}")
     else:
         for name, t in (("q", q), ("k", k), ("v", v)):
             _check_tensor(name, t, layout)
@@ -158,7 +175,7 @@ def _validate(q, k, v, mask, causal, scale, dropout_p, return_weights, backend="
     scale, (B, Hq, Sq, D, Hkv, Sk, Dv) = _check_qkv(q, k, v, scale)
     softcap = positive_number("softcap", softcap, none_means="no cap")
     sinks = check_sinks(sinks, q)
-    paged = isinstance(k, PagedKV)
+    paged = isinstance(k, PagedKV) or (isinstance(k, QuantizedKV) and k.paged)
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     if not isinstance(return_weights, bool):
@@ -174,14 +191,21 @@ def _validate(q, k, v, mask, causal, scale, dropout_p, return_weights, backend="
             m = None
         if isinstance(mask, Tensor) and mask.device != q.device:
             raise ValueError(f"mask is on {mask.device} but q is on {q.device}")
-    kv = (k.k_pool, k.v_pool) if paged else (k, v)
+    kv = (k.k_pool, k.v_pool) if isinstance(k, PagedKV) else (None, None) if isinstance(k, QuantizedKV) else (k, v)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, *kv, sinks))
     return AttentionCall(
         batch=B, q_heads=Hq, kv_heads=Hkv, q_len=Sq, kv_len=Sk, head_dim=D, v_head_dim=Dv,
         dtype=q.dtype, device=q.device, mask=m, scale=scale, dropout_p=float(dropout_p),
-        return_weights=return_weights, needs_grad=needs_grad, kv_layout="paged" if paged else "dense",
+        return_weights=return_weights, needs_grad=needs_grad, kv_layout=_layout(k),
         softcap=softcap, sinks=sinks,
     )
+
+
+def _layout(k) -> str:
+    """The ``kv_layout`` of a call's K: "dense", "paged", "quantized" or "quantized_paged"."""
+    if isinstance(k, PagedKV):
+        return "paged"
+    return k.layout if isinstance(k, QuantizedKV) else "dense"
 
 
 def attention(
@@ -205,8 +229,10 @@ def attention(
         k: (B, Hkv, Sk, D) keys; Hq must be a multiple of Hkv (query head h uses KV head
             h // (Hq // Hkv)). K and V are never copied per query head. Or a
             :class:`attnkit.PagedKV` holding paged keys and values (Sk = max(lengths); keys past
-            a sequence's length are masked); then ``v`` is None.
-        v: (B, Hkv, Sk, Dv) values (None with a PagedKV).
+            a sequence's length are masked); then ``v`` is None. Or a :class:`attnkit.QuantizedKV`
+            (int8 / fp8 K/V with per-row scales, dense or paged): attention over its dequantized
+            K/V, read in place by the CPU split-K engine and the Triton kernel.
+        v: (B, Hkv, Sk, Dv) values (None with a PagedKV or a QuantizedKV).
         mask: None, a bool tensor (True = attend), a float tensor added to the scores, or an
             :mod:`attnkit.masks` object; broadcastable to (B, Hq, Sq, Sk). ANDed with ``causal``.
         causal: bottom-right aligned causal mask: query i sees key j iff j <= i + (Sk - Sq).
@@ -273,5 +299,5 @@ def _as_run_by(backend, call: AttentionCall, k, v):
     else:
         run = call if call.kv_layout == "dense" else replace(call, kv_layout="dense")
     if run.kv_layout != call.kv_layout:
-        k, v = k.gather()
+        k, v = k.gather(call.dtype) if isinstance(k, QuantizedKV) else k.gather()
     return run, k, v

@@ -8,6 +8,12 @@ attending to dense ``k (B, Hkv, L, D)`` / ``v (B, Hkv, L, Dv)`` where token p of
 ``p % bs`` of block ``block_table[b, p // bs]``, with the keys past ``lengths[b]`` masked. Backends
 that read pages in place (the CPU split-K engine, the Triton kernel) take it as is; the others
 receive the gathered dense tensors (:meth:`PagedKV.gather`).
+
+``QuantizedKV``: int8 / fp8 keys and values with one fp32 scale per (token, KV head)
+(:mod:`attnkit.kvquant`), dense ``(B, Hkv, Sk, D)`` or paged pools ``(N, bs, Hkv, D)`` with a block
+table. ``attnkit.attention(q, QuantizedKV(...), None, mask, ...)`` attends to the dequantized K/V
+(``data * scale``): the split-K engine and the Triton kernel read the quantized rows in place,
+the other backends receive dequantized dense tensors in q's dtype (:meth:`QuantizedKV.gather`).
 """
 
 from __future__ import annotations
@@ -18,9 +24,9 @@ import torch
 from torch import Tensor
 
 from ._checks import shape_of
+from .kvquant import QUANTIZED_DTYPES, dequantize
 
-__all__ = ["PagedKV"]
-
+__all__ = ["PagedKV", "QuantizedKV"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -165,4 +171,152 @@ class PagedKV:
 
         k = dense(self.k_pool)
         v = k[..., :self.value_dim] if self.v_pool is None else dense(self.v_pool)
+        return k, v
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedKV:
+    """Quantized keys and values, dense or paged.
+
+    Args:
+        k: int8 or fp8 (e4m3) keys: dense (B, Hkv, Sk, D), or pools (N, bs, Hkv, D) with
+            ``block_table`` and ``lengths``.
+        k_scale: fp32 scales of the key rows, ``k.shape[:3]``: (B, Hkv, Sk) or (N, bs, Hkv).
+        v: values of k's dtype, (B, Hkv, Sk, Dv) or (N, bs, Hkv, Dv); or None: V is the first
+            ``v_head_dim`` channels of K, scaled by ``k_scale`` (MLA's latent cache).
+        v_scale: fp32 scales of the value rows, ``v.shape[:3]`` (None with ``v`` None).
+        v_head_dim: Dv when ``v`` is None.
+        block_table, lengths, max_len, checked: the paged form, as in :class:`PagedKV`.
+
+    The scales are used as given (:mod:`attnkit.kvquant` says what NaN, inf and 0 do).
+    """
+
+    k: Tensor
+    k_scale: Tensor
+    v: Tensor | None
+    v_scale: Tensor | None
+    v_head_dim: int | None = None
+    block_table: Tensor | None = None
+    lengths: Tensor | None = None
+    max_len: int | None = None
+    checked: bool = False
+
+    @classmethod
+    def quantize(cls, k: Tensor, v: Tensor | None, dtype="int8", *, v_head_dim: int | None = None,
+                 block_table: Tensor | None = None, lengths: Tensor | None = None,
+                 max_len: int | None = None) -> "QuantizedKV":
+        """Quantize float K/V (dense, or pools with ``block_table`` / ``lengths``) row by row."""
+        from .kvquant import quantize
+
+        kq, ks = quantize(k, dtype)
+        vq, vs = (None, None) if v is None else quantize(v, dtype)
+        return cls(kq, ks, vq, vs, v_head_dim=v_head_dim, block_table=block_table, lengths=lengths, max_len=max_len)
+
+    # ------------------------------------------------------------------ shapes
+
+    @property
+    def paged(self) -> bool:
+        return self.block_table is not None
+
+    @property
+    def layout(self) -> str:
+        """The call's ``kv_layout``: "quantized" (dense) or "quantized_paged"."""
+        return "quantized_paged" if self.paged else "quantized"
+
+    @property
+    def batch(self) -> int:
+        return self.block_table.shape[0] if self.paged else self.k.shape[0]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.k.shape[2] if self.paged else self.k.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def value_dim(self) -> int:
+        return self.v.shape[3] if self.v is not None else int(self.v_head_dim)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The storage dtype (int8 or fp8)."""
+        return self.k.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    def kv_len(self) -> int:
+        """Sk: the dense length, or max(lengths) of the paged form."""
+        return self.pages().kv_len() if self.paged else self.k.shape[2]
+
+    def pages(self) -> PagedKV:
+        """The paged form's data pools and table as a :class:`PagedKV` (its checks and walks)."""
+        return PagedKV(self.k, self.v, self.block_table, self.lengths, v_head_dim=self.v_head_dim,
+                       max_len=self.max_len, checked=self.checked)
+
+    def validate(self) -> None:
+        """Check dtypes, shapes and devices of the data, the scales and (paged) the table; errors
+        name the argument and the shapes."""
+        k, v, ks, vs = self.k, self.v, self.k_scale, self.v_scale
+        if not isinstance(k, Tensor) or k.dim() != 4:
+            raise ValueError(f"QuantizedKV.k must be 4-D (B, Hkv, Sk, D) or pools (N, bs, Hkv, D), got shape "
+                             f"{shape_of(k)}")
+        if k.dtype not in QUANTIZED_DTYPES:
+            raise TypeError(f"QuantizedKV.k must be one of {', '.join(map(str, QUANTIZED_DTYPES))}, got {k.dtype} "
+                            f"(float K/V go to attention() as tensors or a PagedKV)")
+        if (v is None) != (vs is None):
+            raise ValueError("QuantizedKV.v and v_scale must both be given or both be None (V read from K)")
+        if v is not None:
+            if not isinstance(v, Tensor) or v.dim() != 4 or v.shape[:3] != k.shape[:3]:
+                raise ValueError(f"QuantizedKV.v must match k {shape_of(k)} in its first 3 dims, got {shape_of(v)}")
+            if v.dtype != k.dtype or v.device != k.device:
+                raise TypeError(f"QuantizedKV.v ({v.dtype}, {v.device}) must match k ({k.dtype}, {k.device})")
+        for name, s, x in (("k_scale", ks, k), ("v_scale", vs, v)):
+            if x is None:
+                continue
+            if not isinstance(s, Tensor) or s.dtype != torch.float32:
+                raise TypeError(f"QuantizedKV.{name} must be an fp32 tensor, got "
+                                f"{getattr(s, 'dtype', type(s).__name__)}")
+            if s.shape != x.shape[:3]:
+                raise ValueError(f"QuantizedKV.{name} must have shape {tuple(x.shape[:3])} (one scale per row of "
+                                 f"{'k' if x is k else 'v'} {shape_of(x)}), got {shape_of(s)}")
+            if s.device != k.device:
+                raise ValueError(f"QuantizedKV.{name} is on {s.device} but k is on {k.device}")
+        if self.paged:
+            if self.lengths is None:
+                raise ValueError("QuantizedKV with a block_table needs lengths (the keys each sequence holds)")
+            self.pages().validate()
+        else:
+            if self.lengths is not None or self.max_len is not None:
+                raise ValueError("QuantizedKV.lengths / max_len belong to the paged form (give a block_table); "
+                                 "mask a dense one's padding with the mask")
+            if v is None and (not isinstance(self.v_head_dim, int) or isinstance(self.v_head_dim, bool)
+                              or not 1 <= self.v_head_dim <= k.shape[3]):
+                raise ValueError(f"QuantizedKV without v reads V from K: v_head_dim must be an int in "
+                                 f"[1, D={k.shape[3]}], got {self.v_head_dim!r}")
+            if v is not None and self.v_head_dim is not None and self.v_head_dim != v.shape[3]:
+                raise ValueError(f"QuantizedKV.v_head_dim={self.v_head_dim} but v has Dv={v.shape[3]}")
+
+    # ------------------------------------------------------------------ dense view
+
+    def gather(self, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+        """Dense dequantized K (B, Hkv, L, D) and V (B, Hkv, L, Dv) in ``dtype`` (the paged form
+        gathered first, as :meth:`PagedKV.gather`: positions past a sequence's length are 0)."""
+        if not self.paged:
+            k = dequantize(self.k, self.k_scale, dtype)
+            v = k[..., :self.value_dim] if self.v is None else dequantize(self.v, self.v_scale, dtype)
+            return k, v
+        # Gathered as raw bytes: fp8 has no masked_fill; a zero byte is 0 in int8 and fp8 alike.
+        raw = PagedKV(self.k.view(torch.uint8), None if self.v is None else self.v.view(torch.uint8),
+                      self.block_table, self.lengths, v_head_dim=self.v_head_dim, max_len=self.max_len,
+                      checked=self.checked)
+        kq, vq = (x.view(self.k.dtype) for x in raw.gather())
+        scales = PagedKV(self.k_scale.unsqueeze(-1), None if self.v is None else self.v_scale.unsqueeze(-1),
+                         self.block_table, self.lengths, v_head_dim=1, max_len=self.max_len, checked=True)
+        ks, vs = scales.gather()
+        k = dequantize(kq, ks[..., 0], dtype)
+        v = k[..., :self.value_dim] if self.v is None else dequantize(vq, vs[..., 0], dtype)
         return k, v

@@ -12,8 +12,8 @@ from .registry import (AttentionCall, BackendBase, BackendNotSupported, auto_ord
 from .sdpa import SdpaBackend
 from .triton_splitk import TritonBackend
 
-register_backend(SplitKBackend("decode", "dense"))
-register_backend(SplitKBackend("paged", "paged"))
+register_backend(SplitKBackend("decode", ("dense", "quantized")))
+register_backend(SplitKBackend("paged", ("paged", "quantized_paged")))
 register_backend(TritonBackend())  # auto: CUDA decode SDPA cannot fuse (MLA's widths, modifiers)
 register_backend(FlexBackend())  # auto: CUDA prefill SDPA cannot fuse
 register_backend(SdpaBackend())

@@ -4,15 +4,16 @@ A backend is an object with ``name``, ``available() -> str | None`` (None when u
 machine, else why not), ``not_supported_reasons(call) -> list[str]``,
 ``auto_skip_reason(call) -> str | None`` (a call it runs correctly but another backend runs
 faster, so ``auto`` passes it over; forcing it still works), ``layouts`` (the K/V layouts it reads
-in place: "dense" tensors, "paged" :class:`attnkit.PagedKV`) and
+in place: "dense" tensors, "paged" :class:`attnkit.PagedKV`, "quantized" / "quantized_paged"
+:class:`attnkit.QuantizedKV`) and
 ``run(q, k, v, call) -> (out, weights | None)`` (for a paged call ``k`` is the ``PagedKV`` and ``v``
 None), and optionally ``auto_devices`` (the device types ``auto`` considers it for; None: any).
 ``auto`` walks the registry in priority order and takes the first backend with no reasons; a
 forced backend that refuses raises :class:`BackendNotSupported` listing every backend's reasons.
 
-Paged calls: backends that read pages in place are tried first; any other backend can still run
-the call on the gathered dense K/V (:meth:`attnkit.PagedKV.gather`, done by ``attention()``), and
-is judged on that dense call.
+Paged and quantized calls: backends that read the layout in place are tried first; any other
+backend can still run the call on the gathered (dequantized) dense K/V (:meth:`attnkit.PagedKV.gather`,
+:meth:`attnkit.QuantizedKV.gather`, done by ``attention()``), and is judged on that dense call.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class AttentionCall:
     dropout_p: float
     return_weights: bool
     needs_grad: bool
-    kv_layout: str = "dense"  # "dense" tensors or "paged" (attnkit.PagedKV)
+    kv_layout: str = "dense"  # "dense", "paged" (PagedKV), "quantized" / "quantized_paged" (QuantizedKV)
     softcap: float | None = None  # scores -> c * tanh(scores / c) after scaling
     sinks: Tensor | None = None  # (Hq,) logits joining each row's denominator
     #: ``device.type``, read once: ``torch.device.type`` builds a new string on every read, and

@@ -12,6 +12,10 @@
 // results (row max m, sum of exp l, unnormalised P @ V) of the slices of one (b, kv head) merge
 // exactly by the log-sum-exp rule; sinks join the denominator once, in that merge.
 //
+// Quantized K/V (int8, fp8 e4m3; attnkit.kvquant) carry one fp32 scale per row: the rows are
+// widened to fp32 in registers like bf16 ones, a key's score is multiplied by its K scale, and
+// its probability by its V scale before P @ V (attention over data * scale, never built).
+//
 // Keys are read through a row locator: contiguous caches (B, Hkv, Sk, D) by their strides, paged
 // pools (N, bs, Hkv, D) through a block table, so scattered pages cost no copy.
 //
@@ -34,6 +38,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -118,6 +123,12 @@ struct Args {
   int64_t ks0, ks1, ks2;
   const void* v;   // nullptr: V is the first Dv channels of K
   int64_t vs0, vs1, vs2;
+  // Quantized K/V: fp32 row scales indexed like the rows without their last dim (nullptr: float
+  // K/V). ``vsc`` is nullptr when V is read from K (then K's scales serve V).
+  const float* ksc;
+  int64_t kss0, kss1, kss2;
+  const float* vsc;
+  int64_t vss0, vss1, vss2;
   bool paged;
   const int64_t* table;  // (B, W) block ids (paged)
   int64_t table_s0, block_size, num_blocks, table_w;
@@ -372,6 +383,43 @@ inline vf vload_as_f32<c10::Half>(const c10::Half* p) {
 constexpr bool kHalfInRegisters = false;
 #endif
 
+// int8 rows: sign-extend each byte to 32 bits and convert.
+template <>
+inline vf vload_as_f32<int8_t>(const int8_t* p) {
+#if defined(__AVX512F__)
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  vf out;
+  for (int64_t i = 0; i < VL; ++i) out[i] = static_cast<float>(p[i]);
+  return out;
+#endif
+}
+// fp8 e4m3 (no infinities; 0x7F / 0xFF are NaN): the magnitude's 7 bits placed at the top of an
+// fp32's exponent and mantissa fields read as 2^(e - 127) * 1.m (a subnormal when e = 0), times
+// 2^120 gives 2^(e - 7) * 1.m (and m/8 * 2^-6 for e = 0): exactly e4m3's value. Then the sign,
+// and NaN for the NaN codes.
+template <>
+inline vf vload_as_f32<c10::Float8_e4m3fn>(const c10::Float8_e4m3fn* p) {
+#if defined(__AVX512F__)
+  const vi b = (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__AVX2__)
+  const vi b = (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#else
+  vi b;
+  for (int64_t i = 0; i < VL; ++i) b[i] = reinterpret_cast<const uint8_t*>(p)[i];
+#endif
+  const vi mag = b & 0x7F;
+  const vi bits = mag << 20;
+  const vf f = reinterpret_cast<const vf&>(bits) * 0x1p120f;
+  const vi signed_bits = reinterpret_cast<const vi&>(f) | ((b & 0x80) << 24);
+  const vf out = reinterpret_cast<const vf&>(signed_bits);
+  return mag == 0x7F ? vsplat(std::numeric_limits<float>::quiet_NaN()) : out;
+}
+template <typename T>
+constexpr bool kQuantized = std::is_same<T, int8_t>::value || std::is_same<T, c10::Float8_e4m3fn>::value;
+
 // ``v`` grown to at least ``n`` elements (never shrunk), or nullptr when memory runs out: code
 // the workers run reports failures instead of throwing.
 template <typename X>
@@ -393,10 +441,11 @@ X* grown(std::vector<X>& v, int64_t n) noexcept {
 //   same rows unscaled in bf16 for the dot product (nullptr when it is not used); kbuf / vbuf
 //   (NH, TILE, Dp / Dvp): a tile's rows widened to fp32 (empty when read in place); s (M, TILE):
 //   one head's scores, then probabilities; acc (NH, M, Dvp); rlo / rhi (M): each row's keys in
-//   the unit; krow / vrow (NH, TILE): where a tile's key / value rows are read.
+//   the unit; krow / vrow (NH, TILE): where a tile's key / value rows are read; ks / vs (NH,
+//   TILE): a tile's K / V row scales (quantized K/V).
 template <typename R>
 struct UnitScratch {
-  float *q, *kbuf, *vbuf, *s, *acc;
+  float *q, *kbuf, *vbuf, *s, *acc, *ks, *vs;
   uint16_t* qb;
   int64_t *rlo, *rhi;
   const R **krow, **vrow;
@@ -413,7 +462,8 @@ inline bool unit_scratch(int64_t NH, int64_t M, int64_t Dp, int64_t Dvp, int64_t
   thread_local std::vector<const void*> rows;
   thread_local std::vector<uint16_t> qbits;
   const int64_t kbuf_n = InPlace ? 0 : NH * TILE * Dp, vbuf_n = (InPlace || v_from_k) ? 0 : NH * TILE * Dvp;
-  const int64_t scratch_n = NH * M * Dp + kbuf_n + vbuf_n + M * TILE + NH * M * Dvp;
+  const int64_t scales_n = kQuantized<T> ? NH * TILE : 0;
+  const int64_t scratch_n = NH * M * Dp + kbuf_n + vbuf_n + M * TILE + NH * M * Dvp + 2 * scales_n;
   float* const qbuf = grown(scratch, scratch_n);
   int64_t* const rlo = grown(bounds, 2 * M);
   const R** const krow = reinterpret_cast<const R**>(grown(rows, 2 * NH * TILE));
@@ -425,6 +475,8 @@ inline bool unit_scratch(int64_t NH, int64_t M, int64_t Dp, int64_t Dvp, int64_t
   w.vbuf = w.kbuf + kbuf_n;
   w.s = w.vbuf + vbuf_n;
   w.acc = w.s + M * TILE;
+  w.ks = scales_n ? w.acc + NH * M * Dvp : nullptr;
+  w.vs = scales_n ? w.ks + scales_n : nullptr;
   w.qb = qb;
   w.rlo = rlo;
   w.rhi = rlo + M;
@@ -469,7 +521,9 @@ template <typename T, bool InPlace>
 struct TileRows {
   using R = typename std::conditional<InPlace, T, float>::type;
   Rows<T> k, v, k_next, v_next;
+  Rows<float> ks, vs;  // the rows' scales (quantized K/V)
   const int64_t NH, D, Dv, Dp, Dvp, TILE;
+  const int64_t ksstep, vsstep;  // between the scales of consecutive heads
   const int64_t kstep, vstep;  // between the rows of consecutive heads
   const int64_t kspan, vspan;  // bytes a key / value row of all NH heads spans (what is prefetched)
   const bool v_from_k;
@@ -479,6 +533,8 @@ struct TileRows {
         v(a, a.v == nullptr ? a.k : a.v, a.vs0, a.vs1, a.vs2, u.b, u.h),
         k_next(k),
         v_next(v),
+        ks(a, a.ksc, a.kss0, a.kss1, a.kss2, u.b, u.h),
+        vs(a, a.vsc == nullptr ? a.ksc : a.vsc, a.vss0, a.vss1, a.vss2, u.b, u.h),
         NH(u.nh),
         D(a.D),
         Dv(a.Dv),
@@ -488,13 +544,16 @@ struct TileRows {
         // paged (block, slot, h) / dense (b, h, j)
         kstep(a.paged ? a.ks2 : a.ks1),
         vstep(a.paged ? a.vs2 : a.vs1),
+        ksstep(a.paged ? a.kss2 : a.kss1),
+        vsstep(a.vsc == nullptr ? (a.paged ? a.kss2 : a.kss1) : (a.paged ? a.vss2 : a.vss1)),
         kspan(((u.nh - 1) * kstep + a.D) * static_cast<int64_t>(sizeof(T))),
         vspan(((u.nh - 1) * vstep + a.Dv) * static_cast<int64_t>(sizeof(T))),
         v_from_k(a.v == nullptr) {}
 
-  // The n keys from t0 (the unit walks up to ``end``).
+  // The n keys from t0 (the unit walks up to ``end``); quantized K/V also put the rows' scales
+  // in ``kscale`` / ``vscale`` (NH, TILE).
   __attribute__((always_inline)) inline void gather(int64_t t0, int64_t n, int64_t end, const R** krow, const R** vrow,
-                                                    float* kbuf, float* vbuf) {
+                                                    float* kbuf, float* vbuf, float* kscale, float* vscale) {
     // Locals, not members, in the loop: the compiler need not prove the row writes leave *this alone.
     const int64_t NH = this->NH, D = this->D, Dv = this->Dv, Dp = this->Dp, Dvp = this->Dvp, TILE = this->TILE;
     const int64_t kstep = this->kstep, vstep = this->vstep, kspan = this->kspan, vspan = this->vspan;
@@ -504,6 +563,19 @@ struct TileRows {
     const int64_t ahead = std::min(TILE, std::max<int64_t>(0, end - t0 - TILE));  // keys of the next tile
     k_next.seek(t0 + TILE);
     v_next.seek(t0 + TILE);
+    if constexpr (kQuantized<T>) {
+      ks.seek(t0);
+      vs.seek(t0);
+      const int64_t ksstep = this->ksstep, vsstep = this->vsstep;
+      for (int64_t j = 0; j < n; ++j) {
+        const float* k0 = ks.next();
+        const float* v0 = vs.next();
+        for (int64_t hh = 0; hh < NH; ++hh) {
+          kscale[hh * TILE + j] = k0[hh * ksstep];
+          vscale[hh * TILE + j] = v0[hh * vsstep];
+        }
+      }
+    }
     for (int64_t j = 0; j < n; ++j) {
       if (j < ahead) {
         const char* pk = reinterpret_cast<const char*>(k_next.next());
@@ -682,10 +754,14 @@ __attribute__((always_inline)) inline bool online_softmax_row(float* s, int64_t 
 // Modifiers, the rows' intervals and the online softmax over one head's tile (n keys from t0):
 // the scores in ``sbuf`` become probabilities (0 where a row sees nothing). Returns in
 // [vis_lo, vis_hi) the tile's keys some row sees (vis_lo >= vis_hi: none).
+//
+// Quantized K/V (``ksh`` / ``vsh``: the head's TILE row scales): each score is first multiplied by
+// its key's scale, and each probability, once the row's sum has it, by its value's scale.
 __attribute__((always_inline)) inline void softmax_tile(const Args& a, const Unit& u, int64_t hh, int64_t M,
                                                         int64_t t0, int64_t n, int64_t TILE, const int64_t* rlo,
                                                         const int64_t* rhi, float* sbuf, float* mh, float* lh,
-                                                        float* ach, int64_t Dvp, int64_t& vis_lo, int64_t& vis_hi) {
+                                                        float* ach, int64_t Dvp, const float* ksh, const float* vsh,
+                                                        int64_t& vis_lo, int64_t& vis_hi) {
   vis_lo = n;
   vis_hi = 0;
   for (int64_t r = 0; r < M; ++r) {
@@ -696,10 +772,14 @@ __attribute__((always_inline)) inline void softmax_tile(const Args& a, const Uni
       continue;
     }
     const int64_t g = r / a.Sq, i = r % a.Sq, hq = (u.h + hh) * a.G + g;
+    if (ksh != nullptr)
+      for (int64_t jj = jlo; jj < jhi; ++jj) s[jj] *= ksh[jj];
     modify_scores(a, u.b, hq, i, t0, n, s);
     for (int64_t jj = 0; jj < jlo; ++jj) s[jj] = kNegInf;
     for (int64_t jj = jhi; jj < TILE; ++jj) s[jj] = kNegInf;  // also the padding past n
     if (!online_softmax_row(s, n, TILE, mh[r], lh[r], ach + r * Dvp, Dvp)) continue;
+    if (vsh != nullptr)
+      for (int64_t jj = jlo; jj < jhi; ++jj) s[jj] *= vsh[jj];
     vis_lo = std::min(vis_lo, jlo);
     vis_hi = std::max(vis_hi, jhi);
   }
@@ -802,13 +882,14 @@ void run_unit(const Args& a, const Unit& u, float* m, float* l, float* acc_out) 
   TileRows<T, InPlace> tiles(a, u);
   for (int64_t t0 = start; t0 < end; t0 += TILE) {
     const int64_t n = std::min(TILE, end - t0);
-    tiles.gather(t0, n, end, w.krow, w.vrow, w.kbuf, w.vbuf);
+    tiles.gather(t0, n, end, w.krow, w.vrow, w.kbuf, w.vbuf, w.ks, w.vs);
     for (int64_t hh = 0; hh < NH; ++hh) {
       float* const ach = w.acc + hh * M * Dvp;
       score_tile<R, kDotType>(w.q + hh * M * Dp, dot ? w.qb + hh * M * Dp : nullptr, w.krow + hh * TILE, M, Dp, n,
                               TILE, a.scale, w.s);
       int64_t vis_lo, vis_hi;
-      softmax_tile(a, u, hh, M, t0, n, TILE, w.rlo, w.rhi, w.s, m + hh * M, l + hh * M, ach, Dvp, vis_lo, vis_hi);
+      softmax_tile(a, u, hh, M, t0, n, TILE, w.rlo, w.rhi, w.s, m + hh * M, l + hh * M, ach, Dvp,
+                   w.ks ? w.ks + hh * TILE : nullptr, w.vs ? w.vs + hh * TILE : nullptr, vis_lo, vis_hi);
       accumulate_pv(ach, w.s, w.vrow + hh * TILE, M, Dvp, TILE, vis_lo, vis_hi);
     }
   }
@@ -1047,7 +1128,8 @@ void run_all(Args a, const Ranges& ranges, at::Tensor& out, float* lse, const fl
 // Everything a decode step needs happens in this one op: no scaled copy of q, no default bounds,
 // no output cast (each a dispatch of several microseconds, on every layer of every step).
 std::tuple<at::Tensor, at::Tensor> splitk_attention(
-    const at::Tensor& q, const at::Tensor& k, const c10::optional<at::Tensor>& v, int64_t v_head_dim,
+    const at::Tensor& q, const at::Tensor& k, const c10::optional<at::Tensor>& v,
+    const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale, int64_t v_head_dim,
     const c10::optional<at::Tensor>& block_table, const c10::optional<at::Tensor>& lo,
     const c10::optional<at::Tensor>& hi, const c10::optional<at::Tensor>& bias,
     const c10::optional<at::Tensor>& slopes, const c10::optional<at::Tensor>& qpos,
@@ -1112,6 +1194,32 @@ std::tuple<at::Tensor, at::Tensor> splitk_attention(
     TORCH_CHECK(a.Dv <= a.D, "v_head_dim must be <= D when V is read from K");
     a.v = nullptr;
   }
+  const bool quantized = k.scalar_type() == at::kChar || k.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(quantized == k_scale.has_value(), quantized ? "quantized k (int8 / fp8) needs k_scale"
+                                                          : "k_scale is for quantized (int8 / fp8) k only");
+  TORCH_CHECK(!v_scale.has_value() || (quantized && v.has_value()), "v_scale needs quantized v");
+  TORCH_CHECK(!quantized || v_scale.has_value() == v.has_value(), "quantized v needs v_scale");
+  a.ksc = a.vsc = nullptr;
+  const auto scales_ok = [](const at::Tensor& s, const at::Tensor& rows) {
+    return s.scalar_type() == at::kFloat && s.dim() == 3 && s.device().is_cpu() &&
+           s.sizes() == rows.sizes().slice(0, 3);
+  };
+  if (k_scale.has_value()) {
+    TORCH_CHECK_VALUE(scales_ok(*k_scale, k), "k_scale must be fp32 of shape k.shape[:3] = ", k.sizes().slice(0, 3),
+                      ", got ", k_scale->sizes());
+    a.ksc = k_scale->data_ptr<float>();
+    a.kss0 = k_scale->stride(0);
+    a.kss1 = k_scale->stride(1);
+    a.kss2 = k_scale->stride(2);
+  }
+  if (v_scale.has_value()) {
+    TORCH_CHECK_VALUE(scales_ok(*v_scale, *v), "v_scale must be fp32 of shape v.shape[:3] = ", v->sizes().slice(0, 3),
+                      ", got ", v_scale->sizes());
+    a.vsc = v_scale->data_ptr<float>();
+    a.vss0 = v_scale->stride(0);
+    a.vss1 = v_scale->stride(1);
+    a.vss2 = v_scale->stride(2);
+  }
   TORCH_CHECK(hi.has_value() || !paged, "paged pools need hi (the sequences' lengths)");
   const auto index_ok = [&](const at::Tensor& t) {
     return t.scalar_type() == at::kLong && t.is_contiguous() && t.numel() == a.B * a.Sq && t.device().is_cpu();
@@ -1160,7 +1268,9 @@ std::tuple<at::Tensor, at::Tensor> splitk_attention(
     case at::kFloat: run_all<float>(a, ranges, out, lse_ptr, sink_ptr); break;
     case at::kBFloat16: run_all<c10::BFloat16>(a, ranges, out, lse_ptr, sink_ptr); break;
     case at::kHalf: run_all<c10::Half>(a, ranges, out, lse_ptr, sink_ptr); break;
-    default: TORCH_CHECK(false, "k must be fp32, bf16 or fp16, got ", k.scalar_type());
+    case at::kChar: run_all<int8_t>(a, ranges, out, lse_ptr, sink_ptr); break;
+    case at::kFloat8_e4m3fn: run_all<c10::Float8_e4m3fn>(a, ranges, out, lse_ptr, sink_ptr); break;
+    default: TORCH_CHECK(false, "k must be fp32, bf16, fp16, int8 or fp8 e4m3, got ", k.scalar_type());
   }
   return {out, lse};
 }
@@ -1169,7 +1279,7 @@ std::tuple<at::Tensor, at::Tensor> splitk_attention(
 
 TORCH_LIBRARY(attnkit_cpu, m) {
   m.def(
-      "splitk_attention(Tensor q, Tensor k, Tensor? v, int v_head_dim, Tensor? block_table, Tensor? lo, "
+      "splitk_attention(Tensor q, Tensor k, Tensor? v, Tensor? k_scale, Tensor? v_scale, int v_head_dim, Tensor? block_table, Tensor? lo, "
       "Tensor? hi, Tensor? bias, Tensor? slopes, Tensor? qpos, Tensor? sinks, float scale, float softcap, "
       "int num_kv_heads, bool return_lse) -> (Tensor, Tensor)");
   m.impl("splitk_attention", c10::DispatchKey::CPU, TORCH_FN(splitk_attention));

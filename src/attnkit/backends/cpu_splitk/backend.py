@@ -83,17 +83,18 @@ def auto_skip(call: AttentionCall, engine: str) -> str | None:
 
 
 class SplitKBackend(BackendBase):
-    """One backend over the split-K engine; ``layout`` is the K/V it reads in place."""
+    """One backend over the split-K engine; ``layouts`` are the K/V it reads in place (float and
+    quantized: dense, or paged)."""
 
     auto_devices = ("cpu",)
 
-    def __init__(self, name: str, layout: str):
-        self.name, self.layouts = name, (layout,)
+    def __init__(self, name: str, layouts: tuple[str, ...]):
+        self.name, self.layouts = name, tuple(layouts)
 
     def not_supported_reasons(self, call: AttentionCall) -> list[str]:
         why = decode_refusals(call, None if _fuses_what_sdpa_cannot(call) else MAX_DECODE_Q_LEN)
         if call.kv_layout not in self.layouts:
-            why.append(f"{call.kv_layout} K/V (this backend reads {self.layouts[0]} K/V)")
+            why.append(f"{call.kv_layout} K/V (this backend reads {' or '.join(self.layouts)} K/V)")
         if call.device_type != "cpu":
             why.append(f"{call.device_type} tensors (a CPU engine)")
         if call.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -118,6 +119,9 @@ class SplitKBackend(BackendBase):
         if call.kv_layout == "paged":
             out, _ = splitk.splitk_attention(q, k.k_pool, k.v_pool, block_table=k.block_table, v_head_dim=k.value_dim,
                                              kv_len=call.kv_len, **mods)
+        elif call.kv_layout in ("quantized", "quantized_paged"):
+            out, _ = splitk.splitk_attention(q, k.k, k.v, block_table=k.block_table, v_head_dim=k.value_dim,
+                                             kv_len=call.kv_len, k_scale=k.k_scale, v_scale=k.v_scale, **mods)
         else:
             out, _ = splitk.splitk_attention(q, k, v, **mods)
         return out, None

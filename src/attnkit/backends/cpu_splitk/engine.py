@@ -28,6 +28,9 @@ from ...masks import Mask, ReducedMask
 
 __all__ = ["splitk_attention", "merge_partials", "finite", "engine_name", "v_is_prefix_of_k"]
 
+#: Quantized storage dtypes whose rows the torch path zeroes as raw bytes (fp8 has no masked_fill).
+_BYTE_DTYPES = tuple(d for d in (getattr(torch, "float8_e4m3fn", None),) if d is not None)
+
 #: fp32 bytes of K+V per chunk in the torch implementation: the converted chunk stays in cache.
 _TORCH_CHUNK_BYTES = 8 << 20
 
@@ -111,6 +114,7 @@ def splitk_attention(q: Tensor, k: Tensor, v: Tensor | None, *, scale: float,
                      mask: Mask | ReducedMask | None = None,
                      block_table: Tensor | None = None, v_head_dim: int | None = None, kv_len: int | None = None,
                      sinks: Tensor | None = None, softcap: float | None = None,
+                     k_scale: Tensor | None = None, v_scale: Tensor | None = None,
                      return_lse: bool = False) -> tuple[Tensor, Tensor | None]:
     """Attention on CPU without autograd: a decode step's few queries in one engine call, longer
     calls (soft-capped or ALiBi prefill) a chunk of :data:`Q_CHUNK` queries at a time.
@@ -124,14 +128,20 @@ def splitk_attention(q: Tensor, k: Tensor, v: Tensor | None, *, scale: float,
         block_table: (B, W) block ids for paged pools; ``kv_len`` is then the logical Sk.
         sinks: (Hq,) logits joining each row's denominator; softcap: c of c * tanh(s / c);
             an :class:`attnkit.masks.ALiBi` in ``mask`` is applied per score.
+        k_scale, v_scale: quantized K/V (int8 / fp8 ``k`` and ``v``, :mod:`attnkit.kvquant`): fp32
+            scales of their rows, ``k.shape[:3]`` / ``v.shape[:3]`` (``v_scale`` None with ``v``
+            None). A key's score is its dot product with the quantized row times its K scale, and
+            its probability is multiplied by its V scale before P @ V: attention over
+            ``data * scale`` without building it.
 
     Returns:
         out (B, Hq, Sq, Dv) in q's dtype and, with ``return_lse``, lse (B, Hq, Sq) fp32 (without
         the sinks).
     """
     B, Hq, Sq, D = q.shape
-    if v is not None and block_table is None and v_is_prefix_of_k(k, v):
-        v_head_dim, v = v.shape[-1], None
+    if v is not None and block_table is None and v_is_prefix_of_k(k, v) and (
+            k_scale is None or v_scale is None or v_scale is k_scale):
+        v_head_dim, v, v_scale = v.shape[-1], None, None
     Dv = v.shape[-1] if v is not None else int(v_head_dim)
     Hkv = k.shape[2] if block_table is not None else k.shape[1]
     Sk = kv_len if block_table is not None else k.shape[2]
@@ -139,7 +149,8 @@ def splitk_attention(q: Tensor, k: Tensor, v: Tensor | None, *, scale: float,
     alibi = reduced.alibi  # computed per score, never materialized
     ops = native.load()
     if Sq > Q_CHUNK:
-        return _chunked(q, k, v, Dv, Hkv, Sk, scale, reduced, block_table, sinks, softcap, return_lse)
+        return _chunked(q, k, v, Dv, Hkv, Sk, scale, reduced, block_table, sinks, softcap, return_lse, k_scale,
+                        v_scale)
     if ops is not None and reduced.rest is None and block_table is None:
         lo = hi = bias = None  # the kernel's default: every row sees all Sk keys
     elif ops is not None and block_table is not None and Sq == 1 and reduced.padding_lengths is not None:
@@ -159,11 +170,12 @@ def splitk_attention(q: Tensor, k: Tensor, v: Tensor | None, *, scale: float,
     sinks32 = None if sinks is None else sinks.detach().float().contiguous()
     if ops is not None:
         b32 = None if bias is None else bias.expand(B, Hq, Sq, Sk)
-        out, lse = ops.splitk_attention(_plain(q, whole=True), _plain(k), None if v is None else _plain(v), Dv,
-                                        _table(block_table), lo, hi, b32, slopes, qpos, sinks32, float(scale),
-                                        float(softcap or 0.0), Hkv, return_lse)
+        out, lse = ops.splitk_attention(_plain(q, whole=True), _plain(k), None if v is None else _plain(v),
+                                        _scales(k_scale), _scales(v_scale), Dv, _table(block_table), lo, hi, b32,
+                                        slopes, qpos, sinks32, float(scale), float(softcap or 0.0), Hkv, return_lse)
         return out, (lse if return_lse else None)
-    out, lse = _torch_splitk(q, k, v, Dv, Hkv, Sk, scale, lo, hi, bias, block_table, softcap, slopes, qpos)
+    out, lse = _torch_splitk(q, k, v, Dv, Hkv, Sk, scale, lo, hi, bias, block_table, softcap, slopes, qpos,
+                             k_scale, v_scale)
     if sinks32 is not None:
         out = with_sinks(out, lse, sinks32)[0]
     return out.to(q.dtype), (lse if return_lse else None)
@@ -181,6 +193,13 @@ def _plain(t: Tensor, whole: bool = False) -> Tensor:
     return t
 
 
+def _scales(scale: Tensor | None) -> Tensor | None:
+    """Row scales as the kernel reads them: fp32, detached (any strides)."""
+    if scale is None:
+        return None
+    return scale.detach() if scale.dtype == torch.float32 else scale.detach().float()
+
+
 def _table(block_table: Tensor | None) -> Tensor | None:
     """The (B, W) block table as the kernel reads it: int64, contiguous."""
     if block_table is None or (block_table.dtype == torch.long and block_table.is_contiguous()):
@@ -195,7 +214,8 @@ def _table(block_table: Tensor | None) -> Tensor | None:
 Q_CHUNK = 64
 
 
-def _chunked(q, k, v, Dv, Hkv, Sk, scale, reduced, block_table, sinks, softcap, return_lse):
+def _chunked(q, k, v, Dv, Hkv, Sk, scale, reduced, block_table, sinks, softcap, return_lse, k_scale=None,
+             v_scale=None):
     """:func:`splitk_attention` a chunk of Q_CHUNK queries at a time: the intervals, bias and
     ALiBi positions of the whole call, sliced per chunk."""
     B, Hq, Sq, _ = q.shape
@@ -219,11 +239,12 @@ def _chunked(q, k, v, Dv, Hkv, Sk, scale, reduced, block_table, sinks, softcap, 
         b_c = None if bias is None else bias.expand(B, Hq, Sq, Sk)[:, :, i0:i1]
         p_c = None if qpos is None else qpos[:, i0:i1].contiguous()
         if ops is not None:
-            o, l_c = ops.splitk_attention(_plain(q[:, :, i0:i1], whole=True), k, v, Dv, table, lo_c, hi_c, b_c,
-                                          slopes, p_c, sinks32, float(scale), float(softcap or 0.0), Hkv, return_lse)
+            o, l_c = ops.splitk_attention(_plain(q[:, :, i0:i1], whole=True), k, v, _scales(k_scale),
+                                          _scales(v_scale), Dv, table, lo_c, hi_c, b_c, slopes, p_c, sinks32,
+                                          float(scale), float(softcap or 0.0), Hkv, return_lse)
         else:
             o, l_c = _torch_splitk(q[:, :, i0:i1], k, v, Dv, Hkv, Sk, scale, lo_c, hi_c, b_c, block_table, softcap,
-                                   slopes, p_c)
+                                   slopes, p_c, k_scale, v_scale)
         out[:, :, i0:i1] = o
         if lse is not None:
             lse[:, :, i0:i1] = l_c
@@ -253,9 +274,12 @@ def _paged_reach(block_table: Tensor, num_blocks: int, block_size: int, lo: Tens
     return seq_end
 
 
-def _torch_splitk(q, k, v, Dv, Hkv, Sk, scale, lo, hi, bias, block_table, softcap, slopes, qpos):
+def _torch_splitk(q, k, v, Dv, Hkv, Sk, scale, lo, hi, bias, block_table, softcap, slopes, qpos, k_scale=None,
+                  v_scale=None):
     """The engine in torch ops: key chunks scored for all M rows of every KV head at once, each
-    chunk's (out, lse) merged into the running result by :func:`merge_partials`."""
+    chunk's (out, lse) merged into the running result by :func:`merge_partials`. Quantized K/V
+    (``k_scale``) take the native kernel's arithmetic: scores times the key rows' scales,
+    probabilities times the value rows' scales before P @ V."""
     B, Hq, Sq, D = q.shape
     G, M = Hq // Hkv, (Hq // Hkv) * Sq
     qg = (q.detach().float() * scale).reshape(B, Hkv, M, D)
@@ -270,9 +294,13 @@ def _torch_splitk(q, k, v, Dv, Hkv, Sk, scale, lo, hi, bias, block_table, softca
     lse = torch.full((B, Hkv, M), float("-inf"), dtype=torch.float32, device=q.device)
     for a in range(start, end, C):
         e = min(a + C, end)
+        ksc = vsc = None
         if block_table is None:
             kc = k[:, :, a:e]
             vc = kc[..., :Dv] if v is None else v[:, :, a:e]
+            if k_scale is not None:
+                ksc = k_scale[:, :, a:e].float()
+                vsc = ksc if v is None else v_scale[:, :, a:e].float()
         else:
             pos = torch.arange(a, e, device=q.device)
             bs = k.shape[1]
@@ -283,8 +311,15 @@ def _torch_splitk(q, k, v, Dv, Hkv, Sk, scale, lo, hi, bias, block_table, softca
             blk = block_table[:, pos // bs].long().masked_fill(beyond, 0)
             kc = k[blk, pos % bs].permute(0, 2, 1, 3)  # (B, Hkv, c, D)
             vc = kc[..., :Dv] if v is None else v[blk, pos % bs].permute(0, 2, 1, 3)
-            vc = vc.masked_fill(beyond[:, None, :, None], 0)
+            if k_scale is not None:
+                ksc = k_scale[blk, pos % bs].permute(0, 2, 1).float()  # (B, Hkv, c)
+                vsc = ksc if v is None else v_scale[blk, pos % bs].permute(0, 2, 1).float()
+                vsc = vsc.masked_fill(beyond[:, None, :], 0)
+            vc = (vc.view(torch.uint8) if vc.dtype in _BYTE_DTYPES else vc).masked_fill(beyond[:, None, :, None], 0)
+            vc = vc.view(kc.dtype) if vc.dtype != kc.dtype else vc
         s = torch.matmul(qg, kc.detach().float().transpose(-1, -2))  # (B, Hkv, M, c)
+        if ksc is not None:
+            s = s * ksc.unsqueeze(2)
         if softcap:
             s = torch.tanh(s / softcap) * softcap
         if bias is not None:
@@ -296,6 +331,7 @@ def _torch_splitk(q, k, v, Dv, Hkv, Sk, scale, lo, hi, bias, block_table, softca
             s = s + (slopes.view(1, Hq, 1, 1) * dist[:, None]).reshape(B, Hkv, M, e - a)
         s = s.masked_fill((j < row_lo) | (j >= row_hi), float("-inf"))
         c_lse = torch.logsumexp(s, dim=-1)
-        c_out = torch.matmul(torch.exp(s - finite(c_lse).unsqueeze(-1)), vc.detach().float())
+        p = torch.exp(s - finite(c_lse).unsqueeze(-1))
+        c_out = torch.matmul(p if vsc is None else p * vsc.unsqueeze(2), vc.detach().float())
         out, lse = merge_partials(out, lse, c_out, c_lse)
     return out.reshape(B, Hq, Sq, Dv), lse.reshape(B, Hq, Sq)
