@@ -19,10 +19,11 @@ multiply the row's score by its K scale and its probability by its V scale (the 
 reassociated). What they compute equals attention over :func:`dequantize`'s K/V (checked against
 the fp64 oracle within rule R).
 
-Bad rows: a row holding NaN (or inf) gets a NaN scale, so its dequantized values are NaN and a
-query that sees it gets NaN (NaN in, NaN out); an all-zero row gets scale 0 and data 0. Scales a
-caller builds by hand are used as given: NaN or inf give NaN/inf scores for that key (so NaN rows
-where it is visible), 0 makes the row zero, a negative scale flips its sign.
+Bad rows: a row holding NaN gets a NaN scale and one holding inf an infinite scale; either way
+the row is NaN (below), so a query that sees it gets NaN (NaN in, NaN out); an all-zero row gets
+scale 0 and data 0. Scales a caller builds by hand are used as given, except that a scale of inf
+or NaN makes its row NaN on every path (an infinite scale would otherwise turn some scores into
+-inf, silently masking the key): 0 makes the row zero, a negative scale flips its sign.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["QUANTIZED_DTYPES", "kv_storage_dtype", "quantize", "dequantize", "dtype_name"]
+__all__ = ["QUANTIZED_DTYPES", "kv_storage_dtype", "quantize", "dequantize", "finite_or_nan", "dtype_name"]
 
 #: Storage dtypes of quantized K/V and their largest magnitude.
 _QMAX: dict[torch.dtype, float] = {torch.int8: 127.0}
@@ -86,6 +87,15 @@ def quantize(x: Tensor, dtype: torch.dtype = torch.int8) -> tuple[Tensor, Tensor
     return data, scale
 
 
+def finite_or_nan(scale: Tensor) -> Tensor:
+    """Row scales as every path uses them: fp32, a scale of inf or NaN replaced by NaN (a NaN row;
+    an infinite scale times a row's zeros and signs would make some scores -inf, which masks a
+    key, and others +inf)."""
+    scale = scale.float()
+    return torch.where(torch.isfinite(scale), scale, torch.full_like(scale, float("nan")))
+
+
 def dequantize(data: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-    """``data * scale`` (computed in fp32, then cast to ``dtype``): data (..., D), scale (...)."""
-    return (data.float() * scale.float().unsqueeze(-1)).to(dtype)
+    """``data * scale`` (computed in fp32, then cast to ``dtype``): data (..., D), scale (...);
+    a row whose scale is inf or NaN is NaN."""
+    return (data.float() * finite_or_nan(scale).unsqueeze(-1)).to(dtype)

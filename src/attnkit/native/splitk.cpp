@@ -534,7 +534,7 @@ struct TileRows {
         k_next(k),
         v_next(v),
         ks(a, a.ksc, a.kss0, a.kss1, a.kss2, u.b, u.h),
-        vs(a, a.vsc == nullptr ? a.ksc : a.vsc, a.vss0, a.vss1, a.vss2, u.b, u.h),
+        vs(a.vsc == nullptr ? ks : Rows<float>(a, a.vsc, a.vss0, a.vss1, a.vss2, u.b, u.h)),
         NH(u.nh),
         D(a.D),
         Dv(a.Dv),
@@ -571,8 +571,11 @@ struct TileRows {
         const float* k0 = ks.next();
         const float* v0 = vs.next();
         for (int64_t hh = 0; hh < NH; ++hh) {
-          kscale[hh * TILE + j] = k0[hh * ksstep];
-          vscale[hh * TILE + j] = v0[hh * vsstep];
+          // A scale of inf or NaN is a NaN row (attnkit.kvquant): its score and weight become
+          // NaN, never +-inf (an -inf score would silently mask the key).
+          const float kx = k0[hh * ksstep], vx = v0[hh * vsstep];
+          kscale[hh * TILE + j] = std::isfinite(kx) ? kx : std::numeric_limits<float>::quiet_NaN();
+          vscale[hh * TILE + j] = std::isfinite(vx) ? vx : std::numeric_limits<float>::quiet_NaN();
         }
       }
     }

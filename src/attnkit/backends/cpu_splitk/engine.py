@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from ... import native
+from ...kvquant import finite_or_nan
 from ...masks import Mask, ReducedMask
 
 __all__ = ["splitk_attention", "merge_partials", "finite", "engine_name", "v_is_prefix_of_k"]
@@ -299,8 +300,8 @@ def _torch_splitk(q, k, v, Dv, Hkv, Sk, scale, lo, hi, bias, block_table, softca
             kc = k[:, :, a:e]
             vc = kc[..., :Dv] if v is None else v[:, :, a:e]
             if k_scale is not None:
-                ksc = k_scale[:, :, a:e].float()
-                vsc = ksc if v is None else v_scale[:, :, a:e].float()
+                ksc = finite_or_nan(k_scale[:, :, a:e])
+                vsc = ksc if v is None else finite_or_nan(v_scale[:, :, a:e])
         else:
             pos = torch.arange(a, e, device=q.device)
             bs = k.shape[1]
@@ -312,8 +313,8 @@ def _torch_splitk(q, k, v, Dv, Hkv, Sk, scale, lo, hi, bias, block_table, softca
             kc = k[blk, pos % bs].permute(0, 2, 1, 3)  # (B, Hkv, c, D)
             vc = kc[..., :Dv] if v is None else v[blk, pos % bs].permute(0, 2, 1, 3)
             if k_scale is not None:
-                ksc = k_scale[blk, pos % bs].permute(0, 2, 1).float()  # (B, Hkv, c)
-                vsc = ksc if v is None else v_scale[blk, pos % bs].permute(0, 2, 1).float()
+                ksc = finite_or_nan(k_scale[blk, pos % bs].permute(0, 2, 1))  # (B, Hkv, c)
+                vsc = ksc if v is None else finite_or_nan(v_scale[blk, pos % bs].permute(0, 2, 1))
                 vsc = vsc.masked_fill(beyond[:, None, :], 0)
             vc = (vc.view(torch.uint8) if vc.dtype in _BYTE_DTYPES else vc).masked_fill(beyond[:, None, :, None], 0)
             vc = vc.view(kc.dtype) if vc.dtype != kc.dtype else vc

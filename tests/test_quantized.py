@@ -1,0 +1,233 @@
+"""Quantized K/V (:mod:`attnkit.kvquant`, :class:`attnkit.QuantizedKV`): the quantizer's error
+bound, the layout's checks, and attention over it on the CPU split-K engine (native kernel and
+torch fallback) against the fp64 oracle run on the dequantized K/V, with rule R; every mask kind,
+modifier, paged pools, MLA's V-from-K; NaN / inf / zero scales; what ``auto`` does with it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnkit
+from attnkit import QuantizedKV
+from attnkit import masks as M
+from attnkit.kvquant import QUANTIZED_DTYPES, dequantize, kv_storage_dtype, quantize
+
+from conftest import DTYPES, base_attention, make_qkv, rule_r, stable_seed
+from test_splitk import CASES, MASKS, _masks
+
+KV_DTYPES = {"int8": torch.int8, "fp8": getattr(torch, "float8_e4m3fn", None)}
+KV_DTYPES = {k: v for k, v in KV_DTYPES.items() if v in QUANTIZED_DTYPES}
+
+
+def _oracle(q, qkv: QuantizedKV, mask=None, *, causal=False, **mods):
+    """(gold fp64, base in q's dtype) of attention over the dequantized K/V."""
+    k64, v64 = qkv.gather(torch.float64)
+    kb, vb = qkv.gather(q.dtype)
+    gold = attnkit.attention_reference(q.double(), k64, v64, mask, causal=causal, **mods)
+    base = base_attention(q, kb, vb, mask, causal=causal, **mods)
+    return gold, base
+
+
+# ----------------------------------------------------------------------------- the quantizer
+
+
+@pytest.mark.parametrize("kv", list(KV_DTYPES))
+def test_quantize_round_trip_error_is_within_the_format(kv):
+    x = torch.randn(3, 4, 50, 40, dtype=torch.float64) * torch.logspace(-3, 3, 40, dtype=torch.float64)
+    data, scale = quantize(x, kv)
+    assert data.dtype == KV_DTYPES[kv] and scale.dtype == torch.float32 and scale.shape == x.shape[:-1]
+    err = (dequantize(data, scale, torch.float64) - x).abs()
+    absmax = x.abs().amax(-1, keepdim=True)
+    if kv == "int8":  # half a step of absmax / 127, plus fp32 rounding of the scale
+        assert (err <= absmax / 254 * (1 + 1e-5) + 1e-30).all()
+    else:  # e4m3: 3 mantissa bits (relative 2^-4), subnormals below 2^-6 of the scale
+        assert (err <= x.abs() * 2 ** -4 * (1 + 1e-5) + absmax / 448 * 2 ** -9 * 1.01).all()
+
+
+def test_quantize_zero_nan_and_inf_rows():
+    x = torch.randn(4, 8)
+    x[0] = 0
+    x[1, 3] = float("nan")
+    x[2, 5] = float("inf")
+    data, scale = quantize(x, "int8")
+    assert scale[0] == 0 and (data[0] == 0).all()
+    deq = dequantize(data, scale)
+    assert deq[1].isnan().all() and deq[2].isnan().all()  # the bad value poisons its row only
+    assert torch.isfinite(deq[3]).all()
+
+
+def test_kv_dtype_spellings():
+    assert kv_storage_dtype(None) is None
+    assert kv_storage_dtype("int8") == torch.int8 == kv_storage_dtype(torch.int8)
+    if "fp8" in KV_DTYPES:
+        assert kv_storage_dtype("fp8_e4m3") == torch.float8_e4m3fn == kv_storage_dtype("FP8")
+    for bad in ("int4", "bf16", torch.bfloat16, 8):
+        with pytest.raises(ValueError, match="kv_dtype"):
+            kv_storage_dtype(bad)
+
+
+# ----------------------------------------------------------------------------- the engine
+
+
+@pytest.mark.parametrize("mask_name", MASKS)
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("kv", list(KV_DTYPES))
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_engine_on_quantized_kv_matches_the_oracle(engine, dtype, kv, case, mask_name):
+    (B, Hkv, G), Sq, (D, Dv) = CASES[case]
+    seed = stable_seed("quantized", dtype, kv, case, mask_name)
+    Sk = 93 if D < 576 else 60
+    g = torch.Generator().manual_seed(seed)
+    mask, causal = _masks(B, Sq, Sk, g)[mask_name]
+    q, k, v = make_qkv(B, Hkv * G, Hkv, Sq, Sk, D, Dv=Dv, dtype=torch.float32, seed=seed)
+    q = q.to(DTYPES[dtype])
+    qkv = QuantizedKV.quantize(k, None, kv, v_head_dim=Dv) if D == 576 else QuantizedKV.quantize(k, v, kv)
+    out = attnkit.attention(q, qkv, None, mask, causal=causal, backend="decode")
+    gold, base = _oracle(q, qkv, mask, causal=causal)
+    rule_r(out, base, gold, n_terms=max(Sk, D))
+
+
+@pytest.mark.parametrize("kv", list(KV_DTYPES))
+@pytest.mark.parametrize("mods", ["softcap", "sinks", "alibi", "alibi+softcap+sinks"])
+def test_engine_applies_modifiers_to_the_dequantized_scores(engine, kv, mods):
+    B, Hq, Hkv, Sq, Sk, D = 2, 8, 2, 3, 70, 32
+    q, k, v = make_qkv(B, Hq, Hkv, Sq, Sk, D, seed=stable_seed(kv, mods))
+    k = k * 3  # scores large enough for the cap to bite
+    qkv = QuantizedKV.quantize(k, v, kv)
+    kw = {}
+    mask = M.KeyPadding(torch.tensor([70, 41]))
+    if "softcap" in mods:
+        kw["softcap"] = 5.0
+    if "sinks" in mods:
+        kw["sinks"] = torch.randn(Hq)
+    if "alibi" in mods:
+        mask = mask & M.ALiBi(torch.rand(Hq))
+    out = attnkit.attention(q, qkv, None, mask, causal=True, backend="decode", **kw)
+    gold, base = _oracle(q, qkv, mask, causal=True, **kw)
+    rule_r(out, base, gold, n_terms=Sk)
+
+
+@pytest.mark.parametrize("kv", list(KV_DTYPES))
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_paged_quantized_pools_match_the_oracle(engine, dtype, kv, block_size):
+    g = torch.Generator().manual_seed(block_size)
+    B, Hkv, G, Sq, D, L = 3, 2, 4, 2, 32, 50
+    lens = torch.tensor([L, 0, 33])
+    q, k, v = make_qkv(B, Hkv * G, Hkv, Sq, L, D, seed=block_size)
+    q = q.to(DTYPES[dtype])
+    W = -(-L // block_size)
+    N = B * W + 5
+    table = torch.randperm(N, generator=g)[:B * W].view(B, W)
+    pk = torch.randn(N, block_size, Hkv, D) * 100  # blocks nobody uses: large values must not leak
+    pv = torch.randn(N, block_size, Hkv, D) * 100
+    pos = torch.arange(L)
+    for b in range(B):
+        pk[table[b, pos // block_size], pos % block_size] = k[b].transpose(0, 1)
+        pv[table[b, pos // block_size], pos % block_size] = v[b].transpose(0, 1)
+    mask = M.Causal(offsets=(lens - Sq).clamp(min=0))
+    full = mask & M.KeyPadding(lens)
+    for latent in (False, True):
+        qkv = QuantizedKV.quantize(pk, None if latent else pv, kv, v_head_dim=16 if latent else None,
+                                   block_table=table, lengths=lens)
+        out = attnkit.attention(q, qkv, None, mask, backend="paged")
+        gold, base = _oracle(q, qkv, full)
+        rule_r(out, base, gold, n_terms=L)
+        assert (out[1] == 0).all()
+
+
+def test_scales_with_any_strides_are_read_as_given(engine):
+    """Scales that are a view (a transposed buffer), as a cache may hold them."""
+    q, k, v = make_qkv(2, 4, 2, 1, 40, 16, seed=3)
+    kq, ks = quantize(k, "int8")
+    vq, vs = quantize(v, "int8")
+    ks_t = ks.transpose(0, 2).contiguous().transpose(0, 2)
+    qkv = QuantizedKV(kq, ks_t, vq, vs)
+    out = attnkit.attention(q, qkv, None, backend="decode")
+    gold, base = _oracle(q, QuantizedKV(kq, ks, vq, vs))
+    rule_r(out, base, gold, n_terms=40)
+
+
+# ----------------------------------------------------------------------------- bad values
+
+
+def test_nan_rows_poison_the_queries_that_see_them_only(engine):
+    B, Hq, Hkv, Sq, Sk, D = 1, 4, 2, 4, 16, 16
+    q, k, v = make_qkv(B, Hq, Hkv, Sq, Sk, D, seed=7)
+    k[0, 0, 13] = float("nan")  # visible to the causal rows 1.. of KV head 0 (key 13 = i + 12 for i >= 1)
+    qkv = QuantizedKV.quantize(k, v, "int8")
+    assert qkv.k_scale[0, 0, 13].isnan()
+    out = attnkit.attention(q, qkv, None, causal=True, backend="decode")
+    assert out[0, :2, 1:].isnan().all()  # query heads 0, 1 share KV head 0
+    assert torch.isfinite(out[0, :2, 0]).all() and torch.isfinite(out[0, 2:]).all()
+
+
+def test_hand_built_scales_nan_inf_zero_and_fp8_nan_codes(engine):
+    q, k, v = make_qkv(1, 2, 1, 1, 12, 16, seed=9)
+    kq, ks = quantize(k, "int8")
+    vq, vs = quantize(v, "int8")
+    for bad in (float("nan"), float("inf")):
+        ks2 = ks.clone()
+        ks2[0, 0, 4] = bad
+        out = attnkit.attention(q, QuantizedKV(kq, ks2, vq, vs), None, backend="decode")
+        assert out.isnan().all()
+    ks0, vs0 = ks.clone(), vs.clone()
+    ks0[0, 0, 4] = 0
+    vs0[0, 0, 4] = 0  # a zero key row (score 0) with a zero value row: the oracle's answer
+    qkv = QuantizedKV(kq, ks0, vq, vs0)
+    gold, base = _oracle(q, qkv)
+    rule_r(attnkit.attention(q, qkv, None, backend="decode"), base, gold, n_terms=12)
+    if "fp8" in KV_DTYPES:
+        kf, ksf = quantize(k, "fp8")
+        vf, vsf = quantize(v, "fp8")
+        raw = kf.view(torch.uint8).clone()
+        raw[0, 0, 5, 3] = 0x7F  # e4m3's NaN code
+        out = attnkit.attention(q, QuantizedKV(raw.view(kf.dtype), ksf, vf, vsf), None, backend="decode")
+        assert out.isnan().all()
+
+
+def test_layout_errors_name_the_argument_and_shapes():
+    q, k, v = make_qkv(2, 4, 2, 1, 10, 16)
+    kq, ks = quantize(k, "int8")
+    vq, vs = quantize(v, "int8")
+    cases = [
+        (QuantizedKV(k, ks, vq, vs), TypeError, "QuantizedKV.k must be one of"),
+        (QuantizedKV(kq, ks[..., :5], vq, vs), ValueError, r"k_scale must have shape \(2, 2, 10\)"),
+        (QuantizedKV(kq, ks.double(), vq, vs), TypeError, "k_scale must be an fp32"),
+        (QuantizedKV(kq, ks, vq, None), ValueError, "v and v_scale"),
+        (QuantizedKV(kq, ks, vq[:, :, :9], vs[:, :, :9]), ValueError, "QuantizedKV.v must match k"),
+        (QuantizedKV(kq, ks, None, None), ValueError, "v_head_dim must be an int"),
+        (QuantizedKV(kq, ks, vq, vs, lengths=torch.tensor([3, 4])), ValueError, "paged form"),
+        (QuantizedKV(kq, ks, vq, vs, block_table=torch.zeros(2, 1, dtype=torch.long)), ValueError, "needs lengths"),
+    ]
+    for qkv, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            attnkit.attention(q, qkv, None)
+    with pytest.raises(ValueError, match="v must be None"):
+        attnkit.attention(q, QuantizedKV(kq, ks, vq, vs), v)
+    with pytest.raises(TypeError, match="float64"):
+        attnkit.attention(q.double(), QuantizedKV(kq, ks, vq, vs), None)
+    with pytest.raises(ValueError, match="batch sizes differ"):
+        attnkit.attention(q[:1], QuantizedKV(kq, ks, vq, vs), None)
+
+
+# ----------------------------------------------------------------------------- routing
+
+
+def test_auto_reads_quantized_kv_in_place_and_other_backends_get_dequantized_tensors(engine):
+    q, k, v = make_qkv(2, 8, 2, 1, 64, 32, seed=4)
+    qkv = QuantizedKV.quantize(k, v, "int8")
+    want = "decode" if engine == "native" else "sdpa"  # the torch engine loses to SDPA (auto_skip)
+    assert attnkit.describe_call(q, qkv, None) == want
+    gold, base = _oracle(q, qkv)
+    for backend in ("auto", "sdpa", "math", "decode"):
+        rule_r(attnkit.attention(q, qkv, None, backend=backend), base, gold, n_terms=64)
+    # a prefill over a quantized cache (Sq > 16): another backend, on the dequantized K/V
+    q2 = torch.randn(2, 8, 40, 32)
+    assert attnkit.describe_call(q2, qkv, None, causal=True) != "decode"
+    gold, base = _oracle(q2, qkv, causal=True)
+    rule_r(attnkit.attention(q2, qkv, None, causal=True), base, gold, n_terms=64)
+    paged = QuantizedKV.quantize(k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(), "int8",
+                                 block_table=torch.tensor([[0], [1]]), lengths=torch.tensor([64, 30]))
+    assert attnkit.describe_call(q, paged, None) == ("paged" if engine == "native" else "sdpa")
