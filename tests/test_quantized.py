@@ -231,3 +231,48 @@ def test_auto_reads_quantized_kv_in_place_and_other_backends_get_dequantized_ten
     paged = QuantizedKV.quantize(k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(), "int8",
                                  block_table=torch.tensor([[0], [1]]), lengths=torch.tensor([64, 30]))
     assert attnkit.describe_call(q, paged, None) == ("paged" if engine == "native" else "sdpa")
+
+
+# ----------------------------------------------------------------------------- channel scales
+
+
+@pytest.mark.parametrize("latent", [False, True])
+@pytest.mark.parametrize("paged", [False, True])
+def test_channel_scales_fold_into_the_query_and_match_the_oracle(engine, paged, latent):
+    B, Hq, Hkv, Sq, S, D = 2, 8, 2, 2, 48, 32
+    q, k, v = make_qkv(B, Hq, Hkv, Sq, S, D, seed=11)
+    q = q.bfloat16()
+    k[..., [3, 17]] *= 20  # outlier channels
+    kw = dict(v_head_dim=16) if latent else {}
+    if paged:
+        pk, pv = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()  # blocks of S tokens
+        kw.update(block_table=torch.tensor([[0], [1]]), lengths=torch.tensor([48, 30]))
+        k_in, v_in = pk, pv
+    else:
+        k_in, v_in = k, v
+    qkv = QuantizedKV.quantize(k_in, None if latent else v_in, "int8", k_channel_scale=True, **kw)
+    assert qkv.k_channel_scale.shape == (Hkv, D) and (qkv.k_channel_scale[:, 3] > 5).all()
+    mask = M.KeyPadding(torch.tensor([48, 30])) if paged else None
+    out = attnkit.attention(q, qkv, None, mask, causal=True, backend="paged" if paged else "decode")
+    gold, base = _oracle(q, qkv, mask, causal=True)
+    rule_r(out, base, gold, n_terms=S)
+    assert out.dtype == q.dtype
+    # the dequantized K (what other backends get) is the channel-scaled one
+    sdpa = attnkit.attention(q, qkv, None, mask, causal=True, backend="sdpa")
+    rule_r(sdpa, base, gold, n_terms=S)
+    # and the channel scales are what make int8 keys with outlier channels accurate
+    plain = QuantizedKV.quantize(k_in, None if latent else v_in, "int8", **kw)
+    exact = attnkit.attention_reference(q.double(), *(x.double() for x in (k, k[..., :16] if latent else v)),
+                                        mask, causal=True)
+    err = lambda x: (x.double() - exact).abs().max().item()  # noqa: E731
+    assert err(out) < err(attnkit.attention(q, plain, None, mask, causal=True))
+
+
+def test_channel_scale_errors():
+    q, k, v = make_qkv(1, 4, 2, 1, 10, 16)
+    qkv = QuantizedKV.quantize(k, v, "int8")
+    from dataclasses import replace
+    with pytest.raises(ValueError, match=r"k_channel_scale must have shape \(Hkv, D\) = \(2, 16\)"):
+        attnkit.attention(q, replace(qkv, k_channel_scale=torch.ones(16)), None)
+    with pytest.raises(TypeError, match="k_channel_scale must be an fp32"):
+        attnkit.attention(q, replace(qkv, k_channel_scale=torch.ones(2, 16, dtype=torch.float64)), None)

@@ -18,7 +18,7 @@ the other backends receive dequantized dense tensors in q's dtype (:meth:`Quanti
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -187,6 +187,9 @@ class QuantizedKV:
         v_scale: fp32 scales of the value rows, ``v.shape[:3]`` (None with ``v`` None).
         v_head_dim: Dv when ``v`` is None.
         block_table, lengths, max_len, checked: the paged form, as in :class:`PagedKV`.
+        k_channel_scale: (Hkv, D) fp32, or None: a fixed scale per KV head and channel of K
+            (:func:`attnkit.kvquant.channel_scale`), so a key row is ``k * k_scale *
+            k_channel_scale``; when V is read from K it scales V's channels too.
 
     The scales are used as given (:mod:`attnkit.kvquant` says what NaN, inf and 0 do).
     """
@@ -200,17 +203,29 @@ class QuantizedKV:
     lengths: Tensor | None = None
     max_len: int | None = None
     checked: bool = False
+    k_channel_scale: Tensor | None = None
 
     @classmethod
     def quantize(cls, k: Tensor, v: Tensor | None, dtype="int8", *, v_head_dim: int | None = None,
                  block_table: Tensor | None = None, lengths: Tensor | None = None,
-                 max_len: int | None = None) -> "QuantizedKV":
-        """Quantize float K/V (dense, or pools with ``block_table`` / ``lengths``) row by row."""
-        from .kvquant import quantize
+                 max_len: int | None = None, k_channel_scale: Tensor | bool | None = None) -> "QuantizedKV":
+        """Quantize float K/V (dense, or pools with ``block_table`` / ``lengths``) row by row;
+        ``k_channel_scale``: (Hkv, D) channel scales to divide K by first, or True to compute
+        them from ``k`` (:func:`attnkit.kvquant.channel_scale`)."""
+        from .kvquant import channel_scale, quantize
 
-        kq, ks = quantize(k, dtype)
+        if k_channel_scale is True:
+            k_channel_scale = channel_scale(k.transpose(1, 2) if block_table is not None else k)
+        elif k_channel_scale is False:
+            k_channel_scale = None
+        if k_channel_scale is not None:
+            c = k_channel_scale.to(device=k.device, dtype=torch.float32)
+            kq, ks = quantize(k.float() / (c[None] if block_table is not None else c[None, :, None]), dtype)
+        else:
+            kq, ks = quantize(k, dtype)
         vq, vs = (None, None) if v is None else quantize(v, dtype)
-        return cls(kq, ks, vq, vs, v_head_dim=v_head_dim, block_table=block_table, lengths=lengths, max_len=max_len)
+        return cls(kq, ks, vq, vs, v_head_dim=v_head_dim, block_table=block_table, lengths=lengths, max_len=max_len,
+                   k_channel_scale=None if k_channel_scale is None else c)
 
     # ------------------------------------------------------------------ shapes
 
@@ -285,6 +300,16 @@ class QuantizedKV:
                                  f"{'k' if x is k else 'v'} {shape_of(x)}), got {shape_of(s)}")
             if s.device != k.device:
                 raise ValueError(f"QuantizedKV.{name} is on {s.device} but k is on {k.device}")
+        c = self.k_channel_scale
+        if c is not None:
+            if not isinstance(c, Tensor) or c.dtype != torch.float32:
+                raise TypeError(f"QuantizedKV.k_channel_scale must be an fp32 tensor, got "
+                                f"{getattr(c, 'dtype', type(c).__name__)}")
+            if c.shape != (self.kv_heads, k.shape[3]):
+                raise ValueError(f"QuantizedKV.k_channel_scale must have shape (Hkv, D) = "
+                                 f"{(self.kv_heads, k.shape[3])}, got {shape_of(c)}")
+            if c.device != k.device:
+                raise ValueError(f"QuantizedKV.k_channel_scale is on {c.device} but k is on {k.device}")
         if self.paged:
             if self.lengths is None:
                 raise ValueError("QuantizedKV with a block_table needs lengths (the keys each sequence holds)")
@@ -302,9 +327,28 @@ class QuantizedKV:
 
     # ------------------------------------------------------------------ dense view
 
+    def without_channel_scale(self, q: Tensor) -> tuple[Tensor, "QuantizedKV", Tensor | None]:
+        """(q', kv', out_scale) for kernels that read rows in place: q' = q * k_channel_scale
+        in fp32, each query head by its KV head's scales (``q . (k * c) = (q * c) . k``); kv'
+        the same K/V without the channel scale; out_scale (1, Hq, 1, Dv) the factor of the output
+        when V is read from K (its channels carry the scale too), else None. Without a channel
+        scale: (q, self, None)."""
+        c = self.k_channel_scale
+        if c is None:
+            return q, self, None
+        G = q.shape[1] // self.kv_heads
+        cq = c.repeat_interleave(G, 0)[None, :, None, :]  # (1, Hq, 1, D)
+        post = cq[..., :self.value_dim] if self.v is None else None
+        return q.float() * cq, replace(self, k_channel_scale=None), post
+
     def gather(self, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
         """Dense dequantized K (B, Hkv, L, D) and V (B, Hkv, L, Dv) in ``dtype`` (the paged form
         gathered first, as :meth:`PagedKV.gather`: positions past a sequence's length are 0)."""
+        if self.k_channel_scale is not None:
+            k, v = replace(self, k_channel_scale=None).gather(torch.float32)
+            k = k * self.k_channel_scale[:, None, :]
+            v = k[..., :self.value_dim] if self.v is None else v
+            return k.to(dtype), v.to(dtype)
         if not self.paged:
             k = dequantize(self.k, self.k_scale, dtype)
             v = k[..., :self.value_dim] if self.v is None else dequantize(self.v, self.v_scale, dtype)

@@ -14,6 +14,14 @@ e4m3) and ``data = x / scale`` (int8: rounded to nearest; fp8: torch's round-to-
 * fp32 scales: 4 bytes per row, about 3% of a D=128 int8 row (bf16 scales would save 1.5%), and
   the scale is exact, so the dequantized row is ``data * scale`` with no second rounding.
 
+Keys have outlier channels (a few channels many times larger than the rest, the same ones for
+every token of a head; KIVI, Liu et al. 2024): with one scale per row they set the scale, and the
+other channels keep a few levels. Keys may therefore carry a second, fixed scale per (KV head,
+channel), :func:`channel_scale`: K is divided by it before quantizing, so a key row is
+``data * row_scale * channel_scale``. It costs nothing in the kernels: ``q . (k * c) = (q * c) . k``,
+so the backends multiply the query by it (and, when V is read from K, the output). Measured
+in ``benchmarks/results/*/quantized.md``.
+
 The kernels never build the dequantized rows: they widen ``data`` to fp32 in registers and
 multiply the row's score by its K scale and its probability by its V scale (the same product,
 reassociated). What they compute equals attention over :func:`dequantize`'s K/V (checked against
@@ -31,7 +39,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["QUANTIZED_DTYPES", "kv_storage_dtype", "quantize", "dequantize", "finite_or_nan", "dtype_name"]
+__all__ = ["QUANTIZED_DTYPES", "kv_storage_dtype", "quantize", "dequantize", "finite_or_nan", "channel_scale",
+           "dtype_name"]
 
 #: Storage dtypes of quantized K/V and their largest magnitude.
 _QMAX: dict[torch.dtype, float] = {torch.int8: 127.0}
@@ -99,3 +108,17 @@ def dequantize(data: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) 
     """``data * scale`` (computed in fp32, then cast to ``dtype``): data (..., D), scale (...);
     a row whose scale is inf or NaN is NaN."""
     return (data.float() * finite_or_nan(scale).unsqueeze(-1)).to(dtype)
+
+
+def channel_scale(k: Tensor) -> Tensor:
+    """Per (KV head, channel) scales of keys ``k`` (B, Hkv, S, D) (or pools (N, bs, Hkv, D) with
+    ``pools=True`` spelled by passing ``k.transpose(1, 2)``): each channel's absmax over the
+    batch and the tokens, divided by the head's mean absmax (so typical channels stay near 1);
+    channels that are all zero (or not finite) get 1. Returns (Hkv, D) fp32."""
+    if not isinstance(k, Tensor) or k.dim() != 4 or not k.is_floating_point():
+        raise ValueError(f"channel_scale: k must be a floating (B, Hkv, S, D) tensor, got "
+                         f"{getattr(k, 'dtype', type(k).__name__)} of shape {tuple(getattr(k, 'shape', ()))}")
+    a = k.detach().float().abs().amax(dim=(0, 2))  # (Hkv, D)
+    mean = a.mean(-1, keepdim=True)
+    c = a / mean
+    return torch.where(torch.isfinite(c) & (c > 0), c, torch.ones_like(c))

@@ -120,8 +120,11 @@ class SplitKBackend(BackendBase):
             out, _ = splitk.splitk_attention(q, k.k_pool, k.v_pool, block_table=k.block_table, v_head_dim=k.value_dim,
                                              kv_len=call.kv_len, **mods)
         elif call.kv_layout in ("quantized", "quantized_paged"):
-            out, _ = splitk.splitk_attention(q, k.k, k.v, block_table=k.block_table, v_head_dim=k.value_dim,
+            qc, k, post = k.without_channel_scale(q)
+            out, _ = splitk.splitk_attention(qc, k.k, k.v, block_table=k.block_table, v_head_dim=k.value_dim,
                                              kv_len=call.kv_len, k_scale=k.k_scale, v_scale=k.v_scale, **mods)
+            if qc is not q:  # K's channel scales were folded into the query (fp32)
+                out = (out if post is None else out * post).to(q.dtype)
         else:
             out, _ = splitk.splitk_attention(q, k, v, **mods)
         return out, None

@@ -1,0 +1,183 @@
+"""Quantized K/V (int8, fp8 e4m3; :class:`attnkit.QuantizedKV`): what it costs in accuracy and
+what it buys in decode speed, on this CPU.
+
+Speed: one decode step (B 1, Hq 32 / Hkv 8, D 128) over 4k and 32k keys, with the cache in fp32,
+bf16, int8 and fp8, dense and paged (blocks of 16 in a shuffled pool), each read in place by
+attnkit's split-K engine; beside them the peer a user of transformers' ``QuantizedCache`` gets
+(dequantize the whole cache, then torch SDPA) and a plain sum over a buffer of the same bytes
+(the machine's read bandwidth), all interleaved in one run.
+
+Quality: the attention output's error against fp64 attention over the unquantized K/V, relative
+to the output's RMS, for Gaussian K/V and for K with outlier channels (a few channels 20x larger,
+as in trained models' keys), with per-token scales (what attnkit stores) and, for comparison,
+per-channel K scales (KIVI's observation; computed here, not stored by attnkit), plus a trained
+model's own K/V when ``--model`` names a checkpoint folder.
+
+    python benchmarks/bench_quantized.py            # full tables -> benchmarks/results/
+    python benchmarks/bench_quantized.py --quick    # small sizes, seconds (CI smoke test)
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import attnkit
+from attnkit import QuantizedKV
+from attnkit.kvquant import QUANTIZED_DTYPES, channel_scale, dequantize, quantize
+from _common import bench_main, interleaved_medians, machine, timed
+
+KV_DTYPES = [("int8", torch.int8)] + [("fp8", d) for d in QUANTIZED_DTYPES if d != torch.int8]
+
+
+def _paged(x: torch.Tensor, block: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense (1, Hkv, S, D) -> pools (N, block, Hkv, D) in a shuffled order, and the (1, W) table."""
+    _, H, S, D = x.shape
+    W = S // block
+    perm = torch.randperm(W, generator=g)
+    pool = torch.empty(W, block, H, D, dtype=x.dtype)
+    pool[perm] = x[0].reshape(H, W, block, D).permute(1, 2, 0, 3)
+    return pool, perm.view(1, W)
+
+
+def _speed(quick: bool) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for ctx in ([1024, 4096] if quick else [4096, 32768]):
+        k32 = torch.randn(1, 8, ctx, 128, generator=g)
+        v32 = torch.randn(1, 8, ctx, 128, generator=g)
+        for layout in ("dense", "paged"):
+            fns, nbytes, calls = {}, {}, {}
+            for name, dt in [("fp32", torch.float32), ("bf16", torch.bfloat16)] + KV_DTYPES:
+                qdt = torch.float32 if dt == torch.float32 else torch.bfloat16
+                q = torch.randn(1, 32, 1, 128, generator=g).to(qdt)
+                if dt in (torch.float32, torch.bfloat16):
+                    k, v = k32.to(dt), v32.to(dt)
+                    nbytes[name] = 2 * k.numel() * k.element_size()
+                    if layout == "paged":
+                        kp, table = _paged(k, 16, torch.Generator().manual_seed(1))
+                        vp, _ = _paged(v, 16, torch.Generator().manual_seed(1))
+                        kv = attnkit.PagedKV(kp, vp, table, torch.tensor([ctx]), max_len=ctx, checked=True)
+                        args = (q, kv, None)
+                    else:
+                        args = (q, k, v)
+                else:
+                    if layout == "paged":
+                        kp, table = _paged(k32, 16, torch.Generator().manual_seed(1))
+                        vp, _ = _paged(v32, 16, torch.Generator().manual_seed(1))
+                        kv = QuantizedKV.quantize(kp, vp, dt, block_table=table, lengths=torch.tensor([ctx]),
+                                                  max_len=ctx)
+                    else:
+                        kv = QuantizedKV.quantize(k32, v32, dt)
+                    args = (q, kv, None)
+                    nbytes[name] = 2 * (kv.k.numel() + 4 * kv.k_scale.numel())
+                    if layout == "dense" and name == "int8":  # the dequantize-then-SDPA peer
+                        def peer(q=q, kv=kv):
+                            kd, vd = kv.gather(q.dtype)
+                            return F.scaled_dot_product_attention(q, kd, vd, enable_gqa=True)
+                        fns["int8 dequantize+SDPA"] = timed(peer)
+                fns[name] = timed(lambda a=args: attnkit.attention(*a))
+                calls[name] = attnkit.describe_call(*args, detail=True)
+            read = torch.ones(nbytes["bf16"] // 4)
+            fns["read"] = timed(lambda: read.sum())
+            with torch.inference_mode():
+                t = interleaved_medians(fns, 5 if quick else (41 if ctx <= 4096 else 11), warmup=2)
+            read_bw = nbytes["bf16"] / t["read"] / 1e9
+            for name in nbytes:
+                rows.append({"ctx": ctx, "layout": layout, "kv": name, "backend": calls[name],
+                             "ms": t[name] * 1e3, "kv_bytes": nbytes[name],
+                             "GBps": nbytes[name] / t[name] / 1e9, "read_GBps": read_bw,
+                             "vs_bf16": t["bf16"] / t[name]})
+            if "int8 dequantize+SDPA" in t:
+                rows.append({"ctx": ctx, "layout": layout, "kv": "int8 dequantize+SDPA (QuantizedCache-style)",
+                             "backend": "torch SDPA", "ms": t["int8 dequantize+SDPA"] * 1e3,
+                             "kv_bytes": nbytes["int8"], "GBps": nbytes["int8"] / t["int8 dequantize+SDPA"] / 1e9,
+                             "read_GBps": read_bw, "vs_bf16": t["bf16"] / t["int8 dequantize+SDPA"]})
+    return rows
+
+
+def _per_channel_k(k: torch.Tensor, dt) -> torch.Tensor:
+    """K quantized with one scale per (KV head, channel) over the tokens (KIVI), dequantized."""
+    data, scale = quantize(k.transpose(-1, -2), dt)  # rows = channels
+    return dequantize(data, scale, torch.float64).transpose(-1, -2)
+
+
+def _error(q, k, v, kd, vd) -> float:
+    """max |out(kd, vd) - out(k, v)| / RMS(out(k, v)), fp64, causal decode-like rows."""
+    want = attnkit.attention_reference(q, k, v, causal=True)
+    got = attnkit.attention_reference(q, kd, vd, causal=True)
+    return ((got - want).abs().max() / want.pow(2).mean().sqrt()).item()
+
+
+def _quality(quick: bool) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    S = 256 if quick else 2048
+    rows = []
+    q = torch.randn(1, 32, 16, 128, generator=g, dtype=torch.float64)
+    v = torch.randn(1, 8, S, 128, generator=g, dtype=torch.float64)
+    k = torch.randn(1, 8, S, 128, generator=g, dtype=torch.float64)
+    outlier = k.clone()
+    chans = torch.randperm(128, generator=g)[:4]
+    outlier[..., chans] *= 20
+    for kname, kk in (("Gaussian", k), ("K with 4 outlier channels (20x)", outlier)):
+        for name, dt in KV_DTYPES:
+            vd = dequantize(*quantize(v, dt), torch.float64)
+            bf = kk.bfloat16().double(), v.bfloat16().double()
+            c = channel_scale(kk[:, :, :64])  # what a cache fixes at its first write (a 64-token prompt)
+            smooth = QuantizedKV.quantize(kk, None, dt, v_head_dim=128, k_channel_scale=c).gather(torch.float64)[0]
+            rows.append({"K": kname, "kv": name, "bf16_err": _error(q, kk, v, *bf),
+                         "per_token_err": _error(q, kk, v, dequantize(*quantize(kk, dt), torch.float64), vd),
+                         "channel_scaled_err": _error(q, kk, v, smooth, vd),
+                         "per_channel_k_err": _error(q, kk, v, _per_channel_k(kk, dt), vd)})
+    return rows
+
+
+def run(quick: bool) -> dict:
+    torch.manual_seed(0)
+    return {"machine": machine(), "quick": quick, "speed": _speed(quick), "quality": _quality(quick)}
+
+
+def to_markdown(res: dict) -> str:
+    m = res["machine"]
+    lines = [
+        f"Machine: {m['cpu']} ({m.get('isa', '?')}), {m['cores']} cores ({m['torch_threads']} torch threads), "
+        f"torch {m['torch']}, attnkit {m['attnkit']}.",
+        "",
+        "**Decode speed** (B 1, Hq 32 / Hkv 8, D 128, one query; q in fp32 for the fp32 cache, else bf16). "
+        "K/V bytes include the fp32 row scales. Machine read GB/s: a plain sum over the bf16 cache's bytes, "
+        "interleaved with the contenders. Medians of interleaved runs.",
+        "",
+        "| context | layout | K/V | attnkit backend | ms | K/V bytes | read GB/s | machine read GB/s | share | "
+        "speed vs bf16 |",
+        "|---:|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in res["speed"]:
+        lines.append(f"| {r['ctx']} | {r['layout']} | {r['kv']} | {r['backend']} | {r['ms']:.2f} | "
+                     f"{r['kv_bytes'] / 2**20:.1f} MiB | {r['GBps']:.1f} | {r['read_GBps']:.1f} | "
+                     f"{100 * r['GBps'] / r['read_GBps']:.0f}% | {r['vs_bf16']:.2f}x |")
+    lines += [
+        "",
+        "**Attention-output error** of a quantized cache: max |out - out_exact| / RMS(out_exact) over 16 causal "
+        "query rows (Hq 32 / Hkv 8, D 128), fp64 arithmetic, so only the storage differs. bf16: the cache in bf16 "
+        "(today's default). Per-token: one scale per token and KV head, K and V. + channel scales: K also "
+        "divided by fixed per-channel scales taken from its first 64 tokens (`k_channel_scale`, what attnkit's "
+        "caches store). Per-channel K: one scale per channel of K over all the tokens (KIVI's K), V per token, "
+        "for comparison (not a layout attnkit reads).",
+        "",
+        "| K | K/V | bf16 cache | per-token | per-token + channel scales (attnkit) | per-channel K (KIVI) |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for r in res["quality"]:
+        lines.append(f"| {r['K']} | {r['kv']} | {r['bf16_err']:.2e} | {r['per_token_err']:.2e} | "
+                     f"{r['channel_scaled_err']:.2e} | {r['per_channel_k_err']:.2e} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    return bench_main(argv, __doc__, "quantized", run, to_markdown)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
