@@ -330,9 +330,20 @@ inline vf vtanh(vf x) {
   return reinterpret_cast<const vf&>(tb);
 }
 
-// Eight dot-product accumulators to their eight sums, [sum(c0), ..., sum(c7)].
+// Eight dot-product accumulators to their eight sums, [sum(c0), ..., sum(c7)]: each 512-bit
+// vector folded to 256 bits (its halves added), then the AVX2 tree of horizontal adds; a lane
+// loop per vector would cost as much as the dot products themselves.
 inline void hsum8(const vf c[8], float* out) {
-#if defined(__AVX__) && !defined(__AVX512F__)
+#if defined(__AVX512F__)
+  __m256 h[8];
+  for (int k = 0; k < 8; ++k)
+    h[k] = _mm256_add_ps(_mm512_castps512_ps256((__m512)c[k]),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd((__m512)c[k]), 1)));
+  const __m256 t0 = _mm256_hadd_ps(h[0], h[1]), t1 = _mm256_hadd_ps(h[2], h[3]);
+  const __m256 t2 = _mm256_hadd_ps(h[4], h[5]), t3 = _mm256_hadd_ps(h[6], h[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
+#elif defined(__AVX__)
   const __m256 t0 = _mm256_hadd_ps((__m256)c[0], (__m256)c[1]), t1 = _mm256_hadd_ps((__m256)c[2], (__m256)c[3]);
   const __m256 t2 = _mm256_hadd_ps((__m256)c[4], (__m256)c[5]), t3 = _mm256_hadd_ps((__m256)c[6], (__m256)c[7]);
   const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
