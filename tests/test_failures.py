@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from dataclasses import replace
 import sys
 import textwrap
 from pathlib import Path
@@ -109,10 +110,27 @@ def lying_table_battery(thread_counts=(1, 2, 16)) -> list[str]:
                                        attnkit.attention_reference(q[:, :, :Sq], k, v, full), n_terms=L)
                             except Exception as e:  # noqa: BLE001 - collected and reported
                                 failures.append(f"{where} Sq={Sq} {backend} valid call: {type(e).__name__}: {e}")
+                        # the same pages quantized (int8 rows, fp32 scales), read in place
+                        qkv = replace(attnkit.QuantizedKV.quantize(pk, pv, "int8", block_table=table, lengths=n),
+                                      checked=True)
+                        kd, vd = qkv.gather(torch.float64)
+                        try:
+                            out = attnkit.attention(q[:, :, :Sq], qkv, None, mask, backend="paged")
+                            rule_r(out, base_attention(q[:, :, :Sq], kd.to(dtype), vd.to(dtype), full),
+                                   attnkit.attention_reference(q[:, :, :Sq].double(), kd, vd, full), n_terms=L)
+                        except Exception as e:  # noqa: BLE001 - collected and reported
+                            failures.append(f"{where} Sq={Sq} paged int8 valid call: {type(e).__name__}: {e}")
                         for bad in (pk.shape[0] + 5, -1, 2 ** 40):
                             lying = table.clone()
                             lying[0, -(-lengths[0] // bs) - 1] = bad  # the last block sequence 0 reads
                             kv = attnkit.PagedKV(pk, pv, lying, n, checked=True)
+                            try:
+                                attnkit.attention(q[:, :, :Sq], replace(qkv, block_table=lying), None, mask,
+                                                  backend="paged")
+                                failures.append(f"{where} Sq={Sq} paged int8 entry {bad}: no error")
+                            except ValueError as e:
+                                if "block_table" not in str(e):
+                                    failures.append(f"{where} paged int8 entry {bad}: unclear error {e}")
                             for backend in ("paged", "sdpa", "math"):
                                 try:
                                     attnkit.attention(q[:, :, :Sq], kv, None, mask, backend=backend)
@@ -129,7 +147,7 @@ def lying_table_battery(thread_counts=(1, 2, 16)) -> list[str]:
                         }
                         for name, kw in calls.items():
                             try:
-                                ops.splitk_attention(q[:, :, :1].contiguous(), k, v, D, None, lo, kw["hi"],
+                                ops.splitk_attention(q[:, :, :1].contiguous(), k, v, None, None, D, None, lo, kw["hi"],
                                                      kw["bias"], None, None, None, 1.0, 0.0, Hkv, False)
                                 failures.append(f"{where} dense kernel {name}: no error")
                             except ValueError:
@@ -196,7 +214,7 @@ def test_zero_block_size_pools_raise_a_value_error():
         ops = native.load()
         if ops is not None:  # the kernel refuses it too, called directly
             try:
-                ops.splitk_attention(q, pool, pool, 8, torch.tensor([[0, 1]]), None, torch.tensor([[4]]), None,
+                ops.splitk_attention(q, pool, pool, None, None, 8, torch.tensor([[0, 1]]), None, torch.tensor([[4]]), None,
                                      None, None, None, 1.0, 0.0, 1, False)
                 print("NO ERROR kernel")
             except ValueError as e:
@@ -229,7 +247,7 @@ def test_huge_lengths_raise_without_allocating(length):
             for threads in (1, 16):
                 torch.set_num_threads(threads)
                 try:
-                    ops.splitk_attention(q, pool, pool, 8, table, None, torch.tensor([[{length}]]), None, None,
+                    ops.splitk_attention(q, pool, pool, None, None, 8, table, None, torch.tensor([[{length}]]), None, None,
                                          None, None, 1.0, 0.0, 1, False)
                     print("NO ERROR kernel")
                 except ValueError as e:
