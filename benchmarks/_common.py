@@ -1,6 +1,6 @@
-"""Plumbing shared by the benchmark scripts: interleaved timing, the machine's description (CPU
-model and vector ISA), skipping a suite that cannot run here, and the command line that writes a
-result table (markdown + JSON) and its chart (PNG)."""
+"""Plumbing shared by the benchmark scripts: interleaved timing, the machine's read bandwidth (a
+plain sum), the machine's description (CPU model and vector ISA), skipping a suite that cannot run
+here, and the command line that writes a result table (markdown + JSON) and its chart (PNG)."""
 
 from __future__ import annotations
 
@@ -45,6 +45,13 @@ def interleaved_medians(fns: dict[str, Callable[[], float]], reps: int, warmup: 
         for name, fn in (list(fns.items()) if rep % 2 == 0 else list(fns.items())[::-1]):
             samples[name].append(fn())
     return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def read_probe(nbytes: int) -> Callable[[], object]:
+    """A plain read of ``nbytes`` (a sum over an fp32 buffer): the machine's read bandwidth on a
+    working set of that size, to time side by side with the contenders that stream it."""
+    buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+    return lambda: buf.sum()
 
 
 def machine() -> dict:

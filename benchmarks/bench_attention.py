@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import attnkit
-from _common import bench_main, interleaved_medians, machine, timed
+from _common import bench_main, interleaved_medians, machine, read_probe, timed
 
 
 def textbook(q, k, v, causal: bool):
@@ -55,13 +55,6 @@ def sdpa_padded(q, k, v, causal: bool):
 
 
 CONTENDERS = {"attnkit": ours, "torch_sdpa": sdpa, "textbook": textbook}
-
-
-def read_probe(nbytes: int):
-    """A plain read of ``nbytes`` (a sum over an fp32 buffer): the machine's read bandwidth on
-    a working set the size of the KV cache, timed side by side with the contenders."""
-    buf = torch.ones(nbytes // 4, dtype=torch.float32)
-    return lambda: buf.sum()
 
 
 def run(quick: bool) -> dict:

@@ -162,8 +162,8 @@ def to_markdown(res: dict) -> str:
         "**Attention-output error** of a quantized cache: max |out - out_exact| / RMS(out_exact) over 16 causal "
         "query rows (Hq 32 / Hkv 8, D 128), fp64 arithmetic, so only the storage differs. bf16: the cache in bf16 "
         "(today's default). Per-token: one scale per token and KV head, K and V. + channel scales: K also "
-        "divided by fixed per-channel scales taken from its first 64 tokens (`k_channel_scale`, what attnkit's "
-        "caches store). Per-channel K: one scale per channel of K over all the tokens (KIVI's K), V per token, "
+        "divided by fixed per-channel scales taken from its first 64 tokens (`QuantizedKV(k_channel_scale=...)`; "
+        "the caches do not set them yet). Per-channel K: one scale per channel of K over all the tokens (KIVI's K), V per token, "
         "for comparison (not a layout attnkit reads).",
         "",
         "| K | K/V | bf16 cache | per-token | per-token + channel scales (attnkit) | per-channel K (KIVI) |",

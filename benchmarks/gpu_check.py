@@ -11,8 +11,9 @@ It runs, in order, each step with its own time limit so that one hang cannot eat
    GPU; ``--tests`` narrows it), the failures' full text kept in ``pytest.log``;
 4. the oracle sweep: ``auto`` and every backend that accepts the call, against the fp64 oracle
    under rule R (docs/testing.md) for every mask kind and score modifier, in bf16 and fp16,
-   prefill (forward and backward), decode, and decode over scattered pages (``PagedKV``), with
-   the kernel ``auto`` picked;
+   prefill (forward and backward), decode, decode over scattered pages (``PagedKV``), and decode
+   over quantized K/V (``QuantizedKV``, int8 and fp8 e4m3, dense and paged; the oracle runs on
+   the dequantized K/V), with the kernel ``auto`` picked;
 5. ``benchmarks/bench_gpu.py`` (its tables go to ``DIR/bench``).
 
 Everything lands in ``DIR``: ``summary.md`` (read this first), ``summary.json``, ``pytest.log``,
@@ -158,22 +159,35 @@ def _paged(k, v, block: int, g: torch.Generator):
     return attnkit.PagedKV(pool_k, pool_v, table, torch.full((B,), Sk, device=k.device))
 
 
-def _paged_row(q, k, v, mask, kw, backend: str) -> dict:
-    """attention() over the paged copy of k, v against the fp64 oracle on the dense tensors."""
+#: Storage dtypes of the quantized phases: the PAGED_CASES decode calls again over int8 / fp8 K/V,
+#: dense and paged (phase names "int8", "int8-paged", ...).
+QUANTIZED = ("int8", "fp8_e4m3")
+
+
+def _paged_row(q, k, v, mask, kw, backend: str, quantized: str | None = None, paged: bool = True) -> dict:
+    """attention() over the paged copy of k, v (or, with ``quantized``, over k, v quantized to
+    that storage dtype, paged or dense) against the fp64 oracle on the dense (dequantized)
+    tensors, the base being the eager attention over them in q's dtype."""
     from conftest import base_attention, rule_r
 
-    pages = _paged(k, v, 16, torch.Generator().manual_seed(1))
+    kv = _paged(k, v, 16, torch.Generator().manual_seed(1)) if paged else None
+    if quantized is not None:
+        kv = attnkit.QuantizedKV.quantize(k, v, quantized) if not paged else attnkit.QuantizedKV.quantize(
+            kv.k_pool, kv.v_pool, quantized, block_table=kv.block_table, lengths=kv.lengths)
+        (k, v), (kb, vb) = kv.gather(torch.float64), kv.gather(q.dtype)
+    else:
+        kb, vb = k, v
     try:
-        kernel = attnkit.describe_call(q, pages, None, mask, backend=backend, detail=True, **kw)
+        kernel = attnkit.describe_call(q, kv, None, mask, backend=backend, detail=True, **kw)
     except BackendNotSupported:
         return {"status": "refused"}
     row = {"kernel": kernel}
     try:
-        out = attnkit.attention(q, pages, None, mask, backend=backend, **kw)
+        out = attnkit.attention(q, kv, None, mask, backend=backend, **kw)
         sinks = kw.get("sinks")
         gold = attnkit.attention_reference(q.double(), k.double(), v.double(), mask, softcap=kw.get("softcap"),
                                            sinks=None if sinks is None else sinks.double())
-        rule_r(out, base_attention(q, k, v, mask, **kw), gold, n_terms=max(k.shape[2], k.shape[3]))
+        rule_r(out, base_attention(q, kb, vb, mask, **kw), gold, n_terms=max(k.shape[2], k.shape[3]))
         row["status"] = "pass"
     except AssertionError as e:
         row.update(status="FAIL", why=str(e).splitlines()[0][:300])
@@ -200,12 +214,16 @@ def sweep(device: str, quick: bool) -> list[dict]:
                     grad = phase == "prefill" and device == "cuda"
                     t0 = time.time()
                     row = _check(q, k, v, mask, kw, backend, grad)
-                    if phase == "decode" and name in PAGED_CASES:  # the same call over pages
-                        paged = _paged_row(q, k, v, mask, kw, backend)
-                        if paged["status"] != "refused" or backend == "auto":
-                            paged.update(phase="paged", dtype=str(dtype).replace("torch.", ""), case=name,
-                                         backend=backend, grad=False, seconds=0.0)
-                            rows.append(paged)
+                    if phase == "decode" and name in PAGED_CASES:  # the same call over pages, quantized K/V
+                        variants = [("paged", None, True)] + [(f"{st}{'-paged' * pg}", st, pg) for st in QUANTIZED
+                                                              for pg in (False, True)]
+                        for vphase, storage, pg in variants:
+                            t1 = time.time()
+                            paged = _paged_row(q, k, v, mask, kw, backend, storage, pg)
+                            if paged["status"] != "refused" or backend == "auto":
+                                paged.update(phase=vphase, dtype=str(dtype).replace("torch.", ""), case=name,
+                                             backend=backend, grad=False, seconds=round(time.time() - t1, 2))
+                                rows.append(paged)
                     if row["status"] == "refused" and backend != "auto":
                         continue
                     row.update(phase=phase, dtype=str(dtype).replace("torch.", ""), case=name, backend=backend,
@@ -237,13 +255,14 @@ def write_summary(out: Path, info: dict, steps: dict, rows: list[dict]) -> bool:
     lines += ["", f"## Oracle sweep: {passed} rows pass, {len(failed_rows)} fail", ""]
     auto_rows = [r for r in rows if r["backend"] == "auto"]
     if auto_rows:
-        lines += ["What `auto` picked, per case (prefill / decode / paged decode, first dtype):", "",
-                  "| case | prefill | decode | paged |", "|---|---|---|---|"]
+        order = {"prefill": 0, "decode": 1}  # then the K/V layouts, in the order the sweep ran them
+        phases = sorted(dict.fromkeys(r["phase"] for r in auto_rows), key=lambda ph: order.get(ph, 2))
+        lines += ["What `auto` picked, per case and phase (first dtype):", "",
+                  "| case | " + " | ".join(phases) + " |", "|---|" + "---|" * len(phases)]
         first = auto_rows[0]["dtype"]
         by = {(r["phase"], r["case"]): r.get("kernel", "-") for r in auto_rows if r["dtype"] == first}
         for case in dict.fromkeys(r["case"] for r in auto_rows):
-            lines.append(f"| {case} | {by.get(('prefill', case), '-')} | {by.get(('decode', case), '-')} "
-                         f"| {by.get(('paged', case), '-')} |")
+            lines.append(f"| {case} | " + " | ".join(by.get((ph, case), "-") for ph in phases) + " |")
     if failed_rows:
         lines += ["", "### Failures", "", "| phase | dtype | case | backend | kernel | why |", "|---|---|---|---|---|---|"]
         for r in failed_rows:

@@ -62,8 +62,17 @@ def test_quick_demo_report_contents(quick_run):
         assert r["losses"][-1] < r["losses"][0]  # it learned something
         h = r["retrieval_head"]
         assert 0 <= h["layer"] < 2 and 0 <= h["head"] < 4 and 0.0 <= h["score"] <= 1.0
+    # An int8 KV cache per variant: one byte per value plus an fp32 scale per row (K and V per KV
+    # head; MLA's latent: one), over 2 layers.
+    assert [rows[v]["quantized_kv"]["kv_bytes_per_token"] for v in ("mha", "gqa", "mqa")] == [320, 160, 80]
+    assert rows["mla"]["quantized_kv"]["kv_bytes_per_token"] == 2 * (32 + 8 + 4)
+    for r in rows.values():
+        qr = r["quantized_kv"]
+        assert qr["kv_dtype"] == "int8" and qr["decode_tok_s"] > 0
+        assert set(qr["accuracy_at"]) == set(r["accuracy_at"]) and all(0 <= a <= 1 for a in qr["accuracy_at"].values())
     md = (out / "report.md").read_text()
     assert "| MHA | 4 |" in md and "| MLA | latent 32 |" in md and "Reading it" in md
+    assert "| MHA, int8 KV | 4 |" in md and "An int8 KV cache" in md
 
 
 def test_same_seed_same_training(tmp_path):

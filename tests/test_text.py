@@ -89,6 +89,20 @@ def test_cli_prints_the_same_text_then_stats(folder, capsys):
     assert "tokens/s" in err and "KV cache" in err and "bytes/token" in err
 
 
+def test_quantized_kv_cache_in_text_and_cli(folder, capsys):
+    """``kv_dtype`` / ``--kv-dtype``: the same greedy text as the Python API gives with that
+    cache, and the bytes reported are the quantized cache's (data + fp32 scales)."""
+    gen = TextGenerator(folder)
+    text = gen.generate(PROMPT, 12, kv_dtype="int8")
+    per = gen.model.kv_bytes_per_token(kv_dtype="int8")
+    assert per < gen.model.kv_bytes_per_token()
+    assert gen.stats.kv_cache_bytes == (gen.stats.prompt_tokens + gen.stats.new_tokens) * per
+    assert main(["generate", str(folder), "--prompt", PROMPT, "--max-new-tokens", "12", "--kv-dtype", "int8"]) == 0
+    out, err = capsys.readouterr()
+    assert out == text + "\n"
+    assert f"({per} bytes/token, cache=dynamic, kv_dtype=int8)" in err
+
+
 def test_chat_template(folder, capsys):
     gen = TextGenerator(folder)
     tok = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)

@@ -265,9 +265,9 @@ from triton.backends.compiler import GPUTarget
 from attnkit.backends.triton_splitk import kernel as td
 fn = td._split_kernel
 ints = ["stride_qb", "stride_qh", "stride_qs", "stride_kn", "stride_kt", "stride_kh", "stride_vn", "stride_vt",
-        "stride_vh", "stride_tb", "HKV", "G", "S", "DK", "DR", "DV", "PAGE", "SPLIT_LEN", "NSPLIT", "NPAGES"]
+        "stride_vh", "stride_tb", "stride_ksn", "stride_kst", "stride_ksh", "stride_vsn", "stride_vst", "stride_vsh", "HKV", "G", "S", "DK", "DR", "DV", "PAGE", "SPLIT_LEN", "NSPLIT", "NPAGES"]
 # Pointers and strides get the 16-byte divisibility hints a real launch specialises on.
-aligned = ["Q", "K", "V", "TABLE", "QSTART", "SEQLEN", "OP", "LSEP", "SLOPES", "APOS"] + ints[:10] + \
+aligned = ["Q", "K", "V", "TABLE", "QSTART", "SEQLEN", "OP", "LSEP", "SLOPES", "APOS", "KS", "VS"] + ints[:16] + \
     ["DK", "DV", "PAGE", "SPLIT_LEN"]
 attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
 out = []
@@ -275,11 +275,11 @@ for dt, D, Dv, vfk, cap in json.loads(sys.argv[1]):
     cfg = td._config(getattr(torch, dt), D, Dv, 128, vfk)
     short = {"float32": "fp32", "bfloat16": "bf16"}[dt]
     sig = dict(Q="*" + short, K="*" + short, V="*" + short, TABLE="*i32", QSTART="*i32", SEQLEN="*i32",
-               OP="*fp32", LSEP="*fp32", SLOPES="*fp32", APOS="*i32", scale_log2="fp32", softcap="fp32",
+               OP="*fp32", LSEP="*fp32", SLOPES="*fp32", APOS="*i32", KS="*fp32", VS="*fp32", scale_log2="fp32", softcap="fp32",
                **{n: "i32" for n in ints})
     # The heaviest variant: soft-capping and ALiBi on (more registers per score tile).
     consts = dict(V_FROM_K=vfk, HAS_ROPE=cfg["DR"] > 0, PRECISION="ieee" if short == "fp32" else "tf32",
-                  DOT_F32=False, HAS_SOFTCAP=True, HAS_ALIBI=True,
+                  DOT_F32=False, HAS_SOFTCAP=True, HAS_ALIBI=True, QUANT=False, FP8=False,
                   **{k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_DK", "BLOCK_DR", "BLOCK_DV")})
     sig.update({k: "constexpr" for k in consts})
     k = triton.compile(triton.compiler.ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", cap, 32),

@@ -339,7 +339,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:
         gen = TextGenerator(args.folder, dtype=dtype)
         pieces = gen.stream(args.prompt, args.max_new_tokens, chat=args.chat, temperature=args.temperature,
-                            top_k=args.top_k, top_p=args.top_p, cache=args.cache, seed=args.seed)
+                            top_k=args.top_k, top_p=args.top_p, cache=args.cache, seed=args.seed,
+                            kv_dtype=args.kv_dtype)
         for piece in pieces:
             sys.stdout.write(piece)
             sys.stdout.flush()
@@ -352,8 +353,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     print(f"[{s.new_tokens} new tokens ({s.finish_reason}) after a {s.prompt_tokens}-token prompt; "
           f"first token {s.first_token_seconds * 1e3:.0f} ms, then {s.tokens_per_second:.1f} tokens/s; "
-          f"KV cache {_fmt_bytes(s.kv_cache_bytes)} ({gen.model.kv_bytes_per_token()} bytes/token, "
-          f"cache={args.cache})]", file=sys.stderr)
+          f"KV cache {_fmt_bytes(s.kv_cache_bytes)} ({gen.model.kv_bytes_per_token(kv_dtype=args.kv_dtype)} "
+          f"bytes/token, cache={args.cache}{'' if args.kv_dtype is None else ', kv_dtype=' + args.kv_dtype})]",
+          file=sys.stderr)
     return 0
 
 
@@ -370,6 +372,16 @@ def _positive_int(text: str) -> int:
         return positive_int("value", v)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}") from None
+
+
+def _kv_dtype(text: str) -> str:
+    """argparse ``type=`` of ``--kv-dtype``: a spelling :func:`attnkit.kvquant.kv_storage_dtype`
+    takes, returned as the short name ("int8", "fp8_e4m3")."""
+    from attnkit.kvquant import dtype_name, kv_storage_dtype
+    try:
+        return dtype_name(kv_storage_dtype(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _nonneg_int(text: str) -> int:
@@ -458,6 +470,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=_positive_int, default=None, help="sample among the k likeliest tokens")
     gen.add_argument("--cache", choices=["dynamic", "static", "paged"], default="dynamic",
                      help="KV cache kind (default dynamic)")
+    gen.add_argument("--kv-dtype", type=_kv_dtype, default=None,
+                     help="store the KV cache quantized: int8 or fp8_e4m3 (fp32 scale per row; default: the "
+                          "model's dtype)")
     gen.add_argument("--seed", type=int, default=None, help="seed for sampling (same seed, same text)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the folder's chat template (one user turn)")
     gen.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",

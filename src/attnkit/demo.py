@@ -13,7 +13,9 @@ tokens only, and there are fewer queries than pairs, so no answer follows by eli
 
 Then each model is measured: recall accuracy on held-out examples, prefill latency (B=1),
 decode tokens/s with the KV cache (a batch of long prompts, where reading the cache is real
-work), KV-cache bytes per token, and the attention map of its best retrieval head. Everything is
+work), KV-cache bytes per token, and the attention map of its best retrieval head; recall, decode
+speed and bytes per token are measured again with an int8 KV cache (``kv_dtype="int8"``: one byte
+per value and an fp32 scale per row, the same weights). Everything is
 written to a new folder (report.md, report.json, PNG figures) that appears only when complete:
 the work happens in a hidden sibling folder renamed at the end, so Ctrl-C leaves nothing behind.
 """
@@ -39,10 +41,12 @@ from torch import Tensor
 
 from ._sysinfo import cpu_name
 
-__all__ = ["DemoError", "Task", "Plan", "make_mqar", "variant_configs", "train", "recall_accuracy", "run_demo",
-           "add_demo_arguments"]
+__all__ = ["DemoError", "Task", "Plan", "make_mqar", "variant_configs", "train", "recall_accuracy",
+           "measure_quantized", "run_demo", "add_demo_arguments"]
 
 VARIANTS = ("mha", "gqa", "mqa", "mla")
+#: The quantized KV cache each variant is measured with as well (``kv_dtype=``).
+KV_QUANT = "int8"
 FIGURES = ("accuracy_vs_kv_bytes.png", "decode_speed.png", "attention_maps.png", "mask_gallery.png",
            "training_curves.png")
 REPORT_FILES = ("report.md", "report.json")
@@ -264,12 +268,16 @@ def train(model, plan: Plan, generator: torch.Generator, progress: Progress | No
 
 
 @torch.inference_mode()
-def recall_accuracy(model, ids: Tensor, targets: Tensor, batch: int = 256) -> tuple[float, list[float]]:
-    """Fraction of answers predicted exactly (argmax at each query), overall and per query index."""
+def recall_accuracy(model, ids: Tensor, targets: Tensor, batch: int = 256, *,
+                    kv_dtype=None) -> tuple[float, list[float]]:
+    """Fraction of answers predicted exactly (argmax at each query), overall and per query index.
+    ``kv_dtype`` ("int8", "fp8_e4m3"): each example runs through a KV cache stored in it, so every
+    position attends over quantized keys and values (what decoding with that cache attends to)."""
     hits = []
     for i in range(0, ids.shape[0], batch):
         x, y = ids[i:i + batch, :-1], targets[i:i + batch, :-1]
-        pred = model(x).argmax(-1)
+        caches = None if kv_dtype is None else model.new_caches("dynamic", kv_dtype=kv_dtype)
+        pred = model(x, caches=caches).argmax(-1)
         cols = (y[0] != -100).nonzero().flatten()
         hits.append((pred[:, cols] == y[:, cols]).float())
     h = torch.cat(hits)
@@ -287,22 +295,35 @@ def _median_seconds(fn, reps: int) -> float:
 
 
 @torch.inference_mode()
-def measure_speed(model, plan: Plan, generator: torch.Generator) -> dict:
+def measure_speed(model, plan: Plan, generator: torch.Generator, *, kv_dtype=None) -> dict:
     """Prefill latency (B=1, ``context`` tokens, into a fresh cache) and decode tokens/s (a batch
-    of ``decode_batch`` prompts of ``context`` tokens, greedy, dynamic cache)."""
+    of ``decode_batch`` prompts of ``context`` tokens, greedy, dynamic cache). With ``kv_dtype``
+    the decode runs on a cache stored in it, over the same prompts (the prefill is not timed)."""
     V = model.config.vocab_size
     prompt = torch.randint(2, V, (1, plan.context), generator=generator)
 
     def prefill():
         model(prompt, caches=model.new_caches("dynamic"), logits_to_keep=1)
 
-    prefill_s = _median_seconds(prefill, 3 if plan.quick else 5)
+    out = {}
+    if kv_dtype is None:
+        out["prefill_ms"] = _median_seconds(prefill, 3 if plan.quick else 5) * 1e3
     prompts = torch.randint(2, V, (plan.decode_batch, plan.context), generator=generator)
     rates = []
     for _ in range(2 if plan.quick else 3):
-        g = model.generate(prompts, plan.decode_tokens, cache="dynamic")
+        g = model.generate(prompts, plan.decode_tokens, cache="dynamic", kv_dtype=kv_dtype)
         rates.append(g.decode_tokens_per_second)
-    return {"prefill_ms": prefill_s * 1e3, "decode_tok_s": statistics.median(rates)}
+    out["decode_tok_s"] = statistics.median(rates)
+    return out
+
+
+def measure_quantized(model, plan: Plan, evals: dict, kv_dtype: str = KV_QUANT) -> dict:
+    """The model again with its KV cache in ``kv_dtype``: bytes per token (data + scales), recall
+    at every evaluated size, decode tokens/s (the float measurement's prompts)."""
+    acc_at = {str(n): recall_accuracy(model, *evals[n], kv_dtype=kv_dtype)[0] for n in plan.eval_pairs}
+    speed = measure_speed(model, plan, torch.Generator().manual_seed(plan.seed + 1), kv_dtype=kv_dtype)
+    return {"kv_dtype": kv_dtype, "kv_bytes_per_token": model.kv_bytes_per_token(kv_dtype=kv_dtype),
+            "accuracy": acc_at[str(plan.task.num_pairs)], "accuracy_at": acc_at, **speed}
 
 
 @torch.inference_mode()
@@ -357,15 +378,26 @@ def summary_table(rows: list[dict], plan: Plan) -> str:
         accs = " | ".join(f"{r['accuracy_at'][str(n)]:.1%}" for n in sizes)
         lines.append(f"| {r['variant'].upper()} | {r['kv_heads']} | {r['params']:,} | {_fmt_bytes(r['kv_bytes_per_token'])} | "
                      f"{accs} | {r['prefill_ms']:.1f} | {r['decode_tok_s']:.0f} | {r['train_seconds']:.0f} |")
+        qr = r.get("quantized_kv")
+        if qr is not None:
+            accs = " | ".join(f"{qr['accuracy_at'][str(n)]:.1%}" for n in sizes)
+            lines.append(f"| {r['variant'].upper()}, {qr['kv_dtype']} KV | {r['kv_heads']} | (same) | "
+                         f"{_fmt_bytes(qr['kv_bytes_per_token'])} | {accs} | | {qr['decode_tok_s']:.0f} | |")
     return "\n".join(lines)
 
 
 def _terminal_table(rows: list[dict], plan: Plan) -> str:
     sizes = plan.eval_pairs
     head = ["variant", "params", "KV B/token", *(f"recall@{n}" for n in sizes), "prefill ms", "decode tok/s"]
-    body = [[r["variant"].upper(), f"{r['params']:,}", f"{r['kv_bytes_per_token']:,}",
-             *(f"{r['accuracy_at'][str(n)]:.1%}" for n in sizes), f"{r['prefill_ms']:.1f}", f"{r['decode_tok_s']:.0f}"]
-            for r in rows]
+    body = []
+    for r in rows:
+        body.append([r["variant"].upper(), f"{r['params']:,}", f"{r['kv_bytes_per_token']:,}",
+                     *(f"{r['accuracy_at'][str(n)]:.1%}" for n in sizes), f"{r['prefill_ms']:.1f}",
+                     f"{r['decode_tok_s']:.0f}"])
+        qr = r.get("quantized_kv")
+        if qr is not None:
+            body.append([f"  {qr['kv_dtype']} KV", "", f"{qr['kv_bytes_per_token']:,}",
+                         *(f"{qr['accuracy_at'][str(n)]:.1%}" for n in sizes), "", f"{qr['decode_tok_s']:.0f}"])
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
     fmt = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
     return "\n".join([fmt(head), fmt(["-" * w for w in widths]), *(fmt(b) for b in body)])
@@ -395,6 +427,19 @@ def _reading(rows: list[dict], plan: Plan) -> list[str]:
         out.append(f"- With {far} pairs in the context ({int(far) // plan.task.num_pairs}x the trained count, positions "
                    f"never seen in training) recall ranges from {worst['accuracy_at'][far]:.1%} ({worst['variant'].upper()}) "
                    f"to {best['accuracy_at'][far]:.1%} ({best['variant'].upper()}).")
+    quant = [(r["variant"], r["quantized_kv"]) for r in rows if r.get("quantized_kv")]
+    if quant:
+        kvd = quant[0][1]["kv_dtype"]
+        parts = [f"{v.upper()} {q['kv_bytes_per_token'] / by[v]['kv_bytes_per_token']:.0%} of the bytes, recall "
+                 f"{q['accuracy'] - by[v]['accuracy']:+.1%} at the trained size and "
+                 f"{q['accuracy_at'][probe] - by[v]['accuracy_at'][probe]:+.1%} at {probe} pairs, decode "
+                 f"{q['decode_tok_s'] / by[v]['decode_tok_s']:.2f}x" for v, q in quant]
+        slower = [v.upper() for v, q in quant if q["decode_tok_s"] < by[v]["decode_tok_s"]]
+        out.append(f"- An {kvd} KV cache (same weights; one byte per value and an fp32 scale per row): "
+                   + "; ".join(parts) + "." + (
+                       f" Slower for {', '.join(slower)}: at this width a decode step is mostly per-step overhead, "
+                       "to which quantizing each step's K/V adds, while the bytes saved are few; the bytes are what "
+                       "a long context buys." if slower else ""))
     if "mla" in by:
         out.append("- MLA's timings come from its module path at this tiny width: prefill expands the latent per "
                    "head, and its attention has a wider key (latent + rope dims) than value, which torch's SDPA runs "
@@ -427,6 +472,8 @@ def _markdown(rows: list[dict], plan: Plan, meta: dict, files: list[str]) -> str
         f"Models: {plan.layers} layers, hidden {plan.hidden}, {plan.heads} query heads; the MLP width of each "
         "variant is chosen so all have the MHA model's parameter count (within one MLP column). "
         "KV bytes/token: the whole model's cache per token per sequence, fp32, read from the caches. "
+        f"Rows marked {KV_QUANT} KV: the same model with an {KV_QUANT} cache (data plus an fp32 scale per row; recall "
+        "runs every example through that cache, decode as below). "
         f"Prefill: one {plan.context}-token prompt into an empty cache. Decode: "
         f"{plan.decode_tokens} greedy tokens after {plan.decode_batch} prompts of {plan.context} tokens "
         "(dynamic cache), tokens of the whole batch per second.", "",
@@ -451,13 +498,22 @@ def _markdown(rows: list[dict], plan: Plan, meta: dict, files: list[str]) -> str
 def _figures(rows: list[dict], plan: Plan, tmp: Path, example_labels: list[str]) -> None:
     from . import viz
     names = [r["variant"].upper() for r in rows]
-    points = [(r["kv_bytes_per_token"], r["accuracy_at"][str(n)], r["variant"].upper(),
-               f"{n} pairs" + (" (trained)" if n == plan.task.num_pairs else ""))
-              for n in plan.eval_pairs for r in rows]
-    viz.plot_scatter(points, tmp / "accuracy_vs_kv_bytes.png", xlabel="KV-cache bytes per token (whole model, fp32)",
+    points = []
+    for n in plan.eval_pairs:
+        label = f"{n} pairs" + (" (trained)" if n == plan.task.num_pairs else "")
+        for r in rows:
+            points.append((r["kv_bytes_per_token"], r["accuracy_at"][str(n)], r["variant"].upper(), label))
+            qr = r.get("quantized_kv")
+            if qr is not None:
+                points.append((qr["kv_bytes_per_token"], qr["accuracy_at"][str(n)],
+                               f"{r['variant'].upper()} {qr['kv_dtype']}", label))
+    viz.plot_scatter(points, tmp / "accuracy_vs_kv_bytes.png",
+                     xlabel=f"KV-cache bytes per token (whole model, fp32 or {KV_QUANT} + scales)",
                      ylabel="recall accuracy", title="Recall against cache size", ylim=(0, 1.05))
-    viz.plot_bars(names, {f"decode tok/s (B={plan.decode_batch}, {plan.context}-token prompts)":
-                          [r["decode_tok_s"] for r in rows]},
+    speeds = {f"decode tok/s (B={plan.decode_batch}, {plan.context}-token prompts)": [r["decode_tok_s"] for r in rows]}
+    if all(r.get("quantized_kv") for r in rows):
+        speeds[f"{KV_QUANT} KV cache"] = [r["quantized_kv"]["decode_tok_s"] for r in rows]
+    viz.plot_bars(names, speeds,
                   tmp / "decode_speed.png", ylabel="tokens / s", title="Decode speed with the KV cache")
     maps = torch.stack([r["_head_weights"] for r in rows])
     viz.plot_attention(maps, tmp / "attention_maps.png", tokens=example_labels,
@@ -556,19 +612,22 @@ def run_demo(args: argparse.Namespace, *, stream=None) -> Path:
             acc_at = {str(n): recall_accuracy(model, *evals[n])[0] for n in plan.eval_pairs}
             acc, per_query = recall_accuracy(model, *evals[t.num_pairs])
             speed = measure_speed(model, plan, torch.Generator().manual_seed(plan.seed + 1))
+            quant = measure_quantized(model, plan, evals)
             head = retrieval_head(model, t, example)
             rows.append({"variant": name, "kv_heads": cfg.num_kv_heads if name != "mla" else f"latent {cfg.kv_lora_rank}",
                          "params": model.num_parameters(), "kv_bytes_per_token": model.kv_bytes_per_token(),
                          "kv_bytes_per_token_per_layer": model.kv_bytes_per_token() // cfg.num_layers,
                          "accuracy": acc, "accuracy_at": acc_at, "accuracy_per_query": per_query, **speed,
-                         "train_seconds": train_s,
+                         "quantized_kv": quant, "train_seconds": train_s,
                          "final_loss": losses[-1], "losses": losses, "config": cfg.to_dict(),
                          "retrieval_head": {k: v for k, v in head.items() if k != "weights"},
                          "_head_weights": head["weights"]})
             print(f"  {name.upper():<4} recall {acc:.1%} (at " + ", ".join(
                       f"{n} pairs: {acc_at[str(n)]:.1%}" for n in plan.eval_pairs[1:]) + f"), decode "
                   f"{speed['decode_tok_s']:.0f} tok/s, "
-                  f"KV {model.kv_bytes_per_token():,} B/token", file=stream, flush=True)
+                  f"KV {model.kv_bytes_per_token():,} B/token; {KV_QUANT} KV: recall {quant['accuracy']:.1%}, decode "
+                  f"{quant['decode_tok_s']:.0f} tok/s, {quant['kv_bytes_per_token']:,} B/token", file=stream,
+                  flush=True)
         if plan.figures:
             _figures(rows, plan, tmp, _token_labels(t, example[:-1]))
         files = [*REPORT_FILES, *(FIGURES if plan.figures else ())]

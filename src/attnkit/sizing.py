@@ -7,6 +7,10 @@ DeepSeek-V3 dimensions), where expanding them per head would hold ``num_heads * 
 qk_rope + v_head_dim)`` = 128 * (128 + 64 + 128) = 40,960: a 71x reduction. The DeepSeek-V2 paper
 (section 2.1.4) puts it as "equal to GQA with only 2.25 groups": 576 = 2.25 * 2 * 128.
 
+A quantized cache (``dtype=torch.int8`` or ``torch.float8_e4m3fn``, a cache's ``kv_dtype``) stores
+one byte per value plus an fp32 scale per row (:mod:`attnkit.kvquant`): per token per layer,
+one for K and one for V of each KV head, and one for MLA's latent (V is read from it).
+
 Example::
 
     >>> import torch
@@ -16,6 +20,8 @@ Example::
     (576, 40960)
     >>> kv_cache_bytes(v3, context=1, layers=1, dtype=torch.bfloat16)
     1152
+    >>> kv_cache_bytes(v3, context=1, layers=1, dtype=torch.int8)  # 576 values + one fp32 scale
+    580
 """
 
 from __future__ import annotations
@@ -28,10 +34,12 @@ from typing import Any, Mapping, NamedTuple
 import torch
 
 from ._checks import positive_int
+from .kvquant import QUANTIZED_DTYPES
 from .modules.attention import MultiHeadAttention
 from .modules.mla import MLAConfig, MultiHeadLatentAttention
 
-__all__ = ["AttentionDims", "Preset", "PRESETS", "cache_spec", "values_per_token", "bytes_per_token",
+__all__ = ["AttentionDims", "Preset", "PRESETS", "cache_spec", "values_per_token", "scales_per_token",
+           "bytes_per_token",
            "kv_cache_bytes", "expanded_dims", "gqa_equivalent_groups", "kv_cache_table", "parse_spec",
            "parse_dtype", "parse_context", "add_kv_arguments", "run_kv"]
 
@@ -142,9 +150,21 @@ def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def scales_per_token(spec, dtype: torch.dtype = torch.int8) -> int:
+    """fp32 scales one token stores in one layer's cache in ``dtype``: for a quantized dtype (int8,
+    fp8) one per row of K and one per row of V of each KV head, one for MLA's latent (V is read
+    from the same row); 0 for a float dtype."""
+    _element_size(dtype)
+    if dtype not in QUANTIZED_DTYPES:
+        return 0
+    s = cache_spec(spec)
+    return 1 if isinstance(s, MLAConfig) else 2 * s.num_kv_heads
+
+
 def bytes_per_token(spec, dtype: torch.dtype = torch.bfloat16) -> int:
-    """Bytes per token per layer (what ``cache.bytes_per_token`` reports for the matching cache)."""
-    return values_per_token(spec) * _element_size(dtype)
+    """Bytes per token per layer, scales of a quantized dtype included (what
+    ``cache.bytes_per_token`` reports for the matching cache)."""
+    return values_per_token(spec) * _element_size(dtype) + 4 * scales_per_token(spec, dtype)
 
 
 def kv_cache_bytes(spec, *, context: int = 1, layers: int = 1, batch: int = 1,
@@ -152,7 +172,8 @@ def kv_cache_bytes(spec, *, context: int = 1, layers: int = 1, batch: int = 1,
     """Bytes of KV cache for ``batch`` sequences of ``context`` tokens over ``layers`` layers.
 
     ``spec``: anything :func:`cache_spec` accepts (an :class:`MLAConfig` sizes the latent cache;
-    use :func:`expanded_dims` for the per-head cache the naive path would keep).
+    use :func:`expanded_dims` for the per-head cache the naive path would keep). A quantized
+    ``dtype`` (int8, fp8) counts its fp32 scales (:func:`scales_per_token`).
     """
     for name, val in (("context", context), ("layers", layers), ("batch", batch)):
         if not isinstance(val, int) or isinstance(val, bool) or val < 0:
@@ -193,7 +214,7 @@ def _fmt_bytes(n: float) -> str:
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
-    short = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+    short = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8_e4m3"}
     return short.get(dtype, str(dtype).replace("torch.", ""))
 
 
@@ -238,7 +259,10 @@ def kv_cache_table(specs=None, *, context: int = 4096, dtype: torch.dtype = torc
     positive_int("context", context)
     positive_int("batch", batch)
     elem = _element_size(dtype)
-    lines = [f"KV cache at {context} tokens x batch {batch}, {_dtype_name(dtype)} ({elem} bytes/value)", "",
+    what = (f"{_dtype_name(dtype)} + fp32 scale per row ({elem} byte/value, 4 bytes per token per KV head for K and "
+            f"for V, per token for an MLA latent)" if dtype in QUANTIZED_DTYPES
+            else f"{_dtype_name(dtype)} ({elem} bytes/value)")
+    lines = [f"KV cache at {context} tokens x batch {batch}, {what}", "",
              "| model | attention | layers | values/token/layer | bytes/token/layer | bytes/token (model) "
              "| cache (model) | vs per-head | = GQA with n KV heads |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -249,6 +273,7 @@ def kv_cache_table(specs=None, *, context: int = 4096, dtype: torch.dtype = torc
             pairs.append((f"{name} (expanded per head)", expanded_dims(s)))
         for label, spec in pairs:
             vals = values_per_token(spec)
+            per_layer = bytes_per_token(spec, dtype)
             if isinstance(spec, MLAConfig):
                 kind = f"MLA (r={spec.kv_lora_rank}, rope={spec.qk_rope_head_dim}, {spec.num_heads} heads)"
                 full = values_per_token(expanded_dims(spec))
@@ -257,7 +282,7 @@ def kv_cache_table(specs=None, *, context: int = 4096, dtype: torch.dtype = torc
                     f"/{spec.v_head_dim})" if spec.v_head_dim != spec.head_dim else ")")
                 full = (spec.num_heads or spec.num_kv_heads) * (spec.head_dim + spec.v_head_dim)
             lines.append(
-                f"| {label} | {kind} | {n_layers} | {vals:,} | {vals * elem:,} | {_fmt_bytes(vals * elem * n_layers)} "
+                f"| {label} | {kind} | {n_layers} | {vals:,} | {per_layer:,} | {_fmt_bytes(per_layer * n_layers)} "
                 f"| {_fmt_bytes(kv_cache_bytes(spec, context=context, layers=n_layers, batch=batch, dtype=dtype))} "
                 f"| {full / vals:.1f}x | {gqa_equivalent_groups(spec):.3g} |")
     return "\n".join(lines) + "\n"
@@ -267,7 +292,8 @@ def kv_cache_table(specs=None, *, context: int = 4096, dtype: torch.dtype = torc
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
            "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-           "fp8": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn, "int8": torch.int8}
+           "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn,
+           "int8": torch.int8}
 
 _SPEC_KEYS = {
     "mla": {"heads": "num_heads", "num_heads": "num_heads", "rank": "kv_lora_rank", "kv_lora_rank": "kv_lora_rank",
@@ -282,7 +308,8 @@ _SPEC_KEYS = {
 
 
 def parse_dtype(text: str) -> torch.dtype:
-    """"bf16", "fp16", "fp32", "fp8", "int8" (and torch's long names) -> torch.dtype."""
+    """"bf16", "fp16", "fp32", "fp8" (= "fp8_e4m3"), "int8" (and torch's long names) -> torch.dtype
+    (int8 and fp8 are quantized caches: fp32 scales per row are counted)."""
     try:
         return _DTYPES[text.lower()]
     except (KeyError, AttributeError):
@@ -359,7 +386,8 @@ def add_kv_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         help=f"preset ({', '.join(PRESETS)}) or mla:heads=..,rank=..,rope=..,nope=..,v=.. "
                              f"or mha/gqa/mqa:heads=..,kv_heads=..,head_dim=.. (default: every preset)")
     parser.add_argument("--context", type=parse_context, default=4096, help="tokens per sequence (4096, 128k)")
-    parser.add_argument("--dtype", type=parse_dtype, default=torch.bfloat16, help="cache dtype (bf16, fp16, fp32, fp8)")
+    parser.add_argument("--dtype", type=parse_dtype, default=torch.bfloat16,
+                        help="cache dtype (bf16, fp16, fp32; int8 / fp8: quantized, fp32 scale per row counted)")
     parser.add_argument("--batch", type=int, default=1, help="sequences")
     parser.add_argument("--layers", type=int, default=None, help="override every model's layer count")
     return parser

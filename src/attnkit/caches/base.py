@@ -28,6 +28,13 @@ Several layers (a model): one step for every cache, committed only when every la
 ``value_from_key=True`` stores K only and reads V as its first ``v_head_dim`` channels
 (``v_head_dim <= head_dim``): MLA's latent cache keeps ``[c_kv, k_rope]`` per token and attends
 with V = ``c_kv``, so nothing is stored twice. ``update(k, None)`` then.
+
+``kv_dtype="int8"`` / ``"fp8_e4m3"`` stores K and V quantized (:mod:`attnkit.kvquant`: symmetric
+absmax per row, one fp32 scale per token per KV head, kept in a scale buffer beside each data
+buffer; the latent cache has one scale per token since V is read from K). A step quantizes its
+own tokens when it writes them (nothing already cached is rescaled); ``view`` returns an
+:class:`attnkit.QuantizedKV` (``dense=True``: the dequantized K/V in the cache's ``dtype``).
+``dtype`` stays the compute dtype: what ``write`` takes and what a dense view returns.
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ from torch import Tensor, nn
 
 from .._checks import positive_int, shape_of
 from ..functional import attention
+from ..kvlayout import QuantizedKV
+from ..kvquant import dtype_name, kv_storage_dtype, quantize
 from ..masks import Causal, KeyPadding, Mask, as_mask
 
 __all__ = ["KVCache", "DynamicCache", "StaticCache", "CacheStep", "BoundCache", "step", "reorder", "crop", "reset"]
@@ -85,10 +94,14 @@ class KVCache(nn.Module):
     implement ``begin``, ``write``, ``view`` and ``_commit``, and ``_abort`` to undo whatever
     ``begin`` and ``write`` changed (overwritten data, grown buffers, rows written past the
     committed lengths).
+
+    ``dtype`` is the compute dtype (of the K/V written and of dense views); ``kv_dtype`` (None,
+    "int8", "fp8_e4m3") the storage: None keeps K/V in ``dtype``, else quantized rows plus fp32
+    scales (``storage_dtype`` is the torch dtype then).
     """
 
     def __init__(self, kv_heads: int, head_dim: int, v_head_dim: int | None = None, *,
-                 value_from_key: bool = False, dtype: torch.dtype = torch.float32, device=None):
+                 value_from_key: bool = False, dtype: torch.dtype = torch.float32, device=None, kv_dtype=None):
         super().__init__()
         v_head_dim = head_dim if v_head_dim is None else v_head_dim
         for name, val in (("kv_heads", kv_heads), ("head_dim", head_dim), ("v_head_dim", v_head_dim)):
@@ -100,15 +113,37 @@ class KVCache(nn.Module):
         self.kv_heads, self.head_dim, self.v_head_dim = kv_heads, head_dim, v_head_dim
         self.value_from_key = bool(value_from_key)
         self.dtype = dtype
+        #: The quantized storage dtype (torch.int8 / torch.float8_e4m3fn), or None: K/V kept in ``dtype``.
+        self.kv_dtype = kv_storage_dtype(kv_dtype)
         self.register_buffer("lengths", torch.zeros(0, dtype=torch.long, device=device), persistent=False)
 
     # ---------------------------------------------------------------- accounting
 
     @property
+    def storage_dtype(self) -> torch.dtype:
+        """The dtype the K/V data buffers hold: ``kv_dtype``, or ``dtype`` when not quantized."""
+        return self.dtype if self.kv_dtype is None else self.kv_dtype
+
+    @property
     def bytes_per_token(self) -> int:
-        """Bytes one token of one sequence occupies in this layer's cache (K and V, Hkv heads)."""
+        """Bytes one token of one sequence occupies in this layer's cache (K and V, Hkv heads;
+        quantized: the data plus an fp32 scale per row of K and of V, one with value_from_key)."""
         values = self.head_dim + (0 if self.value_from_key else self.v_head_dim)
-        return self.kv_heads * values * torch.empty((), dtype=self.dtype).element_size()
+        data = self.kv_heads * values * torch.empty((), dtype=self.storage_dtype).element_size()
+        if self.kv_dtype is None:
+            return data
+        return data + self.kv_heads * (1 if self.value_from_key else 2) * 4
+
+    def _quantize(self, rows: Sequence[Tensor]) -> list[Tensor]:
+        """Quantized storage of a step's K/V rows: ``[data of each..., scale of each...]``, the
+        order of the buffers ``_stored`` / ``_pools`` list. Unquantized caches store them as given."""
+        if self.kv_dtype is None:
+            return list(rows)
+        pairs = [quantize(t, self.kv_dtype) for t in rows]
+        return [d for d, _ in pairs] + [s for _, s in pairs]
+
+    def _kv_repr(self) -> str:
+        return "" if self.kv_dtype is None else f", kv_dtype={dtype_name(self.kv_dtype)!r}"
 
     @property
     def nbytes(self) -> int:
@@ -133,9 +168,10 @@ class KVCache(nn.Module):
         raise NotImplementedError
 
     def view(self, step: CacheStep, *, dense: bool = False):
-        """(k_all, v_all, mask) to attend to after ``write``: tensors (B, Hkv, L, ·) (or, for a
-        paged cache unless ``dense``, a :class:`attnkit.PagedKV` and None) and the step's mask (None:
-        nothing beyond the paged lengths, which attention applies itself)."""
+        """(k_all, v_all, mask) to attend to after ``write``: tensors (B, Hkv, L, ·) (or, unless
+        ``dense``, a :class:`attnkit.PagedKV` for a paged cache, a :class:`attnkit.QuantizedKV`
+        for a quantized one, and None) and the step's mask (None: nothing beyond the paged
+        lengths, which attention applies itself). ``dense``: tensors in ``dtype`` always."""
         raise NotImplementedError
 
     def commit(self, step: CacheStep) -> None:
@@ -282,6 +318,14 @@ class KVCache(nn.Module):
         raise NotImplementedError
 
 
+def as_bytes(t: Tensor) -> Tensor:
+    """An fp8 tensor as a uint8 view of its bytes (writes go through to it), other tensors as
+    they are. Workaround: torch's CPU scatter_, gather, index_copy_, index_fill_ and masked_fill
+    have no fp8 kernels (torch 2.x: "not implemented for 'Float8_e4m3fn'"); moving bytes is the
+    same operation, so the caches move fp8 rows as bytes on every device."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
+
+
 def _check_indices(indices, batch: int, device) -> Tensor:
     idx = torch.as_tensor(indices, device=device)
     if idx.dtype.is_floating_point or idx.dtype == torch.bool or idx.is_complex() or idx.dim() != 1:
@@ -426,25 +470,35 @@ def _one_per_group(caches):
 class _ContiguousCache(KVCache):
     """K/V in (B, Hkv, capacity, D) buffers; a step's tokens are written past the committed
     lengths, and an aborted step zeroes them (and gives back any growth), so it leaves nothing
-    behind. With ``value_from_key`` there is no V buffer (``v_buf`` stays empty)."""
+    behind. With ``value_from_key`` there is no V buffer (``v_buf`` stays empty). Quantized
+    (``kv_dtype``): ``k_buf`` / ``v_buf`` hold int8 / fp8 rows and ``k_scale`` / ``v_scale``
+    (B, Hkv, capacity) their fp32 scales, moved, grown and zeroed with them."""
 
     def __init__(self, kv_heads, head_dim, v_head_dim=None, *, value_from_key=False, dtype=torch.float32,
-                 device=None):
-        super().__init__(kv_heads, head_dim, v_head_dim, value_from_key=value_from_key, dtype=dtype, device=device)
-        self.register_buffer("k_buf", torch.zeros(0, kv_heads, 0, head_dim, dtype=dtype, device=device),
-                             persistent=False)
-        self.register_buffer("v_buf", torch.zeros(0, kv_heads, 0, self.v_head_dim, dtype=dtype, device=device),
-                             persistent=False)
+                 device=None, kv_dtype=None):
+        super().__init__(kv_heads, head_dim, v_head_dim, value_from_key=value_from_key, dtype=dtype, device=device,
+                         kv_dtype=kv_dtype)
+        kw = dict(dtype=self.storage_dtype, device=device)
+        self.register_buffer("k_buf", torch.zeros(0, kv_heads, 0, head_dim, **kw), persistent=False)
+        self.register_buffer("v_buf", torch.zeros(0, kv_heads, 0, self.v_head_dim, **kw), persistent=False)
+        if self.kv_dtype is not None:
+            for name in ("k_scale", "v_scale"):
+                self.register_buffer(name, torch.zeros(0, kv_heads, 0, dtype=torch.float32, device=device),
+                                     persistent=False)
 
-    def _stored(self) -> list[tuple[str, int]]:
-        """(buffer name, channels) of what this cache keeps."""
-        return [("k_buf", self.head_dim)] + ([] if self.value_from_key else [("v_buf", self.v_head_dim)])
+    def _stored(self) -> list[tuple[str, int | None]]:
+        """(buffer name, channels) of what this cache keeps, in :meth:`_quantize`'s order: the
+        data buffers, then (quantized) their scale buffers, channels None (no last dim)."""
+        data = [("k_buf", self.head_dim)] + ([] if self.value_from_key else [("v_buf", self.v_head_dim)])
+        if self.kv_dtype is None:
+            return data
+        return data + [("k_scale", None)] + ([] if self.value_from_key else [("v_scale", None)])
 
     def _alloc(self, batch: int, length: int) -> None:
         """Fresh zero buffers of (batch, Hkv, length, ·), keeping what fits of the old ones."""
         for name, dim in self._stored():
             old = getattr(self, name)
-            buf = old.new_zeros(batch, self.kv_heads, length, dim)
+            buf = old.new_zeros(batch, self.kv_heads, length, *(() if dim is None else (dim,)))
             rows, cols = min(batch, old.shape[0]), min(length, old.shape[2])
             buf[:rows, :, :cols] = old[:rows, :, :cols]
             setattr(self, name, buf)
@@ -461,14 +515,19 @@ class _ContiguousCache(KVCache):
         pad = None
         if step.num_new_host is None or any(n != S for n in step.num_new_host):
             pad = (torch.arange(S, device=k.device)[None] >= step.num_new[:, None])[:, None, :, None]  # (B, 1, S, 1)
-        for (name, dim), t in zip(self._stored(), (k, v)):
-            if pad is not None:
-                t = t.masked_fill(pad, 0)
+        rows = (k,) if self.value_from_key else (k, v)
+        if pad is not None:
+            rows = [t.masked_fill(pad, 0) for t in rows]  # quantized: data 0 and scale 0
+        for (name, dim), t in zip(self._stored(), self._quantize(rows)):
             self._put(step, getattr(self, name), t)
         step.writers.add(id(self))
 
     def _put(self, step: CacheStep, buf: Tensor, t: Tensor) -> None:
-        """Write the step's rows ``t`` (B, Hkv, S, ·) of one buffer at positions old .. old + S - 1."""
+        """Write the step's rows ``t`` (B, Hkv, S, ·) of one buffer at positions old .. old + S - 1
+        (a scale buffer (B, Hkv, L) and its rows (B, Hkv, S) go through as one channel)."""
+        if t.dim() == 3:
+            buf, t = buf.unsqueeze(-1), t.unsqueeze(-1)
+        buf, t = as_bytes(buf), as_bytes(t)
         B, H, S, dim = t.shape
         uniform = step.old_host is not None and min(step.old_host, default=0) == max(step.old_host, default=0)
         if uniform:  # one slice copy
@@ -484,14 +543,24 @@ class _ContiguousCache(KVCache):
         if id(self) in step.writers:
             for name, dim in self._stored():
                 buf = getattr(self, name)
-                self._put(step, buf, buf.new_zeros(step.batch, self.kv_heads, step.tokens, dim))
+                self._put(step, buf, buf.new_zeros(step.batch, self.kv_heads, step.tokens,
+                                                   *(() if dim is None else (dim,))))
         grown_from = getattr(step, "grown_from", None)
         if grown_from is not None:
             self._alloc(*grown_from)
 
-    def _views(self, batch: int, length: int) -> tuple[Tensor, Tensor]:
+    def _views(self, batch: int, length: int, dense: bool = False) -> tuple:
+        """(k_all, v_all) of the first ``batch`` rows and ``length`` positions: tensors, or a
+        :class:`attnkit.QuantizedKV` and None (``dense``: its dequantized tensors in ``dtype``)."""
         k = self.k_buf[:batch, :, :length]
-        return k, (k[..., :self.v_head_dim] if self.value_from_key else self.v_buf[:batch, :, :length])
+        if self.kv_dtype is None:
+            return k, (k[..., :self.v_head_dim] if self.value_from_key else self.v_buf[:batch, :, :length])
+        ks = self.k_scale[:batch, :, :length]
+        if self.value_from_key:
+            kv = QuantizedKV(k, ks, None, None, v_head_dim=self.v_head_dim)
+        else:
+            kv = QuantizedKV(k, ks, self.v_buf[:batch, :, :length], self.v_scale[:batch, :, :length])
+        return kv.gather(self.dtype) if dense else (kv, None)
 
     def _reorder_buffers(self, idx):
         for name, _ in self._stored():
@@ -529,7 +598,7 @@ class DynamicCache(_ContiguousCache):
         return step
 
     def view(self, step, *, dense=False):
-        return (*self._views(step.batch, max(step.new_host, default=0)), step.mask())
+        return (*self._views(step.batch, max(step.new_host, default=0), dense), step.mask())
 
     def _commit(self, step):
         self.lengths = step.new
@@ -554,8 +623,9 @@ class StaticCache(_ContiguousCache):
     recompiles per step. Writing past ``max_len`` raises a ValueError."""
 
     def __init__(self, kv_heads, head_dim, v_head_dim=None, *, max_batch: int, max_len: int,
-                 value_from_key=False, dtype=torch.float32, device=None):
-        super().__init__(kv_heads, head_dim, v_head_dim, value_from_key=value_from_key, dtype=dtype, device=device)
+                 value_from_key=False, dtype=torch.float32, device=None, kv_dtype=None):
+        super().__init__(kv_heads, head_dim, v_head_dim, value_from_key=value_from_key, dtype=dtype, device=device,
+                         kv_dtype=kv_dtype)
         for name, val in (("max_batch", max_batch), ("max_len", max_len)):
             positive_int(name, val)
         self.max_batch, self.max_len = max_batch, max_len
@@ -577,7 +647,7 @@ class StaticCache(_ContiguousCache):
         return CacheStep(old, n, S, old_host=old_host, num_new_host=n_host)
 
     def view(self, step, *, dense=False):
-        return (*self._views(step.batch, self.max_len), Causal(offsets=step.old) & KeyPadding(step.new))
+        return (*self._views(step.batch, self.max_len, dense), Causal(offsets=step.old) & KeyPadding(step.new))
 
     def _commit(self, step):
         if self.lengths.numel() == 0:  # the first step: the (B,) buffer every later step updates in place

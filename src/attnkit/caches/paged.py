@@ -36,10 +36,10 @@ from typing import Iterable
 import torch
 from torch import Tensor
 
-from ..kvlayout import PagedKV
+from ..kvlayout import PagedKV, QuantizedKV
 from ..masks import Causal, KeyPadding
 from .allocator import BlockAllocator, OutOfBlocks, PagedStep
-from .base import KVCache
+from .base import KVCache, as_bytes
 
 __all__ = ["BlockAllocator", "PagedKVCache", "OutOfBlocks", "PagedStep"]
 
@@ -55,7 +55,11 @@ class PagedKVCache(KVCache):
         prefix_caching: for the allocator this cache makes.
         value_from_key: store K only; V is its first ``v_head_dim`` channels (MLA's latent
             cache: kv_heads=1, head_dim = kv_lora_rank + rope dim, v_head_dim = kv_lora_rank).
-        dtype, device: of the pools.
+        dtype, device: the compute dtype (of the K/V written and of dense views) and the device.
+        kv_dtype: None (pools in ``dtype``), "int8" or "fp8_e4m3": pools of quantized rows and
+            fp32 scale pools ``k_scale`` / ``v_scale`` (N, bs, Hkv) beside them (one scale pool
+            with ``value_from_key``), copied on write, erased and shared with the blocks;
+            ``attend`` hands attention a paged :class:`attnkit.QuantizedKV`.
 
     Batch rows are sequences of the allocator: ``set_batch(seq_ids)`` names them; a fresh cache
     creates them on its first step. ``lengths``, ``positions``, ``update`` and ``attend`` then
@@ -76,8 +80,9 @@ class PagedKVCache(KVCache):
     def __init__(self, kv_heads: int, head_dim: int, v_head_dim: int | None = None, *,
                  num_blocks: int | None = None, block_size: int | None = None,
                  allocator: BlockAllocator | None = None, prefix_caching: bool = False,
-                 value_from_key: bool = False, dtype: torch.dtype = torch.float32, device=None):
-        super().__init__(kv_heads, head_dim, v_head_dim, value_from_key=value_from_key, dtype=dtype, device=device)
+                 value_from_key: bool = False, dtype: torch.dtype = torch.float32, device=None, kv_dtype=None):
+        super().__init__(kv_heads, head_dim, v_head_dim, value_from_key=value_from_key, dtype=dtype, device=device,
+                         kv_dtype=kv_dtype)
         # Lengths are the allocator's (shared by the layers); see the ``lengths`` property.
         self._device = self.lengths.device
         del self._buffers["lengths"]
@@ -97,10 +102,15 @@ class PagedKVCache(KVCache):
                 raise ValueError("prefix_caching=True but the given allocator was built without it")
         self.allocator = allocator
         N, bs = allocator.num_blocks, allocator.block_size
-        kw = dict(dtype=dtype, device=device)
+        kw = dict(dtype=self.storage_dtype, device=device)
         self.register_buffer("k_pool", torch.zeros(N, bs, kv_heads, head_dim, **kw), persistent=False)
         self.register_buffer("v_pool", torch.zeros(0 if value_from_key else N, bs, kv_heads, self.v_head_dim, **kw),
                              persistent=False)
+        if self.kv_dtype is not None:
+            f32 = dict(dtype=torch.float32, device=device)
+            self.register_buffer("k_scale", torch.zeros(N, bs, kv_heads, **f32), persistent=False)
+            self.register_buffer("v_scale", torch.zeros(0 if value_from_key else N, bs, kv_heads, **f32),
+                                 persistent=False)
         allocator.attach(self)
 
     # ---------------------------------------------------------------- state
@@ -145,13 +155,19 @@ class PagedKVCache(KVCache):
     def extra_repr(self) -> str:
         a = self.allocator
         return (f"kv_heads={self.kv_heads}, head_dim={self.head_dim}, v_head_dim={self.v_head_dim}, "
-                f"blocks={a.num_blocks}x{a.block_size}, used={a.num_used}, value_from_key={self.value_from_key}")
+                f"blocks={a.num_blocks}x{a.block_size}, used={a.num_used}, value_from_key={self.value_from_key}"
+                f"{self._kv_repr()}")
 
     def _shared(self) -> bool:
         return self.allocator.num_attached > 1
 
     def _pools(self) -> tuple[Tensor, ...]:
-        return (self.k_pool,) if self.value_from_key else (self.k_pool, self.v_pool)
+        """Every pool a block's tokens live in, in :meth:`_quantize`'s order: K (and V), then
+        (quantized) their scale pools (N, bs, Hkv)."""
+        pools = (self.k_pool,) if self.value_from_key else (self.k_pool, self.v_pool)
+        if self.kv_dtype is None:
+            return pools
+        return pools + ((self.k_scale,) if self.value_from_key else (self.k_scale, self.v_scale))
 
     # ---------------------------------------------------------------- the step protocol
 
@@ -174,7 +190,7 @@ class PagedKVCache(KVCache):
             dev = self.k_pool.device
             src = torch.tensor([s for s, _ in step.cow], dtype=torch.long, device=dev)
             dst = torch.tensor([d for _, d in step.cow], dtype=torch.long, device=dev)
-            for pool in self._pools():
+            for pool in map(as_bytes, self._pools()):
                 pool.index_copy_(0, dst, pool.index_select(0, src))
 
     def write(self, step, k, v):
@@ -186,12 +202,13 @@ class PagedKVCache(KVCache):
         B, H, S, _ = k.shape
         pools = self._pools()
         _, slots, src, _, _ = step.on(pools[0].device)
-        for pool, t in zip(pools, (k, v)):
-            # (B * S, Hkv, ·) token rows; a decode step's (B, Hkv, 1, ·) is one select away
-            rows = t.select(2, 0) if S == 1 else t.transpose(1, 2).reshape(B * S, H, t.shape[3])
+        for pool, t in zip(pools, self._quantize((k,) if self.value_from_key else (k, v))):
+            # (B * S, Hkv, ·) token rows (scales: (B * S, Hkv)); a decode step's (B, Hkv, 1, ·) is
+            # one select away
+            rows = t.select(2, 0) if S == 1 else t.transpose(1, 2).reshape(B * S, H, *t.shape[3:])
             if src is not None:
                 rows = rows.index_select(0, src)
-            pool.flatten(0, 1).index_copy_(0, slots, rows)
+            as_bytes(pool).flatten(0, 1).index_copy_(0, slots, as_bytes(rows))
         step.writers.add(id(self))
 
     def erase(self, step: PagedStep) -> None:
@@ -199,14 +216,21 @@ class PagedKVCache(KVCache):
         :meth:`BlockAllocator.abort`)."""
         _, slots, _, _, _ = step.on(self.k_pool.device)
         for pool in self._pools():
-            pool.flatten(0, 1).index_fill_(0, slots, 0)
+            as_bytes(pool).flatten(0, 1).index_fill_(0, slots, 0)
 
     def view(self, step, *, dense=False):
         table, _, _, old, new = step.on(self.k_pool.device)
-        kv = PagedKV(self.k_pool, None if self.value_from_key else self.v_pool, table, new,
-                     v_head_dim=self.v_head_dim, max_len=max(step.new_host, default=0), checked=True)
+        max_len = max(step.new_host, default=0)
+        if self.kv_dtype is None:
+            kv = PagedKV(self.k_pool, None if self.value_from_key else self.v_pool, table, new,
+                         v_head_dim=self.v_head_dim, max_len=max_len, checked=True)
+        else:
+            vfk = self.value_from_key
+            kv = QuantizedKV(self.k_pool, self.k_scale, None if vfk else self.v_pool, None if vfk else self.v_scale,
+                             v_head_dim=self.v_head_dim, block_table=table, lengths=new, max_len=max_len,
+                             checked=True)
         if dense:
-            k_all, v_all = kv.gather()
+            k_all, v_all = kv.gather(self.dtype) if self.kv_dtype is not None else kv.gather()
             return k_all, v_all, Causal(offsets=old) & KeyPadding(new)
         # attention() adds KeyPadding(lengths); a step of one new token per row needs nothing more
         one = step.tokens == 1 and step.num_new_host is not None and all(x == 1 for x in step.num_new_host)

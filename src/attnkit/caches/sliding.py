@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..kvlayout import QuantizedKV
 from ..masks import Dense, Mask
-from .base import CacheStep, KVCache
+from .base import CacheStep, KVCache, as_bytes
 
 __all__ = ["SlidingWindowCache"]
 
@@ -26,20 +27,45 @@ class SlidingWindowCache(KVCache):
     the chunk's first queries still need keys its last tokens evict. Writing a step overwrites
     ring slots, so the step keeps what it overwrote and :meth:`abort` puts it back.
     ``crop`` can roll back up to ``max_rollback`` tokens (their window is still in the ring).
+    Quantized (``kv_dtype``): the rings hold int8 / fp8 rows and ``k_scale`` / ``v_scale``
+    (max_batch, Hkv, R + 1) their fp32 scales, written, saved and put back with them.
     """
 
     def __init__(self, kv_heads, head_dim, v_head_dim=None, *, window: int, max_batch: int,
-                 max_rollback: int = 0, dtype=torch.float32, device=None):
-        super().__init__(kv_heads, head_dim, v_head_dim, dtype=dtype, device=device)
+                 max_rollback: int = 0, dtype=torch.float32, device=None, kv_dtype=None):
+        super().__init__(kv_heads, head_dim, v_head_dim, dtype=dtype, device=device, kv_dtype=kv_dtype)
         for name, val, low in (("window", window, 1), ("max_batch", max_batch, 1), ("max_rollback", max_rollback, 0)):
             if not isinstance(val, int) or isinstance(val, bool) or val < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {val!r}")
         self.window, self.max_rollback, self.max_batch = window, max_rollback, max_batch
         self.slots = window + max_rollback
-        self.register_buffer("k_ring", torch.zeros(max_batch, kv_heads, self.slots + 1, head_dim,
-                                                   dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v_ring", torch.zeros(max_batch, kv_heads, self.slots + 1, self.v_head_dim,
-                                                   dtype=dtype, device=device), persistent=False)
+        kw = dict(dtype=self.storage_dtype, device=device)
+        self.register_buffer("k_ring", torch.zeros(max_batch, kv_heads, self.slots + 1, head_dim, **kw),
+                             persistent=False)
+        self.register_buffer("v_ring", torch.zeros(max_batch, kv_heads, self.slots + 1, self.v_head_dim, **kw),
+                             persistent=False)
+        if self.kv_dtype is not None:
+            for name in ("k_scale", "v_scale"):
+                self.register_buffer(name, torch.zeros(max_batch, kv_heads, self.slots + 1, dtype=torch.float32,
+                                                       device=device), persistent=False)
+
+    def _rings(self) -> list[Tensor]:
+        """The ring buffers, in :meth:`_quantize`'s order: K, V (and quantized: their scales)."""
+        rings = [self.k_ring, self.v_ring]
+        return rings if self.kv_dtype is None else rings + [self.k_scale, self.v_scale]
+
+    @staticmethod
+    def _indexable(parts: list[Tensor]) -> list[Tensor]:
+        """Ring-shaped parts as 4-D tensors scatter / gather take: a scale (B, Hkv, ·) as one
+        channel (B, Hkv, ·, 1), fp8 data as its bytes (:func:`~attnkit.caches.base.as_bytes`)."""
+        return [as_bytes(t if t.dim() == 4 else t.unsqueeze(-1)) for t in parts]
+
+    def _kv(self, parts: list[Tensor]):
+        """(k, v) of ring-shaped parts in :meth:`_rings`' order: tensors, or a QuantizedKV and None."""
+        if self.kv_dtype is None:
+            return parts[0], parts[1]
+        k, v, k_scale, v_scale = parts
+        return QuantizedKV(k, k_scale, v, v_scale), None
 
     def _ring_positions(self, lengths: Tensor) -> Tensor:
         """(B, R) absolute position held by each slot (the latest p < length with p % R == slot);
@@ -67,13 +93,15 @@ class SlidingWindowCache(KVCache):
         old, n = step.old, step.num_new
         keep = (j[None, :] < n[:, None]) & (j[None, :] >= n[:, None] - self.slots)  # (B, S)
         slot = torch.where(keep, torch.remainder(old[:, None] + j, self.slots), self.slots)
+        new = self._quantize((k, v))  # [k, v] (quantized: [k data, v data, k scale, v scale])
+        rings = self._rings()
         if S > 1:  # the step attends over the ring as it was, then the new tokens
-            step.sliding_kv = (torch.cat([self.k_ring[:B, :, :self.slots], k], 2),
-                               torch.cat([self.v_ring[:B, :, :self.slots], v], 2))
-        idx = [slot[:, None, :, None].expand(B, H, S, t.shape[-1]) for t in (k, v)]
-        step.sliding_undo = [buf[:B].gather(2, i) for buf, i in zip((self.k_ring, self.v_ring), idx)]
+            step.sliding_kv = self._kv([torch.cat([r[:B, :, :self.slots], t], 2) for r, t in zip(rings, new)])
+        rings, new = self._indexable(rings), self._indexable(new)
+        idx = [slot[:, None, :, None].expand(B, H, S, t.shape[-1]) for t in new]
+        step.sliding_undo = [buf[:B].gather(2, i) for buf, i in zip(rings, idx)]
         step.sliding_index = idx
-        for buf, t, i in zip((self.k_ring, self.v_ring), (k, v), idx):
+        for buf, t, i in zip(rings, new, idx):
             buf[:B].scatter_(2, i, t)
         step.writers.add(id(self))
 
@@ -82,13 +110,18 @@ class SlidingWindowCache(KVCache):
         qpos = step.positions()  # (B, S)
         if S == 1:  # decode: the evicted slot is outside every query's window
             kpos = self._ring_positions(step.new)
-            return (self.k_ring[:B, :, :self.slots], self.v_ring[:B, :, :self.slots],
-                    self._window_mask(qpos, kpos, kpos >= 0))
-        kpos_ring = self._ring_positions(step.old)
-        kpos = torch.cat([kpos_ring, qpos], dim=1)
-        kvalid = torch.cat([kpos_ring >= 0, torch.arange(S, device=qpos.device)[None, :] < step.num_new[:, None]], 1)
-        k_all, v_all = step.sliding_kv
-        return k_all, v_all, self._window_mask(qpos, kpos, kvalid)
+            k_all, v_all = self._kv([r[:B, :, :self.slots] for r in self._rings()])
+            mask = self._window_mask(qpos, kpos, kpos >= 0)
+        else:
+            kpos_ring = self._ring_positions(step.old)
+            kpos = torch.cat([kpos_ring, qpos], dim=1)
+            new_ok = torch.arange(S, device=qpos.device)[None, :] < step.num_new[:, None]
+            kvalid = torch.cat([kpos_ring >= 0, new_ok], 1)
+            k_all, v_all = step.sliding_kv
+            mask = self._window_mask(qpos, kpos, kvalid)
+        if dense and v_all is None:  # quantized
+            k_all, v_all = k_all.gather(self.dtype)
+        return k_all, v_all, mask
 
     def _commit(self, step):
         self.lengths = step.new
@@ -97,7 +130,8 @@ class SlidingWindowCache(KVCache):
         undo = getattr(step, "sliding_undo", None)
         if undo is not None:  # put back, in reverse order, what the write overwrote
             B = step.batch
-            for buf, i, saved in zip((self.k_ring, self.v_ring), step.sliding_index, undo):
+            rings = self._indexable(self._rings())
+            for buf, i, saved in zip(rings, step.sliding_index, undo):
                 buf[:B].scatter_(2, i, saved)
 
     def crop(self, n) -> None:
@@ -113,5 +147,5 @@ class SlidingWindowCache(KVCache):
         if idx.numel() != self.max_batch:
             raise ValueError(f"a sliding cache keeps max_batch={self.max_batch} sequences; reorder got "
                              f"{idx.numel()} indices")
-        self.k_ring.copy_(self.k_ring[idx])
-        self.v_ring.copy_(self.v_ring[idx])
+        for buf in self._rings():
+            buf.copy_(buf[idx])

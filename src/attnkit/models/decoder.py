@@ -31,6 +31,7 @@ from .._checks import shape_of
 from ..caches import DynamicCache, KVCache, PagedKVCache, StaticCache
 from ..caches import step as cache_step
 from ..modules import FusedLoadHook, MultiHeadAttention, RMSNorm
+from ..modules.linear import Linear
 from ..modules.mla import MLAConfig, MultiHeadLatentAttention
 from ..rope import RotaryEmbedding
 from .config import DecoderConfig
@@ -65,11 +66,11 @@ class GatedMLP(nn.Module):
         self._act = ACTIVATIONS[activation]
         kw = {"bias": bias, "device": device, "dtype": dtype}
         if fused:
-            self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, **kw)
+            self.gate_up_proj = Linear(hidden, 2 * intermediate, **kw)
         else:
-            self.gate_proj = nn.Linear(hidden, intermediate, **kw)
-            self.up_proj = nn.Linear(hidden, intermediate, **kw)
-        self.down_proj = nn.Linear(intermediate, hidden, **kw)
+            self.gate_proj = Linear(hidden, intermediate, **kw)
+            self.up_proj = Linear(hidden, intermediate, **kw)
+        self.down_proj = Linear(intermediate, hidden, **kw)
         self.register_load_state_dict_pre_hook(
             FusedLoadHook("gate_up_proj", ("gate_proj", "up_proj"), (intermediate, intermediate), to_fused=fused))
 
@@ -156,23 +157,24 @@ def layer_cache_kind(attn: nn.Module, kind: str) -> str:
 
 
 def make_cache(attn: nn.Module, kind: str, *, max_batch: int | None = None, max_len: int | None = None,
-               dtype: torch.dtype | None = None, device=None, allocator=None) -> KVCache:
+               dtype: torch.dtype | None = None, device=None, allocator=None, kv_dtype=None) -> KVCache:
     """One layer's empty cache of ``kind`` for the attention module ``attn`` (the one place the
     decoder creates caches; :func:`layer_cache_kind` says which cache each kind gives a layer).
     "dynamic" grows; "sliding" is "dynamic" except that a layer with a sliding window keeps a
     ring of just its window (:class:`attnkit.caches.SlidingWindowCache`, needs ``max_batch``);
     "static" preallocates (max_batch, max_len) and compiles without recompiles; "paged" keeps
     blocks of a pool managed by ``allocator`` (shared by the layers of a model; default: a
-    private one sized by max_batch and max_len)."""
+    private one sized by max_batch and max_len). ``kv_dtype`` ("int8", "fp8_e4m3") quantizes
+    what the cache stores (:class:`attnkit.caches.KVCache`)."""
     kind = layer_cache_kind(attn, kind)
     if kind != "paged" and allocator is not None:
         raise TypeError(f"allocator= applies to paged caches, not to a {kind} cache")
     if kind == "paged" and allocator is None:
         allocator = paged_allocator(max_batch, max_len)
     if kind == "sliding":  # the module's own window (a ring of it)
-        return attn.new_cache("sliding", max_batch=max_batch, dtype=dtype, device=device)
+        return attn.new_cache("sliding", max_batch=max_batch, dtype=dtype, device=device, kv_dtype=kv_dtype)
     return attn.new_cache(kind, max_batch=max_batch, max_len=max_len, allocator=allocator, dtype=dtype,
-                          device=device)
+                          device=device, kv_dtype=kv_dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -298,7 +300,7 @@ class Decoder(nn.Module):
             raise TypeError(f"config must be a DecoderConfig, got {type(config).__name__}")
         self.config = config
         self.model = _Backbone(config, device=device, dtype=dtype)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=device, dtype=dtype)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, device=device, dtype=dtype)
         if init_std is not None:
             self.init_weights(init_std)
         if config.tie_word_embeddings:
@@ -352,26 +354,30 @@ class Decoder(nn.Module):
                 total += p.numel()
         return total
 
-    def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
+    def kv_bytes_per_token(self, dtype: torch.dtype | None = None, kv_dtype=None) -> int:
         """KV-cache bytes one token of one sequence takes across all layers (in ``dtype``,
-        default the weights' dtype), read from the caches themselves."""
-        return sum(make_cache(layer.self_attn, "dynamic", dtype=dtype or self.dtype, device="cpu").bytes_per_token
+        default the weights' dtype; quantized with ``kv_dtype`` "int8" / "fp8_e4m3": data plus
+        fp32 scales), read from the caches themselves."""
+        return sum(make_cache(layer.self_attn, "dynamic", dtype=dtype or self.dtype, device="cpu",
+                              kv_dtype=kv_dtype).bytes_per_token
                    for layer in self.model.layers)
 
     # ------------------------------------------------------------------ caches
 
     def new_caches(self, kind: str = "dynamic", *, max_batch: int | None = None, max_len: int | None = None,
-                   dtype: torch.dtype | None = None, device=None, block_size: int = 16) -> list[KVCache]:
+                   dtype: torch.dtype | None = None, device=None, block_size: int = 16,
+                   kv_dtype=None) -> list[KVCache]:
         """One empty cache per layer (what each ``kind`` gives each layer: :func:`layer_cache_kind`),
         in the weights' dtype and device. "dynamic" is a :class:`~attnkit.caches.DynamicCache` in
         every layer; "sliding" gives sliding-window layers a ring of just their window
         (:class:`~attnkit.caches.SlidingWindowCache`, needs ``max_batch``) and the others a
         DynamicCache; "static" and "paged" need ``max_batch`` and ``max_len``; paged layers share
-        one block allocator (one block table for the model) of ``block_size``-token blocks."""
+        one block allocator (one block table for the model) of ``block_size``-token blocks.
+        ``kv_dtype`` ("int8", "fp8_e4m3"; None: the caches' dtype) quantizes every layer's cache."""
         dtype, device = dtype or self.dtype, device or self.device
         alloc = paged_allocator(max_batch, max_len, block_size) if kind == "paged" else None
         return [make_cache(layer.self_attn, kind, max_batch=max_batch, max_len=max_len, dtype=dtype,
-                           device=device, allocator=alloc) for layer in self.model.layers]
+                           device=device, allocator=alloc, kv_dtype=kv_dtype) for layer in self.model.layers]
 
     # ------------------------------------------------------------------ forward
 

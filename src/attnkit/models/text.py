@@ -233,16 +233,17 @@ class TextGenerator:
 
     def stream(self, prompt: str, max_new_tokens: int = 64, *, chat: bool = False, temperature: float = 0.0,
                top_k: int | None = None, top_p: float | None = None, cache: str = "dynamic",
-               seed: int | None = None) -> Iterator[str]:
+               seed: int | None = None, kv_dtype=None) -> Iterator[str]:
         """Yield the continuation of ``prompt`` piece by piece (never half a character), stopping
-        at an EOS token or after ``max_new_tokens``. Sampling options as
-        :meth:`attnkit.models.Decoder.generate`. ``self.stats`` is filled when it ends."""
+        at an EOS token or after ``max_new_tokens``. Sampling options and ``kv_dtype`` (a
+        quantized KV cache: "int8", "fp8_e4m3") as :meth:`attnkit.models.Decoder.generate`.
+        ``self.stats`` is filled when it ends."""
         ids = self.encode(prompt, chat=chat)
         steps = self.model.stream([ids], max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                  eos=self.eos or None, cache=cache, seed=seed)
-        return self._pieces(ids, steps)
+                                  eos=self.eos or None, cache=cache, seed=seed, kv_dtype=kv_dtype)
+        return self._pieces(ids, steps, kv_dtype)
 
-    def _pieces(self, ids: list[int], steps) -> Iterator[str]:
+    def _pieces(self, ids: list[int], steps, kv_dtype=None) -> Iterator[str]:
         dec = IncrementalDecoder(self.tokenizer.decode)
         eos = set(self.eos)
         self.stats = stats = TextStats(prompt_tokens=len(ids), finish_reason="length")
@@ -264,7 +265,8 @@ class TextGenerator:
         if rest:
             yield rest
         stats.seconds = time.perf_counter() - t0
-        stats.kv_cache_bytes = (stats.prompt_tokens + stats.new_tokens) * self.model.kv_bytes_per_token()
+        stats.kv_cache_bytes = (stats.prompt_tokens + stats.new_tokens) * self.model.kv_bytes_per_token(
+            kv_dtype=kv_dtype)
 
     def generate(self, prompt: str, max_new_tokens: int = 64, **kwargs) -> str:
         """The whole continuation as one string (see :meth:`stream`)."""

@@ -27,6 +27,7 @@ from ..functional import attention
 from ..masks import alibi_slopes, as_mask
 from ..rope import RotaryEmbedding
 from ._fused import FusedLoadHook, HeadInterleavedLoadHook
+from .linear import Linear
 from .norm import RMSNorm
 from .options import (alibi_mask, and_masks, attention_kwargs, check_flag, check_variant_options, torch_key_padding,
                       window_mask)
@@ -114,13 +115,13 @@ class MultiHeadAttention(nn.Module):
         sizes = (num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.v_head_dim)
         self._qkv_sizes = sizes
         if fused_qkv:
-            self.qkv_proj = nn.Linear(embed_dim, sum(sizes), bias=bias, **kw)
+            self.qkv_proj = Linear(embed_dim, sum(sizes), bias=bias, **kw)
         else:
-            self.q_proj = nn.Linear(embed_dim, sizes[0], bias=bias, **kw)
-            self.k_proj = nn.Linear(self.kdim, sizes[1], bias=bias, **kw)
-            self.v_proj = nn.Linear(self.vdim, sizes[2], bias=bias, **kw)
-        self.o_proj = nn.Linear(num_heads * self.v_head_dim, self.out_dim,
-                                bias=bias if out_bias is None else out_bias, **kw)
+            self.q_proj = Linear(embed_dim, sizes[0], bias=bias, **kw)
+            self.k_proj = Linear(self.kdim, sizes[1], bias=bias, **kw)
+            self.v_proj = Linear(self.vdim, sizes[2], bias=bias, **kw)
+        self.o_proj = Linear(num_heads * self.v_head_dim, self.out_dim,
+                             bias=bias if out_bias is None else out_bias, **kw)
         if self.num_kv_heads == num_heads and self.v_head_dim == self.head_dim:  # BLOOM / GPT-NeoX names
             self.register_load_state_dict_pre_hook(HeadInterleavedLoadHook(num_heads, self.head_dim))
         self.register_load_state_dict_pre_hook(
@@ -274,17 +275,17 @@ class MultiHeadAttention(nn.Module):
 
     def new_cache(self, kind: str = "dynamic", *, max_batch: int | None = None, max_len: int | None = None,
                   window: int | None = None, allocator=None, dtype: torch.dtype | None = None,
-                  device=None) -> KVCache:
+                  device=None, kv_dtype=None) -> KVCache:
         """An empty cache shaped for this module (Hkv heads, hd / hdv), in the weights' dtype and
         device unless given: "dynamic", "static" (needs max_batch, max_len), "sliding" (needs
         max_batch; window defaults to the module's) or "paged" (needs the :class:`~attnkit.caches.BlockAllocator` that
-        all layers of a model share)."""
+        all layers of a model share). ``kv_dtype`` ("int8", "fp8_e4m3") stores K/V quantized."""
         w = self.o_proj.weight
         if window is None and kind == "sliding":
             window = self.window  # the module's own window
         return new_cache(kind, (self.num_kv_heads, self.head_dim, self.v_head_dim), max_batch=max_batch,
                          max_len=max_len, window=window, allocator=allocator, dtype=dtype or w.dtype,
-                         device=device or w.device)
+                         device=device or w.device, kv_dtype=kv_dtype)
 
     @classmethod
     def from_torch(cls, mha: nn.MultiheadAttention) -> "MultiHeadAttention":

@@ -47,6 +47,7 @@ from ..caches import BoundCache, KVCache, new_cache
 from ..functional import attention
 from ..masks import as_mask
 from ..rope import RopeConfig, RotaryEmbedding, yarn_get_mscale
+from .linear import Linear
 from .norm import RMSNorm
 from .options import and_masks, attention_kwargs, check_flag, check_variant_options, torch_key_padding, window_mask
 
@@ -292,15 +293,15 @@ class MultiHeadLatentAttention(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(H, device=device, dtype=dtype)) if sinks else None
         kw = {"device": device, "dtype": dtype}
         if c.q_lora_rank is None:
-            self.q_proj = nn.Linear(E, H * c.qk_head_dim, bias=False, **kw)
+            self.q_proj = Linear(E, H * c.qk_head_dim, bias=False, **kw)
         else:
-            self.q_a_proj = nn.Linear(E, c.q_lora_rank, bias=c.attention_bias, **kw)
+            self.q_a_proj = Linear(E, c.q_lora_rank, bias=c.attention_bias, **kw)
             self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, **kw)
-            self.q_b_proj = nn.Linear(c.q_lora_rank, H * c.qk_head_dim, bias=False, **kw)
-        self.kv_a_proj_with_mqa = nn.Linear(E, r + c.qk_rope_head_dim, bias=c.attention_bias, **kw)
+            self.q_b_proj = Linear(c.q_lora_rank, H * c.qk_head_dim, bias=False, **kw)
+        self.kv_a_proj_with_mqa = Linear(E, r + c.qk_rope_head_dim, bias=c.attention_bias, **kw)
         self.kv_a_layernorm = RMSNorm(r, c.rms_norm_eps, **kw)
-        self.kv_b_proj = nn.Linear(r, H * (c.qk_nope_head_dim + c.v_head_dim), bias=False, **kw)
-        self.o_proj = nn.Linear(H * c.v_head_dim, E, bias=c.attention_bias, **kw)
+        self.kv_b_proj = Linear(r, H * (c.qk_nope_head_dim + c.v_head_dim), bias=False, **kw)
+        self.o_proj = Linear(H * c.v_head_dim, E, bias=c.attention_bias, **kw)
         self.rope = RotaryEmbedding.from_config(c.rope)
         # Absorbed attention costs per (query, key) 2r + dr multiply-adds instead of dqk + dv, but
         # skips expanding each key (r * (dn + dv) per head); it wins while S * extra < that.
@@ -362,17 +363,18 @@ class MultiHeadLatentAttention(nn.Module):
                             f"build the cache with dtype={dtype}")
 
     def new_cache(self, kind: str = "dynamic", *, max_batch: int | None = None, max_len: int | None = None,
-                  allocator=None, dtype: torch.dtype | None = None, device=None) -> KVCache:
+                  allocator=None, dtype: torch.dtype | None = None, device=None, kv_dtype=None) -> KVCache:
         """An empty latent cache for this layer: one "head" of ``[c_kv | k_pe]`` (r + dr values per
         token), V read as its first r channels. ``kind``: "dynamic" (grows), "static" (needs
         ``max_batch`` and ``max_len``) or "paged" (needs the model's shared ``allocator``).
-        Dtype and device default to the weights'."""
+        Dtype and device default to the weights'. ``kv_dtype`` ("int8", "fp8_e4m3") stores the
+        latent quantized, one fp32 scale per token (V is read from the same rows)."""
         if kind == "sliding":
             raise ValueError("kind must be 'dynamic', 'static' or 'paged' for an MLA layer, got 'sliding'")
         w = self.kv_b_proj.weight
         return new_cache(kind, (1, self.config.latent_dim, self.config.kv_lora_rank), value_from_key=True,
                          max_batch=max_batch, max_len=max_len, allocator=allocator,
-                         dtype=dtype or w.dtype, device=device or w.device)
+                         dtype=dtype or w.dtype, device=device or w.device, kv_dtype=kv_dtype)
 
     def resolve_mode(self, q_len: int, cached: bool) -> str:
         """The path ``forward`` takes for ``q_len`` new tokens, with or without a cache."""

@@ -1,6 +1,7 @@
 """The native CPU kernels, compiled on first use for the machine it runs on: ``splitk.cpp`` (the
-split-K attention engine), ``rope.cpp`` (the one-pass rotary embedding of inference calls) and
-``norm.cpp`` (the one-pass RMSNorm of inference calls).
+split-K attention engine), ``rope.cpp`` (the one-pass rotary embedding of inference calls),
+``norm.cpp`` (the one-pass RMSNorm of inference calls) and ``linear.cpp`` (the weight-streaming
+linear layer of decode steps: a few rows of x against a weight matrix).
 
 ``load()`` compiles them into one library against the installed torch with the system C++ compiler
 (``$CXX``, else ``c++`` / ``g++`` / ``clang++``) and ``-march=native`` (the kernel is built for
@@ -8,8 +9,8 @@ the instruction set of the CPU that runs it: AVX2, AVX-512, ... decided by the c
 us), caches the shared library under :func:`cache_dir` (``$ATTNKIT_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/attnkit``, else ``~/.cache/attnkit``) keyed by the sources, the torch version,
 the compiler and the CPU, and loads it as the torch ops ``torch.ops.attnkit_cpu.splitk_attention``,
-``.rope_rotate`` and ``.rms_norm``. The three sources are compiled as one translation unit: the
-torch headers they share, not the kernels, are most of the compile time.
+``.rope_rotate``, ``.rms_norm`` and ``.linear_rows``. The sources are compiled as one translation
+unit: the torch headers they share, not the kernels, are most of the compile time.
 
 The build is announced: one line on the ``attnkit.native`` logger when it starts (what, where the
 cache is, that it happens once) and one when it ends (how long it took). They are WARNING records,
@@ -18,7 +19,7 @@ so they show on stderr when logging is not configured;
 
 What is loaded is checked first: a build records the library's size and sha256 beside it
 (``<name>.sha256``), and a cached library that does not match its record (cut short, overwritten,
-another file under its name) is rebuilt, never loaded; a loaded library must provide the three
+another file under its name) is rebuilt, never loaded; a loaded library must provide all its
 ops. A build runs under a lock file in the cache folder (``fcntl.flock``; Linux and macOS), so a
 second process waits for the first one's build and loads it; a build's temporary files are removed
 when it fails or is interrupted, and by the next build when its process was killed, and the
@@ -56,9 +57,9 @@ from .._sysinfo import cpu_flags, cpu_isa, cpu_name
 
 __all__ = ["load", "status", "engine", "report", "library_path", "cache_dir", "cpu_description"]
 
-_SOURCES = tuple(Path(__file__).with_name(f) for f in ("splitk.cpp", "rope.cpp", "norm.cpp"))
+_SOURCES = tuple(Path(__file__).with_name(f) for f in ("splitk.cpp", "rope.cpp", "norm.cpp", "linear.cpp"))
 #: The ops the sources register (their TORCH_LIBRARY blocks); a loaded library must have them all.
-_OPS = ("splitk_attention", "rope_rotate", "rms_norm")
+_OPS = ("splitk_attention", "rope_rotate", "rms_norm", "linear_rows")
 _NAMESPACE = "attnkit_cpu"
 #: Part of the cache key: a change to what a cached entry is (file layout, the hash record, one
 #: translation unit) must not reuse entries written under the old rules.
@@ -152,8 +153,8 @@ def _command(cxx: str, srcs, out: Path, native_arch: bool) -> list[str]:
 
 
 def _unity_source() -> str:
-    """One translation unit that includes the three sources: the torch headers are parsed once
-    instead of three times (the sources keep file-local names distinct for this)."""
+    """One translation unit that includes the sources: the torch headers are parsed once instead
+    of once per source (the sources keep file-local names distinct for this)."""
     return "".join(f'#include "{p.resolve().as_posix()}"\n' for p in _SOURCES)
 
 
@@ -349,7 +350,7 @@ def _build_and_load(cxx: str, target: Path, record: Path, stem: str):
     shutil.rmtree(build, ignore_errors=True)
     build.mkdir()
     try:
-        _log.warning("attnkit: compiling the native CPU kernel (split-K attention, RoPE, RMSNorm) for this machine "
+        _log.warning("attnkit: compiling the native CPU kernel (split-K attention, RoPE, RMSNorm, linear) for this machine "
                      "with %s; this happens once, the library is cached in %s", cxx, root)
         t0 = time.perf_counter()
         try:

@@ -4,13 +4,18 @@
 It takes the masks a KV cache produces, causal (any offsets) and right-side key padding, which it
 turns into per-sequence limits: query j of sequence b sees keys ``< min(q_start[b] + j + 1,
 seq_lens[b])``. When V is a prefix view of K (MLA's latent cache) each K tile serves as V too.
+Quantized K/V (:class:`attnkit.QuantizedKV`, int8 or fp8 e4m3 with per-row scales, dense or
+paged) are read in place, one byte per element, and widened in registers; fp8 is decoded with
+integer ops, so it needs no fp8 hardware (sm_80 runs it as sm_90 does) and nothing about it
+depends on the device.
 
-``auto`` uses it on CUDA for paged K/V (read in place; any other backend would gather the whole
-cache first) and where SDPA has no fused kernel for the call: K and V of different widths, as in
-MLA's absorbed decode (576 / 512), and score modifiers (soft-cap, sinks, ALiBi), which SDPA cannot
-run or runs only from a materialized bias. Plain dense calls with equal widths stay with SDPA's
-kernels; force ``backend="triton"`` to use it there. On CPU it runs under Triton's
-interpreter (``TRITON_INTERPRET=1``), for tests only: ``auto`` never picks it.
+``auto`` uses it on CUDA for paged and quantized K/V (read in place; any other backend would
+gather, and dequantize, the whole cache first) and where SDPA has no fused kernel for the call: K
+and V of different widths, as in MLA's absorbed decode (576 / 512), and score modifiers
+(soft-cap, sinks, ALiBi), which SDPA cannot run or runs only from a materialized bias. Plain
+dense calls with equal widths stay with SDPA's kernels; force ``backend="triton"`` to use it
+there. On CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``), for tests only:
+``auto`` never picks it.
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ def interpreting() -> bool:
 
 class TritonBackend(BackendBase):
     name = "triton"
-    layouts = ("dense", "paged")
+    layouts = ("dense", "paged", "quantized", "quantized_paged")
     auto_devices = ("cuda",)  # auto_skip_reason: the interpreter on CPU is for tests
 
     def available(self) -> str | None:
@@ -89,7 +94,7 @@ class TritonBackend(BackendBase):
             return "not CUDA (on CPU it runs in Triton's interpreter: for tests)"
         if call.kv_layout == "dense" and call.head_dim == call.v_head_dim and not call.modifiers:
             return "dense K/V of equal widths and no score modifier: SDPA's fused kernels serve these"
-        return None  # paged K/V: read in place (the alternative gathers the whole cache every step)
+        return None  # paged / quantized K/V: read in place (the alternative gathers the whole cache every step)
 
     def run(self, q, k, v, call: AttentionCall):
         from . import kernel as triton_decode
@@ -104,6 +109,16 @@ class TritonBackend(BackendBase):
             out = triton_decode.paged_decode_attention(
                 q, k.k_pool, k.v_pool, k.block_table, seq, q_start=q_start, scale=call.scale,
                 v_head_dim=k.value_dim, max_len=call.kv_len, check=False, **mods)  # attention() validated the PagedKV
+            return out, None
+        if call.kv_layout == "quantized_paged":  # k is the QuantizedKV (validated by attention())
+            out = triton_decode.paged_decode_attention(
+                q, k.k, k.v, k.block_table, seq, q_start=q_start, scale=call.scale, v_head_dim=k.value_dim,
+                max_len=call.kv_len, check=False, k_scale=k.k_scale, v_scale=k.v_scale, **mods)
+            return out, None
+        if call.kv_layout == "quantized":  # dense int8 / fp8 rows and their scales, v None: V from K
+            out = triton_decode.decode_attention(q, k.k, k.v, seq_lens=seq, q_start=q_start, scale=call.scale,
+                                                 v_head_dim=k.value_dim, check=False, k_scale=k.k_scale,
+                                                 v_scale=k.v_scale, **mods)
             return out, None
         v_from_k = v_is_prefix_of_k(k, v)
         # seq_lens are clamped to Sk and the table is [[0], [1], ...]: nothing to check on the device.

@@ -8,20 +8,42 @@ One kernel serves every cache layout attnkit has:
 * **V from K** (MLA's latent cache, ``V = K[..., :Dv]``): each K tile is loaded once and used
   for both the scores (``[c_kv | k_rope]`` against the absorbed query ``[q_nope W_UK | q_rope]``)
   and the output (in latent space). Any ``kv_lora_rank`` / rope width works (padded to powers of
-  two inside the kernel), not only DeepSeek's 512 / 64.
+  two inside the kernel), not only DeepSeek's 512 / 64;
+* **quantized** K/V (:mod:`attnkit.kvquant`: int8 or fp8 e4m3 rows with one fp32 scale each,
+  ``k_scale`` / ``v_scale`` indexed like the rows without their last dim), in any of the layouts
+  above: read in place, one byte per element, widened in registers (see "Quantized K/V" below).
 
 Work split: program ``(b * Hkv + kv_head, row tile, split)``. A row tile holds ``BLOCK_M`` of
 the ``G * S`` query rows that share one KV head (G query heads per KV head, S query tokens:
 decode S = 1, speculative verification S <= 16), so each KV head is read once for its whole query
 group. The context is cut into ``num_splits`` ranges (flash-decoding), each giving an fp32
 partial output and its log-sum-exp; a second kernel merges them exactly. Scores, softmax and
-accumulation are fp32 (base-2 exponentials with the scale folded in); P is rounded to the cache
-dtype for the P @ V product, as every fused kernel does.
+accumulation are fp32 (base-2 exponentials with the scale folded in); P is rounded to q's dtype
+(the float cache's) for the P @ V product, as every fused kernel does.
 
 Visibility, per query row: query ``j`` of sequence ``b`` sees the keys at positions
 ``< min(q_start[b] + j + 1, seq_lens[b])``. That is the cache protocol's
 ``Causal(offsets=old) & KeyPadding(new)``; ``q_start = seq_lens - S`` is plain bottom-right causal,
 and a huge ``q_start`` means no causality. A row that sees nothing gets exactly 0.
+
+Quantized K/V: a tile of int8 or e4m3 rows is widened to fp32 and then to q's dtype, exactly
+(every int8 and every e4m3 value is an fp16 and a bf16 value), so the score dot product is the
+float kernel's, on the stored integers. The scales are then applied per key, not per element:
+
+* each score is multiplied by its key's scale before soft-capping and ALiBi: one multiply per
+  score instead of one per K element, and no rounding of ``data * scale`` to q's dtype (a tile
+  dequantized in registers would round every element before the dot);
+* each probability, once the row's sum ``l`` has it, is multiplied by its value's scale before
+  P @ V (attention over ``data * scale``, as the CPU engine computes it). A V scale is about
+  ``max|v| / 127``, so ``p * scale`` can fall below fp16's normal range (6e-5) and lose its
+  digits when P is rounded to q's dtype: the tile's scales are divided by their largest (finite)
+  one first, and the tile's P @ V multiplied by it after. Only visible keys take their scale
+  (``where``), so a NaN or inf scale reaches the rows that see that key and no other.
+
+fp8 rows are decoded from their bytes with integer ops (sign and exponent|mantissa moved into an
+fp16's fields, then times 2**8): the same code on every GPU (sm_80 has no fp8 conversion) and in
+the interpreter, so nothing about fp8 depends on the device. The bytes 0x7f / 0xff (e4m3fn's NaN)
+decode as NaN, as on the CPU kernel.
 
 Registered as the ``attnkit::decode_attention`` custom op (with a fake implementation), so
 ``torch.compile`` keeps it in the graph. Runs on CUDA, or on CPU tensors under Triton's
@@ -34,6 +56,7 @@ import torch
 from torch import Tensor
 
 from ..._checks import shape_of
+from ...kvquant import QUANTIZED_DTYPES
 from . import MAX_HEAD_DIM, MAX_Q_LEN, MAX_V_HEAD_DIM, NO_CAUSAL, interpreting
 
 try:
@@ -62,16 +85,34 @@ def available(device: torch.device | str | None = None) -> str | None:
 if triton is not None:
 
     @triton.jit
+    def _widen(x, FP8: tl.constexpr):
+        """Quantized elements to fp32, exactly: int8, or e4m3fn given as its bytes (uint8)."""
+        if FP8:
+            # e4m3 is (sign, 4-bit exponent of bias 7, 3-bit mantissa): put the sign in an fp16's
+            # sign bit and the 7 other bits at the top of its exponent|mantissa fields. That fp16
+            # is the value times 2**(7 - 15) (subnormals included: both formats' subnormals have
+            # exponent field 0), so multiplying by 2**8 restores it. int32 ops, truncated to
+            # 16 bits (two's complement keeps the bit pattern) before the bitcast.
+            b = x.to(tl.int32)
+            h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+            f = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+            return tl.where((b & 0x7F) == 0x7F, float("nan"), f)  # e4m3fn's NaN codes
+        else:
+            return x.to(tl.float32)
+
+    @triton.jit
     def _split_kernel(
-        Q, K, V, TABLE, QSTART, SEQLEN, OP, LSEP, SLOPES, APOS,
+        Q, K, V, TABLE, QSTART, SEQLEN, OP, LSEP, SLOPES, APOS, KS, VS,
         scale_log2, softcap,
         stride_qb, stride_qh, stride_qs,
         stride_kn, stride_kt, stride_kh,
         stride_vn, stride_vt, stride_vh,
+        stride_ksn, stride_kst, stride_ksh,
+        stride_vsn, stride_vst, stride_vsh,
         stride_tb,
         HKV, G, S, DK, DR, DV, PAGE, SPLIT_LEN, NSPLIT, NPAGES,
         V_FROM_K: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, QUANT: tl.constexpr, FP8: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_DK: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
     ):
@@ -85,6 +126,9 @@ if triton is not None:
         Qb = Q + b.to(tl.int64) * stride_qb
         Kh = K + kvh.to(tl.int64) * stride_kh
         Vh = V + kvh.to(tl.int64) * stride_vh
+        if QUANT:  # the row scales of this KV head (VS is unread when V comes from K)
+            KSh = KS + kvh.to(tl.int64) * stride_ksh
+            VSh = VS + kvh.to(tl.int64) * stride_vsh
 
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # row = g * S + j
         row_ok = rows < G * S
@@ -125,15 +169,22 @@ if triton is not None:
             slot = pos % PAGE
             k_base = Kh + page * stride_kn + slot * stride_kt
             k = tl.load(k_base[:, None] + dk[None, :], mask=pos_ok[:, None] & (dk[None, :] < DK), other=0.0)
-            if DOT_F32:
+            if QUANT:  # exact: int8 and e4m3 values are values of q's dtype
+                k = _widen(k, FP8).to(q.dtype)
+            elif DOT_F32:
                 k = k.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
             if HAS_ROPE:
                 k_r = tl.load(k_base[:, None] + DK + dr[None, :], mask=pos_ok[:, None] & (dr[None, :] < DR),
                               other=0.0)
-                if DOT_F32:
+                if QUANT:
+                    k_r = _widen(k_r, FP8).to(q_r.dtype)
+                elif DOT_F32:
                     k_r = k_r.to(tl.float32)
                 s += tl.dot(q_r, tl.trans(k_r), input_precision=PRECISION)
+            if QUANT:  # each key's score times its K row scale, before soft-capping and ALiBi
+                ksc = tl.load(KSh + page * stride_ksn + slot * stride_kst, mask=pos_ok, other=0.0)
+                s = s * ksc[None, :]
             if HAS_SOFTCAP:  # c * tanh(scaled score / c), in log2 units after
                 y = s * (scale_log2 * 0.6931471805599453 / softcap)
                 e = tl.exp2(-2.8853900817779268 * tl.abs(y))  # exp(-2|y|)
@@ -143,24 +194,38 @@ if triton is not None:
                 s = s * scale_log2
             if HAS_ALIBI:
                 s += slope[:, None] * (pos[None, :] - apos[:, None]).to(tl.float32)
-            s = tl.where((pos[None, :] < lim[:, None]) & pos_ok[None, :], s, float("-inf"))
+            vis = (pos[None, :] < lim[:, None]) & pos_ok[None, :]
+            s = tl.where(vis, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
             alpha = tl.exp2(m_i - m_safe)
             p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             if V_FROM_K:
-                v = k  # V = K[..., :Dv]: the tile just read (DK == DV)
+                v = k  # V = K[..., :Dv]: the tile just read (DK == DV), widened if quantized
             else:
                 v_base = Vh + page * stride_vn + slot * stride_vt
                 v = tl.load(v_base[:, None] + dv[None, :], mask=pos_ok[:, None] & (dv[None, :] < DV), other=0.0)
-                if DOT_F32:
+                if QUANT:
+                    v = _widen(v, FP8).to(q.dtype)
+                elif DOT_F32:
                     v = v.to(tl.float32)
-            # P rounded to the cache dtype, as every fused kernel does (a no-op for fp32).
-            p = p.to(K.dtype.element_ty)
+            if QUANT:  # each probability (l_i has it) times its V row scale, over the tile's largest
+                if V_FROM_K:
+                    vsc = ksc
+                else:
+                    vsc = tl.load(VSh + page * stride_vsn + slot * stride_vst, mask=pos_ok, other=0.0)
+                top = tl.max(tl.where(pos_ok & (tl.abs(vsc) < float("inf")), tl.abs(vsc), 0.0), 0)
+                top = tl.where(top > 0.0, top, 1.0)
+                p = tl.where(vis, p * (vsc / top)[None, :], 0.0)
+            # P rounded to q's (the float cache's) dtype, as every fused kernel does (a no-op for fp32).
+            p = p.to(Q.dtype.element_ty)
             if DOT_F32:
                 p = p.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            if QUANT:
+                pv = pv * top
+            acc = acc * alpha[:, None] + pv
             m_i = m_new
 
         seen = l_i > 0.0
@@ -224,11 +289,13 @@ def _num_splits(device: torch.device, programs: int, max_len: int, block_n: int)
 
 def _launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tensor, seq_lens: Tensor,
             scale: float, v_head_dim: int, max_len: int, num_splits: int, softcap: float = 0.0,
-            slopes: Tensor | None = None, alibi_start: Tensor | None = None, sinks: Tensor | None = None) -> Tensor:
+            slopes: Tensor | None = None, alibi_start: Tensor | None = None, sinks: Tensor | None = None,
+            k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> Tensor:
     """q (B, Hq, S, D); k (N, page, Hkv, D) and v (N, page, Hkv, Dv) | None (V = K[..., :Dv]),
     last dims contiguous; table (B, nb) int; q_start, seq_lens (B,) int32; softcap (0: off);
     slopes (Hq,) fp32 with alibi_start (B,) int32 (ALiBi query position of each sequence's first
-    query); sinks (Hq,) fp32. Returns (B, Hq, S, Dv)."""
+    query); sinks (Hq,) fp32; quantized (int8 / fp8 e4m3) k and v: k_scale (N, page, Hkv) and
+    v_scale (N, page, Hkv) | None (with v None) fp32, any strides. Returns (B, Hq, S, Dv)."""
     B, Hq, S, D = q.shape
     page, Hkv = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -247,21 +314,30 @@ def _launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tens
     split_len = -(-split_len // block_n) * block_n
     op = torch.empty((B, Hq, S, num_splits, Dv), dtype=torch.float32, device=q.device)
     lsep = torch.empty((B, Hq, S, num_splits), dtype=torch.float32, device=q.device)
+    quant = k_scale is not None
+    fp8 = quant and k.dtype != torch.int8
+    if fp8:  # e4m3 rows go in as their bytes: the kernel decodes them (_widen), on any GPU
+        k, v = k.view(torch.uint8), None if v_from_k else v.view(torch.uint8)
     vv = k if v_from_k else v
+    ks = k_scale if quant else lsep  # unread when not quantized
+    vs = ks if v_scale is None else v_scale
+    scale_strides = (*ks.stride(), *vs.stride()) if quant else (0,) * 6  # (N, page, Hkv) each
     _split_kernel[(B * Hkv, m_tiles, num_splits)](
         q, k, vv, table, q_start, seq_lens, op, lsep,
         seq_lens if slopes is None else slopes, seq_lens if alibi_start is None else alibi_start,  # unread if off
+        ks, vs,
         scale * _LOG2E, float(softcap),
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         vv.stride(0), vv.stride(1), vv.stride(2),
+        *scale_strides,
         table.stride(0),
         Hkv, G, S, cfg["DK"], cfg["DR"], Dv, page, split_len, num_splits, k.shape[0],
         V_FROM_K=v_from_k, HAS_ROPE=cfg["DR"] > 0, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # Triton 3.9's interpreter computes bf16 dots wrongly: there, operands go up to fp32 (exact
         # products, fp32 sums: what the GPU's bf16 dot with fp32 accumulation gives).
         DOT_F32=q.dtype == torch.bfloat16 and interpreting(),
-        HAS_SOFTCAP=softcap > 0, HAS_ALIBI=slopes is not None,
+        HAS_SOFTCAP=softcap > 0, HAS_ALIBI=slopes is not None, QUANT=quant, FP8=fp8,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DK=cfg["BLOCK_DK"], BLOCK_DR=cfg["BLOCK_DR"],
         BLOCK_DV=cfg["BLOCK_DV"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
@@ -276,17 +352,17 @@ def _launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tens
 def _decode_op(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tensor, seq_lens: Tensor,
                scale: float, v_head_dim: int, max_len: int, num_splits: int, softcap: float = 0.0,
                slopes: Tensor | None = None, alibi_start: Tensor | None = None,
-               sinks: Tensor | None = None) -> Tensor:
+               sinks: Tensor | None = None, k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> Tensor:
     why = available(q.device)
     if why:
         raise RuntimeError(f"attnkit::decode_attention: {why}")
     return _launch(q, k, v, table, q_start, seq_lens, scale, v_head_dim, max_len, num_splits, softcap, slopes,
-                   alibi_start, sinks)
+                   alibi_start, sinks, k_scale, v_scale)
 
 
 @_decode_op.register_fake
 def _(q, k, v, table, q_start, seq_lens, scale, v_head_dim, max_len, num_splits, softcap=0.0, slopes=None,
-      alibi_start=None, sinks=None):
+      alibi_start=None, sinks=None, k_scale=None, v_scale=None):
     B, Hq, S, _ = q.shape
     return q.new_empty((B, Hq, S, v_head_dim))
 
@@ -306,13 +382,16 @@ def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor | None, blo
                            *, q_start=None, scale: float | None = None, v_head_dim: int | None = None,
                            max_len: int | None = None, num_splits: int = 0, check: bool = True,
                            softcap: float | None = None, alibi_slopes: Tensor | None = None, alibi_start=None,
-                           sinks: Tensor | None = None) -> Tensor:
+                           sinks: Tensor | None = None, k_scale: Tensor | None = None,
+                           v_scale: Tensor | None = None) -> Tensor:
     """Attention of a few new queries per sequence over a paged KV cache, in one fused kernel.
 
     Args:
         q: (B, Hq, S, D), S <= 16 query tokens per sequence (decode, speculative verification).
-        k_pool: (N, page, Hkv, D) key pages; Hq must be a multiple of Hkv.
-        v_pool: (N, page, Hkv, Dv) value pages, or None: V is ``k_pool[..., :v_head_dim]`` (MLA).
+        k_pool: (N, page, Hkv, D) key pages in q's dtype, or int8 / fp8 e4m3 with ``k_scale``;
+            Hq must be a multiple of Hkv.
+        v_pool: (N, page, Hkv, Dv) value pages of k_pool's dtype, or None: V is
+            ``k_pool[..., :v_head_dim]`` (MLA), scaled by ``k_scale`` when quantized.
         block_table: (B, max_blocks) int: sequence b's token t lives in page
             ``block_table[b, t // page]`` at slot ``t % page``.
         seq_lens: (B,) or int: keys per sequence (including this step's tokens).
@@ -328,6 +407,9 @@ def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor | None, blo
         alibi_slopes: (Hq,) ALiBi slopes, with ``alibi_start`` (B,) or int: the ALiBi position of
             each sequence's first query (default ``q_start``); adds ``slope * (key - query)``.
         sinks: (Hq,) logits joining each row's softmax denominator (gpt-oss).
+        k_scale: (N, page, Hkv) fp32 scales of quantized ``k_pool`` rows (:mod:`attnkit.kvquant`):
+            attention over ``k_pool * k_scale[..., None]``; any strides.
+        v_scale: (N, page, Hkv) fp32 scales of quantized ``v_pool`` rows (None with v_pool None).
 
     Returns:
         (B, Hq, S, Dv) in q's dtype; a query that sees no key gets 0.
@@ -365,8 +447,10 @@ def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor | None, blo
         Dv = v_pool.shape[3]
     if Dv > MAX_V_HEAD_DIM:
         raise ValueError(f"value head dim {Dv} is above the kernel's {MAX_V_HEAD_DIM}")
+    if k_scale is not None or v_scale is not None or k_pool.dtype in QUANTIZED_DTYPES:
+        _check_quantized(q, k_pool, v_pool, k_scale, v_scale)
     for name, t in (("k_pool", k_pool), ("v_pool", v_pool)):
-        if t is not None and (t.dtype != q.dtype or t.device != q.device):
+        if t is not None and ((t.dtype != q.dtype and k_scale is None) or t.device != q.device):
             raise TypeError(f"{name} is {t.dtype} on {t.device}, q is {q.dtype} on {q.device}")
     if not isinstance(block_table, Tensor) or block_table.dim() != 2 or block_table.shape[0] != B \
             or block_table.dtype.is_floating_point or block_table.dtype == torch.bool:
@@ -401,18 +485,46 @@ def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor | None, blo
         slopes = alibi_slopes.to(device=q.device, dtype=torch.float32).contiguous()
         astart = _lengths(alibi_start, "alibi_start", B, q.device, default=qs).to(torch.int32).contiguous()
     sinks = None if sinks is None else sinks.detach().to(device=q.device, dtype=torch.float32).contiguous()
+    k_scale = None if k_scale is None else k_scale.detach()
+    v_scale = None if v_scale is None else v_scale.detach()
     return _decode_op(q, k_pool, v_pool, block_table.to(torch.int32).contiguous(),
                       qs.clamp(-NO_CAUSAL, NO_CAUSAL).to(torch.int32).contiguous(), seq.to(torch.int32).contiguous(),
                       float(scale), int(Dv), int(max_len), int(num_splits), float(softcap or 0.0), slopes, astart,
-                      sinks)
+                      sinks, k_scale, v_scale)
+
+
+def _check_quantized(q: Tensor, k_pool: Tensor, v_pool: Tensor | None, k_scale, v_scale) -> None:
+    """Quantized pools: int8 / fp8 data of one dtype, with fp32 scales of shape ``pool.shape[:3]``."""
+    names = " or ".join(str(d).replace("torch.", "") for d in QUANTIZED_DTYPES)
+    if k_scale is None:
+        raise ValueError(f"k_pool is {k_pool.dtype} (quantized): pass k_scale, fp32 of shape k_pool.shape[:3] = "
+                         f"{tuple(k_pool.shape[:3])}")
+    if k_pool.dtype not in QUANTIZED_DTYPES:
+        raise TypeError(f"k_scale is given, so k_pool must be quantized ({names}), got {k_pool.dtype}")
+    if v_pool is not None and v_pool.dtype != k_pool.dtype:
+        raise TypeError(f"v_pool is {v_pool.dtype}, k_pool {k_pool.dtype}: quantized K/V share one dtype")
+    if (v_pool is None) != (v_scale is None):
+        raise ValueError("v_scale must be given with a quantized v_pool and None without one (V read from K uses "
+                         "k_scale)")
+    for name, sc, pool in (("k_scale", k_scale, k_pool), ("v_scale", v_scale, v_pool)):
+        if pool is None:
+            continue
+        if not isinstance(sc, Tensor) or sc.dtype != torch.float32 or sc.device != q.device:
+            raise TypeError(f"{name} must be an fp32 tensor on {q.device}, got "
+                            f"{getattr(sc, 'dtype', type(sc).__name__)} on {getattr(sc, 'device', '-')}")
+        if sc.shape != pool.shape[:3]:
+            raise ValueError(f"{name} must have shape {tuple(pool.shape[:3])} (one scale per row of "
+                             f"{shape_of(pool)}), got {shape_of(sc)}")
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor | None, *, seq_lens=None, q_start=None,
                      scale: float | None = None, v_head_dim: int | None = None, num_splits: int = 0,
-                     check: bool = True, **modifiers) -> Tensor:
+                     check: bool = True, k_scale: Tensor | None = None, v_scale: Tensor | None = None,
+                     **modifiers) -> Tensor:
     """:func:`paged_decode_attention` over a contiguous cache: k (B, Hkv, L, D), v (B, Hkv, L, Dv)
     or None (V = ``k[..., :v_head_dim]``). ``seq_lens`` defaults to L and ``q_start`` to
-    ``seq_lens - S`` (bottom-right causal); pass ``q_start=NO_CAUSAL`` for no causality."""
+    ``seq_lens - S`` (bottom-right causal); pass ``q_start=NO_CAUSAL`` for no causality.
+    Quantized (int8 / fp8 e4m3) k and v take k_scale (B, Hkv, L) and v_scale (B, Hkv, L) | None."""
     if not isinstance(k, Tensor) or k.dim() != 4 or not isinstance(q, Tensor) or q.dim() != 4 or k.shape[0] != q.shape[0]:
         raise ValueError(f"q must be (B, Hq, S, D) and k (B, Hkv, L, D) with the same B, got q {shape_of(q)}, "
                          f"k {shape_of(k)}")
@@ -425,9 +537,15 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor | None, *, seq_lens=None, q
             raise ValueError(f"seq_lens must be 0 for an empty cache (k {shape_of(k)}), got {seq_lens}")
         k = k.new_zeros(B, k.shape[1], 1, k.shape[3])
         v = None if v is None else v.new_zeros(B, v.shape[1], 1, v.shape[3])
+        k_scale, v_scale = (None if t is None else t.new_zeros(B, t.shape[1], 1) for t in (k_scale, v_scale))
         seq_lens = 0
     seq = torch.full((B,), L, device=k.device) if seq_lens is None else seq_lens
-    return paged_decode_attention(q, k.transpose(1, 2), None if v is None else v.transpose(1, 2), table, seq,
+    t12 = lambda t: None if t is None else t.transpose(1, 2)  # noqa: E731 - (B, Hkv, L, ...) as (B, L, Hkv, ...)
+    for name, sc, rows in (("k_scale", k_scale, k), ("v_scale", v_scale, v)):
+        if isinstance(sc, Tensor) and rows is not None and sc.shape != rows.shape[:3]:
+            raise ValueError(f"{name} must have shape {tuple(rows.shape[:3])} (one scale per row of "
+                             f"{shape_of(rows)}), got {shape_of(sc)}")
+    return paged_decode_attention(q, t12(k), t12(v), table, seq,
                                   q_start=q_start, scale=scale, v_head_dim=v_head_dim,
                                   max_len=L if seq_lens is None or not check else None, num_splits=num_splits,
-                                  check=check, **modifiers)
+                                  check=check, k_scale=t12(k_scale), v_scale=t12(v_scale), **modifiers)

@@ -1,0 +1,141 @@
+"""``Linear``: ``nn.Linear`` whose decode-time calls on CPU stream the weights at memory speed.
+
+Notation: ``x (..., K) -> (..., N)``; ``weight (N, K)``, ``bias (N,)``; ``M = x.numel() // K``
+rows of x (the leading dims flattened).
+
+One decode step of a batch of M sequences multiplies M rows by every weight matrix: each weight is
+read once and used M times, so for small M the layer runs at the speed the weights stream from
+memory. torch's CPU GEMM is built for large M (on an AMD Zen 3 with MKL it streams a matrix-vector
+product at 35-40 % of the read bandwidth). The native kernel (``torch.ops.attnkit_cpu.linear_rows``,
+``attnkit/native/linear.cpp``) splits the N output rows over torch's intra-op threads and walks
+each thread's rows a few at a time against all M rows of x held in cache, widening bf16 weights to
+fp32 in registers (or, with AVX-512-BF16, taking bf16 pairs in its dot product), summing in fp32.
+
+When the kernel runs (:func:`native_applies`): a CPU ``x`` and ``weight`` of one dtype, fp32 or
+bf16 (with a bias of that dtype, if any), a contiguous weight, at most :func:`native_max_rows` rows,
+nothing that wants a gradient (autograd goes to ``F.linear``, whose backward torch has), and the
+native library built here (:mod:`attnkit.native`). Everything else is ``F.linear``: same shapes,
+same dtype, results that differ only by the order of the fp32 sums.
+
+When torch's op is kept (:func:`native_max_rows`, a function of the dtype and the CPU's flags):
+above 8 rows always (torch's GEMM is compute-bound by then and blocks for it); for bf16 above 4
+rows on CPUs with AMX-BF16, whose tile instructions oneDNN uses for torch's bf16 GEMM: the native
+kernel's vector dot products grow with M while the AMX tiles take 16 rows at the cost of one, and
+from about 6 rows (Sapphire Rapids) the tiles win. fp32 has no such unit; there MKL's GEMM and GEMV
+were measured at or below the native kernel for every M up to 8 (benchmarks/bench_linear.py).
+
+Under ``torch.compile`` (``fullgraph=True`` included) the decision traces like any shape check and
+the graph calls the kernel as an op with a Meta kernel for its output shape: the C++ op itself when
+the library is already loaded while tracing (it is after any eager call, such as a prefill), else
+``torch.ops.attnkit.linear_rows``, a Python custom op that loads the library when the compiled code
+first runs (never while tracing) and runs ``F.linear`` if it cannot. (Loading it changes what the
+trace read, so such a graph is traced once more, onto the C++ op.)
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import native
+from .._sysinfo import cpu_flags
+
+__all__ = ["Linear", "LinearInputError", "MAX_ROWS", "native_max_rows", "native_applies"]
+
+#: The most rows of x the native kernel takes (``kMaxRows`` in ``native/linear.cpp``).
+MAX_ROWS = 8
+#: bf16 rows above which torch's GEMM is kept on a CPU with AMX-BF16 (see the module docstring).
+_AMX_BF16_ROWS = 4
+
+
+class LinearInputError(ValueError, RuntimeError):
+    """An ``x`` that does not fit the layer: a ``ValueError`` (attnkit's rule) and the
+    ``RuntimeError`` that ``nn.Linear`` raises for it, so code written against either catches it."""
+
+
+def native_max_rows(dtype: torch.dtype, flags: frozenset[str] | set[str]) -> int:
+    """How many rows of x the native kernel takes for ``dtype`` on a CPU with feature ``flags``
+    (``/proc/cpuinfo`` names): 0 for a dtype it does not take; for bf16 with ``amx_bf16``,
+    ``4``; else :data:`MAX_ROWS`. A pure function, so the rule for any CPU is testable on this one."""
+    if dtype == torch.float32:
+        return MAX_ROWS
+    if dtype == torch.bfloat16:
+        return _AMX_BF16_ROWS if "amx_bf16" in flags else MAX_ROWS
+    return 0
+
+
+#: This CPU's answers, read once at import (never inside code torch.compile traces).
+_MAX_ROWS_HERE = {dt: native_max_rows(dt, cpu_flags()) for dt in (torch.float32, torch.bfloat16)}
+
+
+def native_applies(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    """Whether ``Linear`` gives this call to the native kernel on this CPU, apart from the library
+    being built: CPU tensors of one dtype the kernel takes, a contiguous weight, at most
+    ``native_max_rows`` rows, no gradient wanted. (Runs on every projection of a decode step, and
+    inside traced code: attribute reads only.)"""
+    K = weight.shape[-1]
+    return (x.device.type == "cpu" and weight.device.type == "cpu" and weight.dim() == 2 and K > 0
+            and x.dtype == weight.dtype and x.dtype in _MAX_ROWS_HERE
+            and x.numel() // K <= _MAX_ROWS_HERE[x.dtype]
+            and weight.is_contiguous()
+            and (bias is None or (bias.dtype == x.dtype and bias.device.type == "cpu"))
+            and not (torch.is_grad_enabled()
+                     and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))))
+
+
+@torch.library.custom_op("attnkit::linear_rows", mutates_args=())
+def _linear_rows_deferred(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """The native kernel for a graph traced before the library was loaded: loads it now (at run
+    time, outside tracing) and runs it, or ``F.linear`` where it cannot be built."""
+    ops = native.load()
+    return F.linear(x, weight, bias) if ops is None else ops.linear_rows(x, weight, bias)
+
+
+@_linear_rows_deferred.register_fake
+def _(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def _linear_rows(x2: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | None:
+    """``x2 (M, K) @ weight.T + bias`` by the native kernel, or None when the library is not built
+    here. Eagerly the first call builds it (:func:`attnkit.native.load`); traced code only reads
+    whether it is loaded and otherwise calls the deferred op, which builds it at run time."""
+    if torch.compiler.is_compiling():
+        if native.library_path() is not None:  # loaded: the C++ op (its Meta kernel gives the shape)
+            return torch.ops.attnkit_cpu.linear_rows(x2, weight, bias)
+        return torch.ops.attnkit.linear_rows(x2, weight, bias)
+    ops = native.load()
+    return None if ops is None else ops.linear_rows(x2, weight, bias)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters, state_dict names and initialisation) that runs the native
+    weight-streaming kernel for calls of a few rows on CPU (see the module docstring).
+
+    Shapes: x (..., in_features) -> (..., out_features), x's dtype.
+
+    Equivalent PyTorch code: ``torch.nn.functional.linear(x, self.weight, self.bias)``.
+
+    >>> import torch
+    >>> m = Linear(16, 4)
+    >>> x = torch.randn(2, 16)
+    >>> with torch.no_grad():
+    ...     torch.testing.assert_close(m(x), torch.nn.functional.linear(x, m.weight, m.bias))
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        w, b = self.weight, self.bias
+        if not isinstance(x, Tensor):
+            raise TypeError(f"x must be a Tensor for Linear({self.in_features}, {self.out_features}), "
+                            f"got {type(x).__name__}")
+        if x.dim() == 0 or x.shape[-1] != w.shape[-1]:
+            raise LinearInputError(f"x must be a (..., {w.shape[-1]}) tensor for Linear({self.in_features}, "
+                                   f"{self.out_features}), got shape {tuple(x.shape)}")
+        if native_applies(x, w, b):
+            y = _linear_rows(x.reshape(-1, w.shape[-1]), w, b)
+            if y is not None:
+                return y.view(*x.shape[:-1], w.shape[0])
+        return F.linear(x, w, b)
