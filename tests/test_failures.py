@@ -85,7 +85,7 @@ def lying_table_battery(thread_counts=(1, 2, 16)) -> list[str]:
     before = torch.get_num_threads()
     dtypes = (torch.float32, torch.bfloat16, torch.float16)
     # (Hq, Hkv, D, block size, lengths): GQA, MQA, MHA; odd and vector-width head dims; several
-    # tiles per sequence (tiles hold 16 to 64 keys) and a sequence shorter than one tile
+    # tiles per sequence (tiles hold 16 to 128 keys) and a sequence shorter than one tile
     shapes = [(2, 1, 8, 2, [4, 3]), (8, 2, 7, 3, [150, 40]), (6, 3, 80, 16, [130, 1]), (4, 4, 64, 1, [70, 0])]
     try:
         for threads in thread_counts:

@@ -288,11 +288,11 @@ int64_t tile_key_bytes() {
 }
 
 // Keys per tile for rows of ``width`` elements of ``elem`` bytes, ``heads`` heads a key: what
-// tile_key_bytes() holds, 8 to 64 keys, rounded up to whole vectors (the softmax runs over whole
+// tile_key_bytes() holds, 8 to 128 keys, rounded up to whole vectors (the softmax runs over whole
 // vectors of a tile's scores; lanes past the tile's keys are -inf).
 int64_t tile_keys(int64_t width, int64_t heads, int64_t elem) {
   const int64_t row = std::max<int64_t>(1, width * heads * elem);
-  return round_up(std::max<int64_t>(8, std::min<int64_t>(64, tile_key_bytes() / row)), VL);
+  return round_up(std::max<int64_t>(8, std::min<int64_t>(128, tile_key_bytes() / row)), VL);
 }
 
 // exp_f32 on a whole vector (the same arithmetic, lane by lane).
@@ -453,13 +453,16 @@ X* grown(std::vector<X>& v, int64_t n) noexcept {
 //   (NH, TILE, Dp / Dvp): a tile's rows widened to fp32 (empty when read in place); s (M, TILE):
 //   one head's scores, then probabilities; acc (NH, M, Dvp); rlo / rhi (M): each row's keys in
 //   the unit; krow / vrow (NH, TILE): where a tile's key / value rows are read; ks / vs (NH,
-//   TILE): a tile's K / V row scales (quantized K/V).
+//   TILE): a tile's K / V row scales (quantized K/V); kpf / vpf (TILE): where the next tile's
+//   key / value rows start (all NH heads; nullptr past its keys), prefetched while this tile's
+//   scores are computed.
 template <typename R>
 struct UnitScratch {
   float *q, *kbuf, *vbuf, *s, *acc, *ks, *vs;
   uint16_t* qb;
   int64_t *rlo, *rhi;
   const R **krow, **vrow;
+  const char **kpf, **vpf;
 };
 
 // Takes (and zeroes) the unit's scratch; false when memory ran out, which the caller reports
@@ -477,7 +480,7 @@ inline bool unit_scratch(int64_t NH, int64_t M, int64_t Dp, int64_t Dvp, int64_t
   const int64_t scratch_n = NH * M * Dp + kbuf_n + vbuf_n + M * TILE + NH * M * Dvp + 2 * scales_n;
   float* const qbuf = grown(scratch, scratch_n);
   int64_t* const rlo = grown(bounds, 2 * M);
-  const R** const krow = reinterpret_cast<const R**>(grown(rows, 2 * NH * TILE));
+  const R** const krow = reinterpret_cast<const R**>(grown(rows, 2 * NH * TILE + 2 * TILE));
   uint16_t* const qb = dot ? grown(qbits, NH * M * Dp) : nullptr;
   if (qbuf == nullptr || rlo == nullptr || krow == nullptr || (dot && qb == nullptr)) return false;
   std::fill(qbuf, qbuf + scratch_n, 0.0f);  // padding lanes must add 0 to the dot products
@@ -493,6 +496,8 @@ inline bool unit_scratch(int64_t NH, int64_t M, int64_t Dp, int64_t Dvp, int64_t
   w.rhi = rlo + M;
   w.krow = krow;
   w.vrow = krow + NH * TILE;
+  w.kpf = reinterpret_cast<const char**>(krow + 2 * NH * TILE);
+  w.vpf = w.kpf + TILE;
   if (dot) std::fill(qb, qb + NH * M * Dp, 0);  // as above
   return true;
 }
@@ -526,8 +531,10 @@ __attribute__((always_inline)) inline void unit_key_bounds(const Args& a, const 
 }
 
 // The key and value rows of a unit's NH heads, a tile at a time. gather() points krow / vrow
-// (NH, TILE) at a tile's rows (in place, or copied to fp32 buffers) and, a key at a time,
-// prefetches the same key of the next tile, so its memory latency overlaps this tile's arithmetic.
+// (NH, TILE) at a tile's rows (in place, or copied to fp32 buffers) and kpf / vpf (TILE) at the
+// next tile's, which the score loop prefetches a key at a time: the requests are spread over this
+// tile's arithmetic instead of issued in one burst, which stalls on the core's few outstanding
+// misses (line fill buffers) with nothing to overlap.
 template <typename T, bool InPlace>
 struct TileRows {
   using R = typename std::conditional<InPlace, T, float>::type;
@@ -536,7 +543,6 @@ struct TileRows {
   const int64_t NH, D, Dv, Dp, Dvp, TILE;
   const int64_t ksstep, vsstep;  // between the scales of consecutive heads
   const int64_t kstep, vstep;  // between the rows of consecutive heads
-  const int64_t kspan, vspan;  // bytes a key / value row of all NH heads spans (what is prefetched)
   const bool v_from_k;
 
   TileRows(const Args& a, const Unit& u)
@@ -557,17 +563,16 @@ struct TileRows {
         vstep(a.paged ? a.vs2 : a.vs1),
         ksstep(a.paged ? a.kss2 : a.kss1),
         vsstep(a.vsc == nullptr ? (a.paged ? a.kss2 : a.kss1) : (a.paged ? a.vss2 : a.vss1)),
-        kspan(((u.nh - 1) * kstep + a.D) * static_cast<int64_t>(sizeof(T))),
-        vspan(((u.nh - 1) * vstep + a.Dv) * static_cast<int64_t>(sizeof(T))),
         v_from_k(a.v == nullptr) {}
 
   // The n keys from t0 (the unit walks up to ``end``); quantized K/V also put the rows' scales
   // in ``kscale`` / ``vscale`` (NH, TILE).
   __attribute__((always_inline)) inline void gather(int64_t t0, int64_t n, int64_t end, const R** krow, const R** vrow,
-                                                    float* kbuf, float* vbuf, float* kscale, float* vscale) {
+                                                    const char** kpf, const char** vpf, float* kbuf, float* vbuf,
+                                                    float* kscale, float* vscale) {
     // Locals, not members, in the loop: the compiler need not prove the row writes leave *this alone.
     const int64_t NH = this->NH, D = this->D, Dv = this->Dv, Dp = this->Dp, Dvp = this->Dvp, TILE = this->TILE;
-    const int64_t kstep = this->kstep, vstep = this->vstep, kspan = this->kspan, vspan = this->vspan;
+    const int64_t kstep = this->kstep, vstep = this->vstep;
     const bool v_from_k = this->v_from_k;
     k.seek(t0);
     v.seek(t0);
@@ -591,14 +596,8 @@ struct TileRows {
       }
     }
     for (int64_t j = 0; j < n; ++j) {
-      if (j < ahead) {
-        const char* pk = reinterpret_cast<const char*>(k_next.next());
-        for (int64_t c = 0; c < kspan; c += 64) __builtin_prefetch(pk + c, 0, 3);
-        if (!v_from_k) {
-          const char* pv = reinterpret_cast<const char*>(v_next.next());
-          for (int64_t c = 0; c < vspan; c += 64) __builtin_prefetch(pv + c, 0, 3);
-        }
-      }
+      kpf[j] = j < ahead ? reinterpret_cast<const char*>(k_next.next()) : nullptr;
+      vpf[j] = j < ahead && !v_from_k ? reinterpret_cast<const char*>(v_next.next()) : nullptr;
       const T* kr0 = k.next();
       const T* vr0 = v_from_k ? kr0 : v.next();
       for (int64_t hh = 0; hh < NH; ++hh) {
@@ -681,15 +680,34 @@ __attribute__((always_inline)) inline float score_1x1_fma(const float* q0, int64
   return hsum(c0);
 }
 
+// One head's part of the next tile's rows: key j's K (and V) row of the head is ``klen`` (``vlen``)
+// bytes from ``k[j] + koff`` (``v[j] + voff``); null entries (past the next tile, V read from K)
+// are skipped.
+struct NextRows {
+  const char* const* k;
+  const char* const* v;
+  int64_t koff, klen, voff, vlen;
+
+  __attribute__((always_inline)) inline void prefetch(int64_t j) const {
+    if (const char* p = k[j])
+      for (int64_t c = 0; c < klen; c += 64) __builtin_prefetch(p + koff + c, 0, 3);
+    if (const char* p = v[j])
+      for (int64_t c = 0; c < vlen; c += 64) __builtin_prefetch(p + voff + c, 0, 3);
+  }
+};
+
 // s[r][j] = q_r . k_j (scaled) for the M rows of one head and the tile's n keys ``krh``: two keys
 // and four rows per pass, through the bf16 dot product where ``qbh`` is given (DotType: the
-// instantiation can take it), else by FMAs.
+// instantiation can take it), else by FMAs. The head's rows of the next tile's key j are
+// prefetched with key j's scores.
 template <typename R, bool DotType>
 __attribute__((always_inline)) inline void score_tile(const float* qh, const uint16_t* qbh, const R* const* krh,
                                                       int64_t M, int64_t Dp, int64_t n, int64_t TILE, float scale,
-                                                      float* sbuf) {
+                                                      const NextRows& next, float* sbuf) {
   int64_t j = 0;
   for (; j + 2 <= n; j += 2) {
+    next.prefetch(j);
+    next.prefetch(j + 1);
     const R* k0 = krh[j];
     const R* k1 = krh[j + 1];
     int64_t r = 0;
@@ -703,8 +721,10 @@ __attribute__((always_inline)) inline void score_tile(const float* qh, const uin
     for (; r + 4 <= M; r += 4) score_4x2_fma(qh + r * Dp, Dp, k0, k1, TILE, sbuf + r * TILE + j);
     for (; r < M; ++r) score_1x2_fma(qh + r * Dp, Dp, k0, k1, sbuf + r * TILE + j);
   }
-  for (; j < n; ++j)
+  for (; j < n; ++j) {
+    next.prefetch(j);
     for (int64_t r = 0; r < M; ++r) sbuf[r * TILE + j] = score_1x1_fma(qh + r * Dp, Dp, krh[j]);
+  }
 }
 
 // Soft cap, bias and ALiBi on row i (query head hq) of a tile's n scores from key t0, in that
@@ -799,25 +819,31 @@ __attribute__((always_inline)) inline void softmax_tile(const Args& a, const Uni
   }
 }
 
-// acc (4 rows Dvp apart, 2 vectors from d) += P @ V over keys [lo, hi): eight accumulators stay
-// in registers while the V rows stream by (per key two V loads and four broadcasts feed eight
-// FMAs); ``p0`` holds the 4 rows' probabilities TILE apart.
+// acc (4 rows Dvp apart, W vectors from d) += P @ V over keys [lo, hi): 4 * W accumulators stay
+// in registers while the V rows stream by (per key W V loads and four broadcasts feed 4 * W
+// FMAs); ``p0`` holds the 4 rows' probabilities TILE apart. W is what the register file holds
+// with the V vectors and broadcasts beside the accumulators: 4 with AVX-512's 32 registers, 2
+// with AVX2's 16.
+#if defined(__AVX512F__)
+constexpr int64_t kPVW = 4;
+#else
+constexpr int64_t kPVW = 2;
+#endif
 template <typename R>
-__attribute__((always_inline)) inline void pv_4x2(float* a0, const float* p0, const R* const* vrh, int64_t d,
+__attribute__((always_inline)) inline void pv_4xW(float* a0, const float* p0, const R* const* vrh, int64_t d,
                                                   int64_t Dvp, int64_t TILE, int64_t lo, int64_t hi) {
-  vf x0 = {}, y0 = {}, x1 = {}, y1 = {}, x2 = {}, y2 = {}, x3 = {}, y3 = {};
+  vf x[4][kPVW] = {};
   for (int64_t jj = lo; jj < hi; ++jj) {
-    const vf va = vload_as_f32(vrh[jj] + d), vb = vload_as_f32(vrh[jj] + d + VL);
-    const vf p_0 = vsplat(p0[jj]), p_1 = vsplat(p0[TILE + jj]), p_2 = vsplat(p0[2 * TILE + jj]), p_3 = vsplat(p0[3 * TILE + jj]);
-    x0 += p_0 * va; y0 += p_0 * vb;
-    x1 += p_1 * va; y1 += p_1 * vb;
-    x2 += p_2 * va; y2 += p_2 * vb;
-    x3 += p_3 * va; y3 += p_3 * vb;
+    const R* vr = vrh[jj] + d;
+    vf v[kPVW];
+    for (int64_t w = 0; w < kPVW; ++w) v[w] = vload_as_f32(vr + w * VL);
+    for (int64_t r = 0; r < 4; ++r) {
+      const vf p = vsplat(p0[r * TILE + jj]);
+      for (int64_t w = 0; w < kPVW; ++w) x[r][w] += p * v[w];
+    }
   }
-  vstore(a0, vload(a0) + x0); vstore(a0 + VL, vload(a0 + VL) + y0);
-  vstore(a0 + Dvp, vload(a0 + Dvp) + x1); vstore(a0 + Dvp + VL, vload(a0 + Dvp + VL) + y1);
-  vstore(a0 + 2 * Dvp, vload(a0 + 2 * Dvp) + x2); vstore(a0 + 2 * Dvp + VL, vload(a0 + 2 * Dvp + VL) + y2);
-  vstore(a0 + 3 * Dvp, vload(a0 + 3 * Dvp) + x3); vstore(a0 + 3 * Dvp + VL, vload(a0 + 3 * Dvp + VL) + y3);
+  for (int64_t r = 0; r < 4; ++r)
+    for (int64_t w = 0; w < kPVW; ++w) vstore(a0 + r * Dvp + w * VL, vload(a0 + r * Dvp + w * VL) + x[r][w]);
 }
 
 // One row, two vectors (the rows past the last group of 4).
@@ -850,14 +876,19 @@ __attribute__((always_inline)) inline void pv_1x1(float* a0, const float* p0, co
 template <typename R>
 __attribute__((always_inline)) inline void accumulate_pv(float* ach, const float* sbuf, const R* const* vrh, int64_t M,
                                                          int64_t Dvp, int64_t TILE, int64_t vis_lo, int64_t vis_hi) {
-  int64_t d = 0;
-  for (; d + 2 * VL <= Dvp; d += 2 * VL) {
-    int64_t r = 0;
-    for (; r + 4 <= M; r += 4) pv_4x2(ach + r * Dvp + d, sbuf + r * TILE, vrh, d, Dvp, TILE, vis_lo, vis_hi);
-    for (; r < M; ++r) pv_1x2(ach + r * Dvp + d, sbuf + r * TILE, vrh, d, vis_lo, vis_hi);
+  int64_t r = 0;
+  for (; r + 4 <= M; r += 4) {
+    int64_t d = 0;
+    for (; d + kPVW * VL <= Dvp; d += kPVW * VL)
+      pv_4xW(ach + r * Dvp + d, sbuf + r * TILE, vrh, d, Dvp, TILE, vis_lo, vis_hi);
+    for (; d < Dvp; d += VL)
+      for (int64_t x = r; x < r + 4; ++x) pv_1x1(ach + x * Dvp + d, sbuf + x * TILE, vrh, d, vis_lo, vis_hi);
   }
+  int64_t d = 0;
+  for (; d + 2 * VL <= Dvp; d += 2 * VL)
+    for (int64_t x = r; x < M; ++x) pv_1x2(ach + x * Dvp + d, sbuf + x * TILE, vrh, d, vis_lo, vis_hi);
   for (; d < Dvp; d += VL)
-    for (int64_t r = 0; r < M; ++r) pv_1x1(ach + r * Dvp + d, sbuf + r * TILE, vrh, d, vis_lo, vis_hi);
+    for (int64_t x = r; x < M; ++x) pv_1x1(ach + x * Dvp + d, sbuf + x * TILE, vrh, d, vis_lo, vis_hi);
 }
 
 // The unit's unnormalised accumulators, (rows, Dvp) with padding lanes, to its partials (rows, Dv).
@@ -894,13 +925,15 @@ void run_unit(const Args& a, const Unit& u, float* m, float* l, float* acc_out) 
   std::fill(l, l + NH * M, 0.0f);
 
   TileRows<T, InPlace> tiles(a, u);
+  constexpr int64_t elem = sizeof(T);
   for (int64_t t0 = start; t0 < end; t0 += TILE) {
     const int64_t n = std::min(TILE, end - t0);
-    tiles.gather(t0, n, end, w.krow, w.vrow, w.kbuf, w.vbuf, w.ks, w.vs);
+    tiles.gather(t0, n, end, w.krow, w.vrow, w.kpf, w.vpf, w.kbuf, w.vbuf, w.ks, w.vs);
     for (int64_t hh = 0; hh < NH; ++hh) {
       float* const ach = w.acc + hh * M * Dvp;
+      const NextRows next{w.kpf, w.vpf, hh * tiles.kstep * elem, a.D * elem, hh * tiles.vstep * elem, a.Dv * elem};
       score_tile<R, kDotType>(w.q + hh * M * Dp, dot ? w.qb + hh * M * Dp : nullptr, w.krow + hh * TILE, M, Dp, n,
-                              TILE, a.scale, w.s);
+                              TILE, a.scale, next, w.s);
       int64_t vis_lo, vis_hi;
       softmax_tile(a, u, hh, M, t0, n, TILE, w.rlo, w.rhi, w.s, m + hh * M, l + hh * M, ach, Dvp,
                    w.ks ? w.ks + hh * TILE : nullptr, w.vs ? w.vs + hh * TILE : nullptr, vis_lo, vis_hi);
