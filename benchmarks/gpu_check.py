@@ -129,9 +129,14 @@ def _check(q, k, v, mask, kw, backend: str, grad: bool) -> dict:
         detail = attnkit.describe_call(q, k, v, mask, backend=backend, detail=True, **kw)
     except BackendNotSupported:
         return {"status": "refused"}
-    row = {"kernel": detail}
+    return _verdict({"kernel": detail}, lambda: check_against_oracle(q, k, v, mask, backend=backend, grad=grad, **kw))
+
+
+def _verdict(row: dict, check) -> dict:
+    """``row`` with the status of ``check()``: pass, FAIL (rule R's message) or ERROR (a crash, with
+    its text)."""
     try:
-        check_against_oracle(q, k, v, mask, backend=backend, grad=grad, **kw)
+        check()
         row["status"] = "pass"
     except AssertionError as e:
         row.update(status="FAIL", why=str(e).splitlines()[0][:300])
@@ -181,19 +186,15 @@ def _paged_row(q, k, v, mask, kw, backend: str, quantized: str | None = None, pa
         kernel = attnkit.describe_call(q, kv, None, mask, backend=backend, detail=True, **kw)
     except BackendNotSupported:
         return {"status": "refused"}
-    row = {"kernel": kernel}
-    try:
+
+    def check():
         out = attnkit.attention(q, kv, None, mask, backend=backend, **kw)
         sinks = kw.get("sinks")
         gold = attnkit.attention_reference(q.double(), k.double(), v.double(), mask, softcap=kw.get("softcap"),
                                            sinks=None if sinks is None else sinks.double())
         rule_r(out, base_attention(q, kb, vb, mask, **kw), gold, n_terms=max(k.shape[2], k.shape[3]))
-        row["status"] = "pass"
-    except AssertionError as e:
-        row.update(status="FAIL", why=str(e).splitlines()[0][:300])
-    except Exception as e:  # noqa: BLE001 - a crash is a failed row, with its text
-        row.update(status="ERROR", why=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
-    return row
+
+    return _verdict({"kernel": kernel}, check)
 
 
 def sweep(device: str, quick: bool) -> list[dict]:

@@ -129,6 +129,26 @@ def make_qkv(B, Hq, Hkv, Sq, Sk, D, Dv=None, dtype=torch.float32, *, dist="randn
     return mk(B, Hq, Sq, D), mk(B, Hkv, Sk, D), mk(B, Hkv, Sk, Dv)
 
 
+def compile_ahead(script: str, cases: list) -> list:
+    """Run ``script`` (a Triton ahead-of-time compile for CUDA, which needs no GPU) in a child
+    process with ``cases`` as its JSON argument, and return the JSON list it prints last. A child,
+    because this process's Triton may be in interpreter mode, which cannot compile; the test is
+    skipped where this Triton has no CUDA backend or ptxas."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", script, json.dumps(cases)], capture_output=True, text=True, env=env,
+                       timeout=600)
+    if r.returncode:
+        tail = r.stderr.strip().splitlines()[-1:] or ["?"]
+        if "ptxas" in r.stderr or "GPUTarget" in r.stderr or "cuda" in tail[0].lower():
+            pytest.skip(f"this triton cannot compile for CUDA here: {tail[0][:120]}")
+        raise AssertionError(r.stderr[-2000:])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 def stable_seed(*parts) -> int:
     """A seed from test parameters that is the same in every process (hash() is salted)."""
     return zlib.crc32(repr(parts).encode()) % 10_000

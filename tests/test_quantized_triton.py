@@ -9,12 +9,8 @@ end."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -25,7 +21,7 @@ from attnkit import masks as M
 from attnkit.backends import registry
 from attnkit.masks import ALiBi, Causal, KeyPadding
 
-from conftest import base_attention, rule_r, stable_seed
+from conftest import base_attention, compile_ahead, rule_r, stable_seed
 
 triton_decode = pytest.importorskip("attnkit.backends.triton_splitk.kernel")
 if triton_decode.available() is not None:
@@ -395,15 +391,7 @@ def test_quantized_configs_compile_within_shared_memory_for_sm80_and_sm90():
     cases = [[dt, st, D, Dv, vfk, cap] for dt in ("bfloat16", "float16", "float32") for st in ("int8", "fp8")
              for D, Dv, vfk in ((128, 128, False), (576, 512, True), (1024, 512, False)) for cap in _SMEM
              if dt != "float16" or D == 128]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _AOT, json.dumps(cases)], capture_output=True, text=True, env=env,
-                       timeout=600)
-    if r.returncode:
-        tail = r.stderr.strip().splitlines()[-1:] or ["?"]
-        if "ptxas" in r.stderr or "GPUTarget" in r.stderr or "cuda" in tail[0].lower():
-            pytest.skip(f"this triton cannot compile for CUDA here: {tail[0][:120]}")
-        raise AssertionError(r.stderr[-2000:])
-    for dt, st, D, Dv, vfk, cap, shared in json.loads(r.stdout.strip().splitlines()[-1]):
+    for dt, st, D, Dv, vfk, cap, shared in compile_ahead(_AOT, cases):
         assert shared <= _SMEM[cap], f"{dt} {st} D={D} Dv={Dv} v_from_k={vfk}: {shared} B shared on sm_{cap}"
 
 

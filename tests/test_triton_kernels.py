@@ -18,7 +18,7 @@ from attnkit.caches.paged import PagedKVCache
 from attnkit import masks as M
 from attnkit.masks import Causal, KeyPadding, SlidingWindow
 
-from conftest import base_attention, rule_r, stable_seed
+from conftest import base_attention, compile_ahead, rule_r, stable_seed
 
 triton_decode = pytest.importorskip("attnkit.backends.triton_splitk.kernel")
 if triton_decode.available() is not None:
@@ -295,23 +295,10 @@ def test_kernel_configs_compile_within_shared_memory_for_sm80_and_sm90():
     backend and its bundled ptxas), with the tile sizes _config picks, at the largest head dims
     the kernel accepts, and check shared memory fits an A100 and an H100 / H200. In a child
     process: the interpreter mode of this one cannot compile."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     cases = [[dt, D, Dv, vfk, cap] for dt in ("float32", "bfloat16")
              for D, Dv, vfk in ((128, 128, False), (576, 512, True), (576, 512, False), (1024, 512, False))
              for cap in _SMEM]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _AOT, json.dumps(cases)], capture_output=True, text=True, env=env,
-                       timeout=600)
-    if r.returncode:
-        tail = r.stderr.strip().splitlines()[-1:] or ["?"]
-        if "ptxas" in r.stderr or "GPUTarget" in r.stderr or "cuda" in tail[0].lower():
-            pytest.skip(f"this triton cannot compile for CUDA here: {tail[0][:120]}")
-        raise AssertionError(r.stderr[-2000:])
-    for dt, D, Dv, vfk, cap, shared in json.loads(r.stdout.strip().splitlines()[-1]):
+    for dt, D, Dv, vfk, cap, shared in compile_ahead(_AOT, cases):
         assert shared <= _SMEM[cap], f"{dt} D={D} Dv={Dv} v_from_k={vfk}: {shared} B shared on sm_{cap}"
 
 
