@@ -174,23 +174,29 @@ template <typename T>
 struct Rows {
   const Args& a;
   const T* base;
-  int64_t s0, s1, s2, b, h, pos = 0, slot = 0, off = 0;
+  int64_t s0, s1, s2, b, h, slot = 0, off = 0;
   const T* blk = nullptr;
+  const T* cur = nullptr;  // dense: the next row (rows are s2 apart, so a walk only adds)
 
   Rows(const Args& args, const void* p, int64_t t0, int64_t t1, int64_t t2, int64_t bb, int64_t hh)
       : a(args), base(static_cast<const T*>(p)), s0(t0), s1(t1), s2(t2), b(bb), h(hh) {}
 
   void seek(int64_t j) {
-    pos = j;
     if (a.paged) {
       slot = j / a.block_size;
       off = j - slot * a.block_size;
       blk = nullptr;
+    } else {
+      cur = base + b * s0 + h * s1 + j * s2;
     }
   }
 
   const T* next() {
-    if (!a.paged) return base + b * s0 + h * s1 + (pos++) * s2;
+    if (!a.paged) {
+      const T* r = cur;
+      cur += s2;
+      return r;
+    }
     if (blk == nullptr) {
       int64_t id = slot < a.table_w ? a.table[b * a.table_s0 + slot] : -1;
       if (__builtin_expect(id < 0 || id >= a.num_blocks, 0)) {
