@@ -276,3 +276,31 @@ def test_channel_scale_errors():
         attnkit.attention(q, replace(qkv, k_channel_scale=torch.ones(16)), None)
     with pytest.raises(TypeError, match="k_channel_scale must be an fp32"):
         attnkit.attention(q, replace(qkv, k_channel_scale=torch.ones(2, 16, dtype=torch.float64)), None)
+
+
+@pytest.mark.parametrize("qdtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", [32, 128, 256, 288, 80])
+def test_int8_keys_scored_by_integer_dot_products_match_the_oracle(engine, qdtype, D):
+    """On CPUs with AVX-512-VNNI the native kernel scores int8 keys against bf16 / fp16 queries
+    held as int16 (to 2^-16 of each row's largest element) for D <= 256 in whole 32-lane steps;
+    the other widths (288, 80) take the fp32 path. Either way rule R holds, also for a query row
+    whose elements span 6 orders of magnitude and an all-zero row; a NaN in one query row
+    poisons that row only (its unit falls back to fp32 products)."""
+    g = torch.Generator().manual_seed(D)
+    B, Hkv, G, Sq, Sk = 2, 2, 4, 3, 150
+    q = torch.randn(B, Hkv * G, Sq, D, generator=g)
+    q[0, 0, 0] *= torch.logspace(-3, 3, D)  # wide dynamic range in one row
+    q[1, 3, 2] = 0.0
+    q = q.to(qdtype)
+    k, v = torch.randn(B, Hkv, Sk, D, generator=g), torch.randn(B, Hkv, Sk, D, generator=g)
+    qkv = QuantizedKV.quantize(k, v, "int8")
+    out = attnkit.attention(q, qkv, None, causal=True, backend="decode")
+    gold, base = _oracle(q, qkv, causal=True)
+    rule_r(out, base, gold, n_terms=max(Sk, D))
+    q[1, 5, 1, D // 2] = float("nan")
+    out = attnkit.attention(q, qkv, None, causal=True, backend="decode")
+    assert out[1, 5, 1].isnan().all()
+    bad = torch.zeros_like(out, dtype=torch.bool)
+    bad[1, 5, 1] = True
+    assert torch.isfinite(out[~bad]).all()
+    rule_r(out[~bad], base[~bad], gold[~bad], n_terms=max(Sk, D))

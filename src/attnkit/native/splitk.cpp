@@ -274,6 +274,63 @@ constexpr bool kDotBF16 = false;
 inline void dot_4x2_bf16(const uint16_t*, int64_t, const c10::BFloat16*, const c10::BFloat16*, float*) {}
 #endif
 
+// Scores of 4 query rows x 2 int8 keys with AVX-512-VNNI's integer dot product (VPDPWSSD: pairs
+// of int16 x int16 products summed exactly into int32 lanes). ``q`` holds the 4 rows Dp apart as
+// int16 (quantize_q_i16: row r is rs[r] * q[r] to 2^-16 of the row's largest element, far below
+// a bf16 / fp16 query's own rounding), so the keys need only a sign extension where the fp32 path
+// widens, converts and issues twice the multiply-adds. Exact integer sums (|sum| < 2^31 for
+// D <= 256), each converted once and multiplied by its row's scale into ``sr`` (rows TILE apart).
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kDotI16 = true;
+inline void dot_4x2_i16(const int16_t* q, int64_t Dp, const int8_t* k0, const int8_t* k1, const float* rs,
+                        int64_t TILE, float* sr) {
+  __m512i c00 = _mm512_setzero_si512(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00;
+  for (int64_t d = 0; d < Dp; d += 32) {
+    const __m512i x0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k0 + d)));
+    const __m512i x1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k1 + d)));
+    const __m512i y0 = _mm512_loadu_si512(q + d), y1 = _mm512_loadu_si512(q + Dp + d);
+    const __m512i y2 = _mm512_loadu_si512(q + 2 * Dp + d), y3 = _mm512_loadu_si512(q + 3 * Dp + d);
+    c00 = _mm512_dpwssd_epi32(c00, y0, x0); c01 = _mm512_dpwssd_epi32(c01, y0, x1);
+    c10 = _mm512_dpwssd_epi32(c10, y1, x0); c11 = _mm512_dpwssd_epi32(c11, y1, x1);
+    c20 = _mm512_dpwssd_epi32(c20, y2, x0); c21 = _mm512_dpwssd_epi32(c21, y2, x1);
+    c30 = _mm512_dpwssd_epi32(c30, y3, x0); c31 = _mm512_dpwssd_epi32(c31, y3, x1);
+  }
+  // the eight sums (the AVX2 tree of horizontal adds after folding each vector to 256 bits), in
+  // the order c00, c01, c10, c11, ...
+  const __m512i c[8] = {c00, c01, c10, c11, c20, c21, c30, c31};
+  __m256i h[8];
+  for (int x = 0; x < 8; ++x) h[x] = _mm256_add_epi32(_mm512_castsi512_si256(c[x]), _mm512_extracti64x4_epi64(c[x], 1));
+  const __m256i t0 = _mm256_hadd_epi32(h[0], h[1]), t1 = _mm256_hadd_epi32(h[2], h[3]);
+  const __m256i t2 = _mm256_hadd_epi32(h[4], h[5]), t3 = _mm256_hadd_epi32(h[6], h[7]);
+  const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
+  const __m256i sums = _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+  float f[8];
+  _mm256_storeu_ps(f, _mm256_cvtepi32_ps(sums));
+  for (int64_t x = 0; x < 4; ++x) {
+    sr[x * TILE] = f[2 * x] * rs[x];
+    sr[x * TILE + 1] = f[2 * x + 1] * rs[x];
+  }
+}
+#else
+constexpr bool kDotI16 = false;
+inline void dot_4x2_i16(const int16_t*, int64_t, const int8_t*, const int8_t*, const float*, int64_t, float*) {}
+#endif
+
+// The scaled fp32 q row ``x`` (Dp, zero-padded) as int16 ``out`` times the scale ``rs``: x / rs
+// rounded, rs = max|x| / 32767, so |x - rs * out| <= rs / 2. False for a row with NaN or inf
+// (the caller then scores in fp32, so the NaN reaches the row's output).
+inline bool quantize_q_i16(const float* x, int64_t Dp, int16_t* out, float& rs) {
+  float amax = 0.0f;
+  for (int64_t d = 0; d < Dp; ++d) amax = std::max(amax, std::fabs(x[d]));
+  for (int64_t d = 0; d < Dp; ++d)
+    if (!std::isfinite(x[d])) return false;
+  rs = amax > 0.0f ? amax / 32767.0f : 1.0f;
+  const float inv = 1.0f / rs;
+  for (int64_t d = 0; d < Dp; ++d)
+    out[d] = static_cast<int16_t>(std::max(-32767.0f, std::min(32767.0f, std::nearbyint(x[d] * inv))));
+  return true;
+}
+
 // Bytes of key rows one tile holds (all of a unit's heads): 1/32 of the core's L2, at least 16 KiB
 // (the size the kernel was first tuned to, with an L2 of 512 KiB). A tile and the next one
 // (prefetched) of K and V then take 1/8 of L2; larger L2s get longer tiles, which spread the
@@ -455,7 +512,8 @@ X* grown(std::vector<X>& v, int64_t n) noexcept {
 // A unit's working memory, carved from buffers each thread keeps across its units (one set per
 // instantiation of run_unit: the thread_locals live in unit_scratch<T, InPlace>).
 //   q (NH, M, Dp): the scaled fp32 q rows, zero-padded to whole vectors; qb (NH, M, Dp): the
-//   same rows unscaled in bf16 for the dot product (nullptr when it is not used); kbuf / vbuf
+//   same rows for a dot product (nullptr when it is not used): unscaled bf16 against bf16 keys,
+//   int16 against int8 keys, with their scales in qs (NH, M); kbuf / vbuf
 //   (NH, TILE, Dp / Dvp): a tile's rows widened to fp32 (empty when read in place); s (M, TILE):
 //   one head's scores, then probabilities; acc (NH, M, Dvp); rlo / rhi (M): each row's keys in
 //   the unit; krow / vrow (NH, TILE): where a tile's key / value rows are read; ks / vs (NH,
@@ -464,7 +522,7 @@ X* grown(std::vector<X>& v, int64_t n) noexcept {
 //   scores are computed.
 template <typename R>
 struct UnitScratch {
-  float *q, *kbuf, *vbuf, *s, *acc, *ks, *vs;
+  float *q, *kbuf, *vbuf, *s, *acc, *ks, *vs, *qs;
   uint16_t* qb;
   int64_t *rlo, *rhi;
   const R **krow, **vrow;
@@ -483,7 +541,7 @@ inline bool unit_scratch(int64_t NH, int64_t M, int64_t Dp, int64_t Dvp, int64_t
   thread_local std::vector<uint16_t> qbits;
   const int64_t kbuf_n = InPlace ? 0 : NH * TILE * Dp, vbuf_n = (InPlace || v_from_k) ? 0 : NH * TILE * Dvp;
   const int64_t scales_n = kQuantized<T> ? NH * TILE : 0;
-  const int64_t scratch_n = NH * M * Dp + kbuf_n + vbuf_n + M * TILE + NH * M * Dvp + 2 * scales_n;
+  const int64_t scratch_n = NH * M * Dp + kbuf_n + vbuf_n + M * TILE + NH * M * Dvp + 2 * scales_n + NH * M;
   float* const qbuf = grown(scratch, scratch_n);
   int64_t* const rlo = grown(bounds, 2 * M);
   const R** const krow = reinterpret_cast<const R**>(grown(rows, 2 * NH * TILE + 2 * TILE));
@@ -497,6 +555,7 @@ inline bool unit_scratch(int64_t NH, int64_t M, int64_t Dp, int64_t Dvp, int64_t
   w.acc = w.s + M * TILE;
   w.ks = scales_n ? w.acc + NH * M * Dvp : nullptr;
   w.vs = scales_n ? w.ks + scales_n : nullptr;
+  w.qs = w.acc + NH * M * Dvp + 2 * scales_n;
   w.qb = qb;
   w.rlo = rlo;
   w.rhi = rlo + M;
@@ -508,15 +567,23 @@ inline bool unit_scratch(int64_t NH, int64_t M, int64_t Dp, int64_t Dvp, int64_t
   return true;
 }
 
-// The unit's NH * M query rows, scaled, into ``qbuf`` (and, for the bf16 dot product, unscaled
-// into ``qb``: the sums are scaled instead, so the bf16 products stay exact).
-__attribute__((always_inline)) inline void load_unit_q(const Args& a, const Unit& u, int64_t M, int64_t Dp, bool dot,
-                                                       float* qbuf, uint16_t* qb) {
+// The unit's NH * M query rows, scaled, into ``qbuf``, and for a dot product into ``qb``: for
+// bf16 keys the rows unscaled (the sums are scaled instead, so the bf16 products stay exact),
+// for int8 keys as int16 with their scales in ``qs``. Returns whether the dot product can be
+// used: not for int8 keys when a row holds NaN or inf.
+template <typename T>
+__attribute__((always_inline)) inline bool load_unit_q(const Args& a, const Unit& u, int64_t M, int64_t Dp, bool dot,
+                                                       float* qbuf, uint16_t* qb, float* qs) {
   for (int64_t r = 0; r < u.nh * M; ++r) {
     const int64_t hh = r / M, rr = r % M, row = (u.b * a.Hq + (u.h + hh) * a.G + rr / a.Sq) * a.Sq + rr % a.Sq;
     load_q(a, row, qbuf + r * Dp);
-    if (dot) std::memcpy(qb + r * Dp, static_cast<const uint16_t*>(a.q) + row * a.D, a.D * sizeof(uint16_t));
+    if (!dot) continue;
+    if constexpr (std::is_same<T, int8_t>::value)
+      dot = quantize_q_i16(qbuf + r * Dp, Dp, reinterpret_cast<int16_t*>(qb + r * Dp), qs[r]);
+    else
+      std::memcpy(qb + r * Dp, static_cast<const uint16_t*>(a.q) + row * a.D, a.D * sizeof(uint16_t));
   }
+  return dot;
 }
 
 // Each row's keys inside the unit, [rlo[r], rhi[r]), and the span [start, end) the unit walks:
@@ -707,7 +774,8 @@ struct NextRows {
 // instantiation can take it), else by FMAs. The head's rows of the next tile's key j are
 // prefetched with key j's scores.
 template <typename R, bool DotType>
-__attribute__((always_inline)) inline void score_tile(const float* qh, const uint16_t* qbh, const R* const* krh,
+__attribute__((always_inline)) inline void score_tile(const float* qh, const uint16_t* qbh, const float* qsh,
+                                                      const R* const* krh,
                                                       int64_t M, int64_t Dp, int64_t n, int64_t TILE, float scale,
                                                       const NextRows& next, float* sbuf) {
   int64_t j = 0;
@@ -719,9 +787,14 @@ __attribute__((always_inline)) inline void score_tile(const float* qh, const uin
     int64_t r = 0;
     if constexpr (DotType) {
       if (qbh != nullptr) {
-        for (; r + 4 <= M; r += 4)
-          score_4x2_bf16dot(qbh + r * Dp, Dp, reinterpret_cast<const c10::BFloat16*>(k0),
-                            reinterpret_cast<const c10::BFloat16*>(k1), scale, TILE, sbuf + r * TILE + j);
+        if constexpr (std::is_same<R, int8_t>::value) {
+          for (; r + 4 <= M; r += 4)
+            dot_4x2_i16(reinterpret_cast<const int16_t*>(qbh) + r * Dp, Dp, k0, k1, qsh + r, TILE, sbuf + r * TILE + j);
+        } else {
+          for (; r + 4 <= M; r += 4)
+            score_4x2_bf16dot(qbh + r * Dp, Dp, reinterpret_cast<const c10::BFloat16*>(k0),
+                              reinterpret_cast<const c10::BFloat16*>(k1), scale, TILE, sbuf + r * TILE + j);
+        }
       }
     }
     for (; r + 4 <= M; r += 4) score_4x2_fma(qh + r * Dp, Dp, k0, k1, TILE, sbuf + r * TILE + j);
@@ -916,15 +989,19 @@ void run_unit(const Args& a, const Unit& u, float* m, float* l, float* acc_out) 
   const int64_t M = a.G * a.Sq, Dv = a.Dv, NH = u.nh;
   const int64_t Dp = round_up(a.D, VL), Dvp = round_up(Dv, VL);
   const int64_t TILE = a.tile;
-  // bf16 K read in place by the CPU's bf16 dot product, for bf16 queries (exact in bf16 already).
-  constexpr bool kDotType = InPlace && kDotBF16 && std::is_same<T, c10::BFloat16>::value;
-  const bool dot = kDotType && a.q_type == at::kBFloat16 && Dp % 32 == 0;
+  // bf16 K read in place by the CPU's bf16 dot product, for bf16 queries (exact in bf16 already);
+  // int8 K by the integer one, for bf16 / fp16 queries (fp32 ones keep fp32 products: int16 holds
+  // fewer digits than they have), D <= 256 (the int32 sums cannot overflow).
+  constexpr bool kDotType = InPlace && ((kDotBF16 && std::is_same<T, c10::BFloat16>::value) ||
+                                        (kDotI16 && std::is_same<T, int8_t>::value));
+  const bool dot = kDotType && Dp % 32 == 0 &&
+                   (std::is_same<T, int8_t>::value ? (a.q_type != at::kFloat && Dp <= 256) : a.q_type == at::kBFloat16);
   UnitScratch<R> w;
   if (!unit_scratch<T, InPlace>(NH, M, Dp, Dvp, TILE, a.v == nullptr, dot, w)) {
     a.failed->store(kNoMemory, std::memory_order_relaxed);
     return;
   }
-  load_unit_q(a, u, M, Dp, dot, w.q, w.qb);
+  const bool use_dot = load_unit_q<T>(a, u, M, Dp, dot, w.q, w.qb, w.qs);
   int64_t start, end;
   unit_key_bounds(a, u, M, w.rlo, w.rhi, start, end);
   std::fill(m, m + NH * M, kNegInf);
@@ -938,8 +1015,8 @@ void run_unit(const Args& a, const Unit& u, float* m, float* l, float* acc_out) 
     for (int64_t hh = 0; hh < NH; ++hh) {
       float* const ach = w.acc + hh * M * Dvp;
       const NextRows next{w.kpf, w.vpf, hh * tiles.kstep * elem, a.D * elem, hh * tiles.vstep * elem, a.Dv * elem};
-      score_tile<R, kDotType>(w.q + hh * M * Dp, dot ? w.qb + hh * M * Dp : nullptr, w.krow + hh * TILE, M, Dp, n,
-                              TILE, a.scale, next, w.s);
+      score_tile<R, kDotType>(w.q + hh * M * Dp, use_dot ? w.qb + hh * M * Dp : nullptr, w.qs + hh * M,
+                              w.krow + hh * TILE, M, Dp, n, TILE, a.scale, next, w.s);
       int64_t vis_lo, vis_hi;
       softmax_tile(a, u, hh, M, t0, n, TILE, w.rlo, w.rhi, w.s, m + hh * M, l + hh * M, ach, Dvp,
                    w.ks ? w.ks + hh * TILE : nullptr, w.vs ? w.vs + hh * TILE : nullptr, vis_lo, vis_hi);
