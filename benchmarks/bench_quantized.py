@@ -99,13 +99,13 @@ def _speed(quick: bool) -> list[dict]:
     return rows
 
 
-def _per_channel_k(k: torch.Tensor, dt) -> torch.Tensor:
+def per_channel_k(k: torch.Tensor, dt) -> torch.Tensor:
     """K quantized with one scale per (KV head, channel) over the tokens (KIVI), dequantized."""
     data, scale = quantize(k.transpose(-1, -2), dt)  # rows = channels
     return dequantize(data, scale, torch.float64).transpose(-1, -2)
 
 
-def _error(q, k, v, kd, vd) -> float:
+def output_error(q, k, v, kd, vd) -> float:
     """max |out(kd, vd) - out(k, v)| / RMS(out(k, v)), fp64, causal decode-like rows."""
     want = attnkit.attention_reference(q, k, v, causal=True)
     got = attnkit.attention_reference(q, kd, vd, causal=True)
@@ -128,10 +128,10 @@ def _quality(quick: bool) -> list[dict]:
             bf = kk.bfloat16().double(), v.bfloat16().double()
             c = channel_scale(kk[:, :, :64])  # what a cache fixes at its first write (a 64-token prompt)
             smooth = QuantizedKV.quantize(kk, None, dt, v_head_dim=128, k_channel_scale=c).gather(torch.float64)[0]
-            rows.append({"K": kname, "kv": name, "bf16_err": _error(q, kk, v, *bf),
-                         "per_token_err": _error(q, kk, v, dequantize(*quantize(kk, dt), torch.float64), vd),
-                         "channel_scaled_err": _error(q, kk, v, smooth, vd),
-                         "per_channel_k_err": _error(q, kk, v, _per_channel_k(kk, dt), vd)})
+            rows.append({"K": kname, "kv": name, "bf16_err": output_error(q, kk, v, *bf),
+                         "per_token_err": output_error(q, kk, v, dequantize(*quantize(kk, dt), torch.float64), vd),
+                         "channel_scaled_err": output_error(q, kk, v, smooth, vd),
+                         "per_channel_k_err": output_error(q, kk, v, per_channel_k(kk, dt), vd)})
     return rows
 
 
