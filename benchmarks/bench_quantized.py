@@ -9,8 +9,9 @@ attnkit's split-K engine; beside them the peer a user of transformers' ``Quantiz
 
 Quality: the attention output's error against fp64 attention over the unquantized K/V, relative
 to the output's RMS, for Gaussian K/V and for K with outlier channels (a few channels 20x larger,
-as in trained models' keys), with per-token scales (what attnkit stores) and, for comparison,
-per-channel K scales (KIVI's observation; computed here, not stored by attnkit), plus a trained
+as in trained models' keys), with per-token scales, alone and with the fixed per-channel K scales
+int8 caches set at their first write (what attnkit stores), and, for comparison, KIVI's
+per-channel K scales over all the tokens (computed here, not stored by attnkit), plus a trained
 model's own K/V when ``--model`` names a checkpoint folder.
 
     python benchmarks/bench_quantized.py            # full tables -> benchmarks/results/
@@ -164,8 +165,8 @@ def to_markdown(res: dict) -> str:
         "query rows (Hq 32 / Hkv 8, D 128), fp64 arithmetic, so only the storage differs. bf16: the cache in bf16 "
         "(today's default). Per-token: one scale per token and KV head, K and V. + channel scales: K also "
         "divided by fixed per-channel scales taken from its first 64 tokens (`QuantizedKV(k_channel_scale=...)`; "
-        "the caches do not set them yet). Per-channel K: one scale per channel of K over all the tokens (KIVI's K), V per token, "
-        "for comparison (not a layout attnkit reads).",
+        "what int8 caches set at their first write by default). Per-channel K: one scale per channel of K over "
+        "all the tokens (KIVI's K), V per token, for comparison (not a layout attnkit reads).",
         "",
         "| K | K/V | bf16 cache | per-token | per-token + channel scales (attnkit) | per-channel K (KIVI) |",
         "|---|---|---:|---:|---:|---:|",

@@ -20,7 +20,9 @@ other channels keep a few levels. Keys may therefore carry a second, fixed scale
 channel), :func:`channel_scale`: K is divided by it before quantizing, so a key row is
 ``data * row_scale * channel_scale``. It costs nothing in the kernels: ``q . (k * c) = (q * c) . k``,
 so the backends multiply the query by it (and, when V is read from K, the output). Measured
-in ``benchmarks/results/*/quantized.md``.
+in ``benchmarks/results/*/quantized.md``. int8 caches set one by default, from the keys of their
+first write (``k_channel_scale=`` of :class:`attnkit.caches.KVCache`); fp8 keeps an exponent per
+element, and channel scales measured no gain for it.
 
 The kernels never build the dequantized rows: they widen ``data`` to fp32 in registers and
 multiply the row's score by its K scale and its probability by its V scale (the same product,
@@ -111,14 +113,29 @@ def dequantize(data: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) 
 
 
 def channel_scale(k: Tensor) -> Tensor:
-    """Per (KV head, channel) scales of keys ``k`` (B, Hkv, S, D) (or pools (N, bs, Hkv, D) with
-    ``pools=True`` spelled by passing ``k.transpose(1, 2)``): each channel's absmax over the
-    batch and the tokens, divided by the head's mean absmax (so typical channels stay near 1);
-    channels that are all zero (or not finite) get 1. Returns (Hkv, D) fp32."""
+    """Per (KV head, channel) scales of keys ``k`` (B, Hkv, S, D) (pools (N, bs, Hkv, D): pass
+    ``k.transpose(1, 2)``), to divide K by before it is quantized. Returns (Hkv, D) fp32.
+
+    Each channel's absmax over the batch and the tokens, divided by its head's median channel
+    absmax, and clamped to >= 1: outlier channels are scaled down to the head's typical range,
+    the others keep 1. Never < 1, so a channel that happened to be quiet in the keys measured
+    (a cache's short first write) is never blown up for the keys that come later. A channel
+    whose ratio is not finite or not positive (all zero, NaN, inf, a head whose median is 0)
+    gets 1, as does every channel of an empty ``k``.
+
+    Equivalent PyTorch code (finite, non-empty k whose heads' medians are > 0)::
+
+        a = k.float().abs().amax(dim=(0, 2))                         # (Hkv, D)
+        c = (a / a.median(-1, keepdim=True).values).clamp_min(1)
+    """
     if not isinstance(k, Tensor) or k.dim() != 4 or not k.is_floating_point():
         raise ValueError(f"channel_scale: k must be a floating (B, Hkv, S, D) tensor, got "
                          f"{getattr(k, 'dtype', type(k).__name__)} of shape {tuple(getattr(k, 'shape', ()))}")
-    a = k.detach().float().abs().amax(dim=(0, 2))  # (Hkv, D)
-    mean = a.mean(-1, keepdim=True)
-    c = a / mean
-    return torch.where(torch.isfinite(c) & (c > 0), c, torch.ones_like(c))
+    H, D = k.shape[1], k.shape[3]
+    if k.shape[0] * k.shape[2] == 0 or D == 0:
+        return torch.ones(H, D, dtype=torch.float32, device=k.device)
+    a = k.detach().float().abs().amax(dim=(0, 2))  # (Hkv, D); NaN propagates
+    # The median of the finite channels: a NaN or inf channel must not move the others' scale.
+    med = torch.where(torch.isfinite(a), a, torch.full_like(a, float("nan"))).nanmedian(-1, keepdim=True).values
+    c = a / med
+    return torch.where(torch.isfinite(c) & (c > 1), c, torch.ones_like(c))

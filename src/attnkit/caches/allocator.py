@@ -250,6 +250,11 @@ class BlockAllocator:
         """How many live layer pools share this allocator (see :meth:`attach`)."""
         return len(self._pools)
 
+    @property
+    def attached(self) -> tuple["PagedPools", ...]:
+        """The live layer pools sharing this allocator (see :meth:`attach`)."""
+        return tuple(self._pools)
+
     def attach(self, pools: "PagedPools") -> None:
         """Register a layer's pools: at commit they make the step's copy-on-write copies even if
         they did not write this step, and at abort the ones that wrote erase what they wrote.

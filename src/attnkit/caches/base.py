@@ -35,6 +35,18 @@ buffer; the latent cache has one scale per token since V is read from K). A step
 own tokens when it writes them (nothing already cached is rescaled); ``view`` returns an
 :class:`attnkit.QuantizedKV` (``dense=True``: the dequantized K/V in the cache's ``dtype``).
 ``dtype`` stays the compute dtype: what ``write`` takes and what a dense view returns.
+
+``k_channel_scale`` (quantized caches) divides K by a fixed scale per (KV head, channel) before it
+is quantized (:func:`attnkit.kvquant.channel_scale`: keys have outlier channels, which per-row
+int8 otherwise pays for in every other channel). None (default): on for int8, off for fp8 (its
+per-element exponent gains nothing from it); True / False force it; an (Hkv, D) tensor (e.g.
+calibrated offline) is used as given. When on and not given, it is computed from the K rows of
+the cache's first write (every batch row and token of it, before quantizing) and then fixed, so
+every stored row shares it; an aborted first step unsets it again, and ``reset()`` unsets it so
+the next first write measures it afresh (a paged cache: once its pool holds nothing a later
+sequence could reuse). Views hand attention ``QuantizedKV(..., k_channel_scale=scale)``; dense
+views multiply it back. It is one (Hkv, D) fp32 tensor per layer, not per token:
+``bytes_per_token`` does not count it, ``nbytes`` does once it is set.
 """
 
 from __future__ import annotations
@@ -48,7 +60,7 @@ from torch import Tensor, nn
 from .._checks import positive_int, shape_of
 from ..functional import attention
 from ..kvlayout import QuantizedKV
-from ..kvquant import dtype_name, kv_storage_dtype, quantize
+from ..kvquant import channel_scale, dtype_name, kv_storage_dtype, quantize
 from ..masks import Causal, KeyPadding, Mask, as_mask
 
 __all__ = ["KVCache", "DynamicCache", "StaticCache", "CacheStep", "BoundCache", "step", "reorder", "crop", "reset"]
@@ -68,6 +80,7 @@ class CacheStep:
         self.old_host, self.num_new_host = old_host, num_new_host
         self.new_host = None if old_host is None else [o + n for o, n in zip(old_host, num_new_host)]
         self.writers: set[int] = set()  # caches that wrote this step (each writes once)
+        self.channel_scale_set: set[int] = set()  # caches whose K channel scale this step set (abort unsets it)
 
     @property
     def uniform(self) -> bool:
@@ -97,11 +110,16 @@ class KVCache(nn.Module):
 
     ``dtype`` is the compute dtype (of the K/V written and of dense views); ``kv_dtype`` (None,
     "int8", "fp8_e4m3") the storage: None keeps K/V in ``dtype``, else quantized rows plus fp32
-    scales (``storage_dtype`` is the torch dtype then).
+    scales (``storage_dtype`` is the torch dtype then). ``k_channel_scale`` (None: on for int8,
+    off for fp8; True / False; or an (Hkv, D) tensor) divides quantized K by a fixed scale per
+    (KV head, channel), set at the first write unless given (the module docstring says when it
+    is set and unset). ``channel_scaled`` says whether it is on; the ``k_channel_scale`` buffer
+    holds it ((Hkv, D) fp32, or None before the first write or when off).
     """
 
     def __init__(self, kv_heads: int, head_dim: int, v_head_dim: int | None = None, *,
-                 value_from_key: bool = False, dtype: torch.dtype = torch.float32, device=None, kv_dtype=None):
+                 value_from_key: bool = False, dtype: torch.dtype = torch.float32, device=None, kv_dtype=None,
+                 k_channel_scale=None):
         super().__init__()
         v_head_dim = head_dim if v_head_dim is None else v_head_dim
         for name, val in (("kv_heads", kv_heads), ("head_dim", head_dim), ("v_head_dim", v_head_dim)):
@@ -116,6 +134,40 @@ class KVCache(nn.Module):
         #: The quantized storage dtype (torch.int8 / torch.float8_e4m3fn), or None: K/V kept in ``dtype``.
         self.kv_dtype = kv_storage_dtype(kv_dtype)
         self.register_buffer("lengths", torch.zeros(0, dtype=torch.long, device=device), persistent=False)
+        self._init_channel_scale(k_channel_scale, self.lengths.device)
+
+    def _init_channel_scale(self, c, device: torch.device) -> None:
+        """Resolve the ``k_channel_scale`` argument: ``channel_scaled``, whether it was given, and
+        the ``k_channel_scale`` buffer (the given tensor, validated, in fp32 on ``device``)."""
+        given = None
+        if self.kv_dtype is None:
+            if c is not None and c is not False:
+                what = f"a tensor of shape {shape_of(c)}" if isinstance(c, Tensor) else repr(c)
+                raise ValueError(f"k_channel_scale ({what}) divides quantized keys by channel scales; it needs "
+                                 f"kv_dtype='int8' or 'fp8_e4m3', got kv_dtype=None")
+            on = False
+        elif c is None:
+            on = self.kv_dtype == torch.int8  # fp8 keeps an exponent per element: no measured gain
+        elif isinstance(c, bool):
+            on = c
+        elif isinstance(c, Tensor):
+            want = (self.kv_heads, self.head_dim)
+            if not c.is_floating_point() or tuple(c.shape) != want:
+                raise ValueError(f"k_channel_scale must be a floating (Hkv, D) = {want} tensor, got {c.dtype} of "
+                                 f"shape {shape_of(c)}")
+            given = c.detach().to(device=device, dtype=torch.float32).clone()
+            bad = ~(torch.isfinite(given) & (given > 0))
+            if bool(bad.any()):
+                raise ValueError(f"k_channel_scale (Hkv, D) = {want} must be finite and > 0 (in fp32) everywhere, "
+                                 f"got {given[bad].tolist()[:8]} at {bad.nonzero().tolist()[:8]}")
+            on = True
+        else:
+            raise TypeError(f"k_channel_scale must be None, a bool or an (Hkv, D) = {(self.kv_heads, self.head_dim)} "
+                            f"tensor, got {type(c).__name__}")
+        #: Whether K is divided by a channel scale before it is quantized.
+        self.channel_scaled = on
+        self._channel_scale_given = given is not None
+        self.register_buffer("k_channel_scale", given, persistent=False)
 
     # ---------------------------------------------------------------- accounting
 
@@ -127,23 +179,79 @@ class KVCache(nn.Module):
     @property
     def bytes_per_token(self) -> int:
         """Bytes one token of one sequence occupies in this layer's cache (K and V, Hkv heads;
-        quantized: the data plus an fp32 scale per row of K and of V, one with value_from_key)."""
+        quantized: the data plus an fp32 scale per row of K and of V, one with value_from_key).
+        A K channel scale is per layer ((Hkv, D) fp32), not per token: not counted here."""
         values = self.head_dim + (0 if self.value_from_key else self.v_head_dim)
         data = self.kv_heads * values * torch.empty((), dtype=self.storage_dtype).element_size()
         if self.kv_dtype is None:
             return data
         return data + self.kv_heads * (1 if self.value_from_key else 2) * 4
 
-    def _quantize(self, rows: Sequence[Tensor]) -> list[Tensor]:
-        """Quantized storage of a step's K/V rows: ``[data of each..., scale of each...]``, the
-        order of the buffers ``_stored`` / ``_pools`` list. Unquantized caches store them as given."""
+    def _quantize(self, step: CacheStep, rows: Sequence[Tensor]) -> list[Tensor]:
+        """Quantized storage of a step's K/V rows (K first, (B, Hkv, S, ·)): ``[data of each...,
+        scale of each...]``, the order of the buffers ``_stored`` / ``_pools`` list; K divided by
+        the channel scale first (:meth:`_channel_scale_for`). Unquantized caches store them as given."""
         if self.kv_dtype is None:
             return list(rows)
+        c = self._channel_scale_for(step, rows[0])
+        if c is not None:
+            rows = [rows[0].float() / c[:, None, :], *rows[1:]]
         pairs = [quantize(t, self.kv_dtype) for t in rows]
         return [d for d, _ in pairs] + [s for _, s in pairs]
 
+    def _channel_scale_for(self, step: CacheStep, k: Tensor) -> Tensor | None:
+        """The K channel scale (Hkv, D) this step writes with, None when off. Unset (the cache's
+        first write): :func:`~attnkit.kvquant.channel_scale` of the step's K, the padding tokens of
+        rows with ``num_new < S`` left out; kept from now on, and recorded in ``step`` so that an
+        abort unsets it (:meth:`_unset_channel_scale`). A step holding no token sets nothing."""
+        if not self.channel_scaled or self.k_channel_scale is not None:
+            return self.k_channel_scale
+        n_host, S = step.num_new_host, k.shape[2]
+        if n_host is not None and not any(n_host):
+            return None  # nothing stored (padding only): the first real write measures it
+        if n_host is None or any(n != S for n in n_host):
+            n = step.num_new if n_host is None else torch.tensor(n_host, device=k.device)
+            pad = torch.arange(S, device=k.device)[None] >= n.to(k.device)[:, None]  # (B, S)
+            k = k.masked_fill(pad[:, None, :, None], 0)  # |0| never sets a channel's absmax
+        self.k_channel_scale = channel_scale(k)
+        step.channel_scale_set.add(id(self))
+        return self.k_channel_scale
+
+    def _unset_channel_scale(self, step: CacheStep) -> None:
+        """Unset the channel scale if ``step`` (being aborted) set it."""
+        if id(self) in step.channel_scale_set:
+            step.channel_scale_set.discard(id(self))
+            self.k_channel_scale = None
+
+    def forget_channel_scale(self) -> None:
+        """Unset a computed K channel scale, so that the next write measures it again (what
+        ``reset()`` does; a given scale stays). Only while the cache holds no row written with it:
+        a RuntimeError otherwise (those rows would be read with another scale)."""
+        if self._holds_rows():
+            raise RuntimeError("forget_channel_scale() on a cache that still holds tokens written with its channel "
+                               "scale; reset() it first")
+        if not self._channel_scale_given:
+            self.k_channel_scale = None
+
+    def _holds_rows(self) -> bool:
+        """Whether some sequence holds tokens (rows written with the channel scale)."""
+        return bool((self.lengths > 0).any())
+
     def _kv_repr(self) -> str:
-        return "" if self.kv_dtype is None else f", kv_dtype={dtype_name(self.kv_dtype)!r}"
+        if self.kv_dtype is None:
+            return ""
+        if not self.channel_scaled:
+            c = "off"
+        elif self.k_channel_scale is None:
+            c = "first write"
+        else:
+            c = (f"{'given' if self._channel_scale_given else 'set'} {shape_of(self.k_channel_scale)}, "
+                 f"max {float(self.k_channel_scale.max()):.3g}")
+        return f", kv_dtype={dtype_name(self.kv_dtype)!r}, k_channel_scale={c}"
+
+    def extra_repr(self) -> str:
+        return (f"kv_heads={self.kv_heads}, head_dim={self.head_dim}, v_head_dim={self.v_head_dim}"
+                f"{', value_from_key=True' if self.value_from_key else ''}{self._kv_repr()}")
 
     @property
     def nbytes(self) -> int:
@@ -179,8 +287,10 @@ class KVCache(nn.Module):
         self._commit(step)
 
     def abort(self, step: CacheStep) -> None:
-        """Forget ``step``: the cache is as before :meth:`begin` (lengths and contents)."""
+        """Forget ``step``: the cache is as before :meth:`begin` (lengths, contents and the K
+        channel scale)."""
         self._abort(step)
+        self._unset_channel_scale(step)
 
     def _commit(self, step: CacheStep) -> None:
         raise NotImplementedError
@@ -293,8 +403,9 @@ class KVCache(nn.Module):
     # ---------------------------------------------------------------- editing
 
     def reset(self) -> None:
-        """Forget every sequence (buffers are kept for reuse)."""
+        """Forget every sequence (buffers are kept for reuse) and a computed K channel scale."""
         self.lengths = self.lengths.new_zeros(0)
+        self.forget_channel_scale()
 
     def crop(self, n) -> None:
         """Keep the first ``n`` tokens of each sequence (int or (B,) tensor); a negative int drops
@@ -472,12 +583,13 @@ class _ContiguousCache(KVCache):
     lengths, and an aborted step zeroes them (and gives back any growth), so it leaves nothing
     behind. With ``value_from_key`` there is no V buffer (``v_buf`` stays empty). Quantized
     (``kv_dtype``): ``k_buf`` / ``v_buf`` hold int8 / fp8 rows and ``k_scale`` / ``v_scale``
-    (B, Hkv, capacity) their fp32 scales, moved, grown and zeroed with them."""
+    (B, Hkv, capacity) their fp32 scales, moved, grown and zeroed with them; every row shares the
+    (Hkv, D) K channel scale ``k_channel_scale`` (:class:`KVCache`)."""
 
     def __init__(self, kv_heads, head_dim, v_head_dim=None, *, value_from_key=False, dtype=torch.float32,
-                 device=None, kv_dtype=None):
+                 device=None, kv_dtype=None, k_channel_scale=None):
         super().__init__(kv_heads, head_dim, v_head_dim, value_from_key=value_from_key, dtype=dtype, device=device,
-                         kv_dtype=kv_dtype)
+                         kv_dtype=kv_dtype, k_channel_scale=k_channel_scale)
         kw = dict(dtype=self.storage_dtype, device=device)
         self.register_buffer("k_buf", torch.zeros(0, kv_heads, 0, head_dim, **kw), persistent=False)
         self.register_buffer("v_buf", torch.zeros(0, kv_heads, 0, self.v_head_dim, **kw), persistent=False)
@@ -518,7 +630,7 @@ class _ContiguousCache(KVCache):
         rows = (k,) if self.value_from_key else (k, v)
         if pad is not None:
             rows = [t.masked_fill(pad, 0) for t in rows]  # quantized: data 0 and scale 0
-        for (name, dim), t in zip(self._stored(), self._quantize(rows)):
+        for (name, dim), t in zip(self._stored(), self._quantize(step, rows)):
             self._put(step, getattr(self, name), t)
         step.writers.add(id(self))
 
@@ -555,11 +667,12 @@ class _ContiguousCache(KVCache):
         k = self.k_buf[:batch, :, :length]
         if self.kv_dtype is None:
             return k, (k[..., :self.v_head_dim] if self.value_from_key else self.v_buf[:batch, :, :length])
-        ks = self.k_scale[:batch, :, :length]
+        ks, c = self.k_scale[:batch, :, :length], self.k_channel_scale
         if self.value_from_key:
-            kv = QuantizedKV(k, ks, None, None, v_head_dim=self.v_head_dim)
+            kv = QuantizedKV(k, ks, None, None, v_head_dim=self.v_head_dim, k_channel_scale=c)
         else:
-            kv = QuantizedKV(k, ks, self.v_buf[:batch, :, :length], self.v_scale[:batch, :, :length])
+            kv = QuantizedKV(k, ks, self.v_buf[:batch, :, :length], self.v_scale[:batch, :, :length],
+                             k_channel_scale=c)
         return kv.gather(self.dtype) if dense else (kv, None)
 
     def _reorder_buffers(self, idx):
@@ -623,9 +736,9 @@ class StaticCache(_ContiguousCache):
     recompiles per step. Writing past ``max_len`` raises a ValueError."""
 
     def __init__(self, kv_heads, head_dim, v_head_dim=None, *, max_batch: int, max_len: int,
-                 value_from_key=False, dtype=torch.float32, device=None, kv_dtype=None):
+                 value_from_key=False, dtype=torch.float32, device=None, kv_dtype=None, k_channel_scale=None):
         super().__init__(kv_heads, head_dim, v_head_dim, value_from_key=value_from_key, dtype=dtype, device=device,
-                         kv_dtype=kv_dtype)
+                         kv_dtype=kv_dtype, k_channel_scale=k_channel_scale)
         for name, val in (("max_batch", max_batch), ("max_len", max_len)):
             positive_int(name, val)
         self.max_batch, self.max_len = max_batch, max_len

@@ -60,6 +60,12 @@ class PagedKVCache(KVCache):
             fp32 scale pools ``k_scale`` / ``v_scale`` (N, bs, Hkv) beside them (one scale pool
             with ``value_from_key``), copied on write, erased and shared with the blocks;
             ``attend`` hands attention a paged :class:`attnkit.QuantizedKV`.
+        k_channel_scale: None (on for int8, off for fp8), True / False, or an (Hkv, D) tensor:
+            K divided by a fixed scale per (KV head, channel) before it is quantized
+            (:class:`~attnkit.caches.KVCache`). One scale for this layer's pool, set at its first
+            write unless given, so forks, copy-on-write copies and reused prefix blocks all read
+            with it; ``reset()`` unsets it only once the allocator holds no sequence and no
+            cached block (nothing left that was written with it).
 
     Batch rows are sequences of the allocator: ``set_batch(seq_ids)`` names them; a fresh cache
     creates them on its first step. ``lengths``, ``positions``, ``update`` and ``attend`` then
@@ -80,9 +86,10 @@ class PagedKVCache(KVCache):
     def __init__(self, kv_heads: int, head_dim: int, v_head_dim: int | None = None, *,
                  num_blocks: int | None = None, block_size: int | None = None,
                  allocator: BlockAllocator | None = None, prefix_caching: bool = False,
-                 value_from_key: bool = False, dtype: torch.dtype = torch.float32, device=None, kv_dtype=None):
+                 value_from_key: bool = False, dtype: torch.dtype = torch.float32, device=None, kv_dtype=None,
+                 k_channel_scale=None):
         super().__init__(kv_heads, head_dim, v_head_dim, value_from_key=value_from_key, dtype=dtype, device=device,
-                         kv_dtype=kv_dtype)
+                         kv_dtype=kv_dtype, k_channel_scale=k_channel_scale)
         # Lengths are the allocator's (shared by the layers); see the ``lengths`` property.
         self._device = self.lengths.device
         del self._buffers["lengths"]
@@ -202,21 +209,24 @@ class PagedKVCache(KVCache):
         B, H, S, _ = k.shape
         pools = self._pools()
         _, slots, src, _, _ = step.on(pools[0].device)
-        for pool, t in zip(pools, self._quantize((k,) if self.value_from_key else (k, v))):
+        # A writer from here on: an abort erases the step's rows (and unsets a channel scale this
+        # write set) even if the write below raises half-way.
+        step.writers.add(id(self))
+        for pool, t in zip(pools, self._quantize(step, (k,) if self.value_from_key else (k, v))):
             # (B * S, Hkv, ·) token rows (scales: (B * S, Hkv)); a decode step's (B, Hkv, 1, ·) is
             # one select away
             rows = t.select(2, 0) if S == 1 else t.transpose(1, 2).reshape(B * S, H, *t.shape[3:])
             if src is not None:
                 rows = rows.index_select(0, src)
             as_bytes(pool).flatten(0, 1).index_copy_(0, slots, as_bytes(rows))
-        step.writers.add(id(self))
 
     def erase(self, step: PagedStep) -> None:
-        """Zero the pool rows this layer wrote in ``step`` (an aborted step: see
-        :meth:`BlockAllocator.abort`)."""
+        """Zero the pool rows this layer wrote in ``step`` and unset the channel scale if the step
+        set it (an aborted step: see :meth:`BlockAllocator.abort`)."""
         _, slots, _, _, _ = step.on(self.k_pool.device)
         for pool in self._pools():
             as_bytes(pool).flatten(0, 1).index_fill_(0, slots, 0)
+        self._unset_channel_scale(step)
 
     def view(self, step, *, dense=False):
         table, _, _, old, new = step.on(self.k_pool.device)
@@ -228,7 +238,7 @@ class PagedKVCache(KVCache):
             vfk = self.value_from_key
             kv = QuantizedKV(self.k_pool, self.k_scale, None if vfk else self.v_pool, None if vfk else self.v_scale,
                              v_head_dim=self.v_head_dim, block_table=table, lengths=new, max_len=max_len,
-                             checked=True)
+                             checked=True, k_channel_scale=self.k_channel_scale)
         if dense:
             k_all, v_all = kv.gather(self.dtype) if self.kv_dtype is not None else kv.gather()
             return k_all, v_all, Causal(offsets=old) & KeyPadding(new)
@@ -251,8 +261,19 @@ class PagedKVCache(KVCache):
     # ---------------------------------------------------------------- editing
 
     def reset(self) -> None:
-        """Free the batch's sequences and forget the batch (idempotent: every layer may call it)."""
-        self.allocator.reset_batch()
+        """Free the batch's sequences and forget the batch (idempotent: every layer may call it).
+        Once the allocator holds no sequence and no cached block, every attached layer forgets
+        its computed K channel scale (rows written with it could otherwise still be read)."""
+        a = self.allocator
+        a.reset_batch()
+        if not self._holds_rows():
+            for pools in a.attached:
+                if isinstance(pools, KVCache):
+                    pools.forget_channel_scale()
+
+    def _holds_rows(self) -> bool:
+        """Whether the pool holds rows a sequence may read: a live sequence or a cached block."""
+        return bool(self.allocator.sequences) or self.allocator.num_cached_blocks > 0
 
     def crop(self, n) -> None:
         """Keep the first ``n`` tokens of each row (int or (B,) tensor); a negative int drops

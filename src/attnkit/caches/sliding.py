@@ -28,12 +28,14 @@ class SlidingWindowCache(KVCache):
     ring slots, so the step keeps what it overwrote and :meth:`abort` puts it back.
     ``crop`` can roll back up to ``max_rollback`` tokens (their window is still in the ring).
     Quantized (``kv_dtype``): the rings hold int8 / fp8 rows and ``k_scale`` / ``v_scale``
-    (max_batch, Hkv, R + 1) their fp32 scales, written, saved and put back with them.
+    (max_batch, Hkv, R + 1) their fp32 scales, written, saved and put back with them; every row
+    shares the (Hkv, D) K channel scale ``k_channel_scale`` (:class:`~attnkit.caches.KVCache`).
     """
 
     def __init__(self, kv_heads, head_dim, v_head_dim=None, *, window: int, max_batch: int,
-                 max_rollback: int = 0, dtype=torch.float32, device=None, kv_dtype=None):
-        super().__init__(kv_heads, head_dim, v_head_dim, dtype=dtype, device=device, kv_dtype=kv_dtype)
+                 max_rollback: int = 0, dtype=torch.float32, device=None, kv_dtype=None, k_channel_scale=None):
+        super().__init__(kv_heads, head_dim, v_head_dim, dtype=dtype, device=device, kv_dtype=kv_dtype,
+                         k_channel_scale=k_channel_scale)
         for name, val, low in (("window", window, 1), ("max_batch", max_batch, 1), ("max_rollback", max_rollback, 0)):
             if not isinstance(val, int) or isinstance(val, bool) or val < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {val!r}")
@@ -65,7 +67,7 @@ class SlidingWindowCache(KVCache):
         if self.kv_dtype is None:
             return parts[0], parts[1]
         k, v, k_scale, v_scale = parts
-        return QuantizedKV(k, k_scale, v, v_scale), None
+        return QuantizedKV(k, k_scale, v, v_scale, k_channel_scale=self.k_channel_scale), None
 
     def _ring_positions(self, lengths: Tensor) -> Tensor:
         """(B, R) absolute position held by each slot (the latest p < length with p % R == slot);
@@ -93,7 +95,7 @@ class SlidingWindowCache(KVCache):
         old, n = step.old, step.num_new
         keep = (j[None, :] < n[:, None]) & (j[None, :] >= n[:, None] - self.slots)  # (B, S)
         slot = torch.where(keep, torch.remainder(old[:, None] + j, self.slots), self.slots)
-        new = self._quantize((k, v))  # [k, v] (quantized: [k data, v data, k scale, v scale])
+        new = self._quantize(step, (k, v))  # [k, v] (quantized: [k data, v data, k scale, v scale])
         rings = self._rings()
         if S > 1:  # the step attends over the ring as it was, then the new tokens
             step.sliding_kv = self._kv([torch.cat([r[:B, :, :self.slots], t], 2) for r, t in zip(rings, new)])

@@ -157,7 +157,8 @@ def layer_cache_kind(attn: nn.Module, kind: str) -> str:
 
 
 def make_cache(attn: nn.Module, kind: str, *, max_batch: int | None = None, max_len: int | None = None,
-               dtype: torch.dtype | None = None, device=None, allocator=None, kv_dtype=None) -> KVCache:
+               dtype: torch.dtype | None = None, device=None, allocator=None, kv_dtype=None,
+               k_channel_scale=None) -> KVCache:
     """One layer's empty cache of ``kind`` for the attention module ``attn`` (the one place the
     decoder creates caches; :func:`layer_cache_kind` says which cache each kind gives a layer).
     "dynamic" grows; "sliding" is "dynamic" except that a layer with a sliding window keeps a
@@ -165,16 +166,17 @@ def make_cache(attn: nn.Module, kind: str, *, max_batch: int | None = None, max_
     "static" preallocates (max_batch, max_len) and compiles without recompiles; "paged" keeps
     blocks of a pool managed by ``allocator`` (shared by the layers of a model; default: a
     private one sized by max_batch and max_len). ``kv_dtype`` ("int8", "fp8_e4m3") quantizes
-    what the cache stores (:class:`attnkit.caches.KVCache`)."""
+    what the cache stores, ``k_channel_scale`` its K channel scale policy (:class:`attnkit.caches.KVCache`)."""
     kind = layer_cache_kind(attn, kind)
     if kind != "paged" and allocator is not None:
         raise TypeError(f"allocator= applies to paged caches, not to a {kind} cache")
     if kind == "paged" and allocator is None:
         allocator = paged_allocator(max_batch, max_len)
     if kind == "sliding":  # the module's own window (a ring of it)
-        return attn.new_cache("sliding", max_batch=max_batch, dtype=dtype, device=device, kv_dtype=kv_dtype)
+        return attn.new_cache("sliding", max_batch=max_batch, dtype=dtype, device=device, kv_dtype=kv_dtype,
+                              k_channel_scale=k_channel_scale)
     return attn.new_cache(kind, max_batch=max_batch, max_len=max_len, allocator=allocator, dtype=dtype,
-                          device=device, kv_dtype=kv_dtype)
+                          device=device, kv_dtype=kv_dtype, k_channel_scale=k_channel_scale)
 
 
 class DecoderLayer(nn.Module):
@@ -366,18 +368,30 @@ class Decoder(nn.Module):
 
     def new_caches(self, kind: str = "dynamic", *, max_batch: int | None = None, max_len: int | None = None,
                    dtype: torch.dtype | None = None, device=None, block_size: int = 16,
-                   kv_dtype=None) -> list[KVCache]:
+                   kv_dtype=None, k_channel_scale=None) -> list[KVCache]:
         """One empty cache per layer (what each ``kind`` gives each layer: :func:`layer_cache_kind`),
         in the weights' dtype and device. "dynamic" is a :class:`~attnkit.caches.DynamicCache` in
         every layer; "sliding" gives sliding-window layers a ring of just their window
         (:class:`~attnkit.caches.SlidingWindowCache`, needs ``max_batch``) and the others a
         DynamicCache; "static" and "paged" need ``max_batch`` and ``max_len``; paged layers share
         one block allocator (one block table for the model) of ``block_size``-token blocks.
-        ``kv_dtype`` ("int8", "fp8_e4m3"; None: the caches' dtype) quantizes every layer's cache."""
+        ``kv_dtype`` ("int8", "fp8_e4m3"; None: the caches' dtype) quantizes every layer's cache.
+        ``k_channel_scale``: the quantized caches' K channel scales (:class:`~attnkit.caches.KVCache`):
+        None (on for int8, off for fp8), True, False or one (Hkv, D) tensor for every layer, or a
+        list with one entry per layer (None, a bool, or that layer's calibrated tensor)."""
         dtype, device = dtype or self.dtype, device or self.device
+        layers = self.model.layers
+        if isinstance(k_channel_scale, (list, tuple)):
+            if len(k_channel_scale) != len(layers):
+                raise ValueError(f"k_channel_scale has {len(k_channel_scale)} entries for {len(layers)} layers "
+                                 f"(give one per layer, or one None / bool for all)")
+            per_layer = list(k_channel_scale)
+        else:
+            per_layer = [k_channel_scale] * len(layers)
         alloc = paged_allocator(max_batch, max_len, block_size) if kind == "paged" else None
         return [make_cache(layer.self_attn, kind, max_batch=max_batch, max_len=max_len, dtype=dtype,
-                           device=device, allocator=alloc, kv_dtype=kv_dtype) for layer in self.model.layers]
+                           device=device, allocator=alloc, kv_dtype=kv_dtype, k_channel_scale=c)
+                for layer, c in zip(layers, per_layer)]
 
     # ------------------------------------------------------------------ forward
 

@@ -275,17 +275,19 @@ class MultiHeadAttention(nn.Module):
 
     def new_cache(self, kind: str = "dynamic", *, max_batch: int | None = None, max_len: int | None = None,
                   window: int | None = None, allocator=None, dtype: torch.dtype | None = None,
-                  device=None, kv_dtype=None) -> KVCache:
+                  device=None, kv_dtype=None, k_channel_scale=None) -> KVCache:
         """An empty cache shaped for this module (Hkv heads, hd / hdv), in the weights' dtype and
         device unless given: "dynamic", "static" (needs max_batch, max_len), "sliding" (needs
         max_batch; window defaults to the module's) or "paged" (needs the :class:`~attnkit.caches.BlockAllocator` that
-        all layers of a model share). ``kv_dtype`` ("int8", "fp8_e4m3") stores K/V quantized."""
+        all layers of a model share). ``kv_dtype`` ("int8", "fp8_e4m3") stores K/V quantized;
+        ``k_channel_scale`` (None: on for int8; True / False; an (Hkv, hd) tensor) divides K by a
+        fixed per-channel scale first (:class:`~attnkit.caches.KVCache`)."""
         w = self.o_proj.weight
         if window is None and kind == "sliding":
             window = self.window  # the module's own window
         return new_cache(kind, (self.num_kv_heads, self.head_dim, self.v_head_dim), max_batch=max_batch,
                          max_len=max_len, window=window, allocator=allocator, dtype=dtype or w.dtype,
-                         device=device or w.device, kv_dtype=kv_dtype)
+                         device=device or w.device, kv_dtype=kv_dtype, k_channel_scale=k_channel_scale)
 
     @classmethod
     def from_torch(cls, mha: nn.MultiheadAttention) -> "MultiHeadAttention":

@@ -363,18 +363,23 @@ class MultiHeadLatentAttention(nn.Module):
                             f"build the cache with dtype={dtype}")
 
     def new_cache(self, kind: str = "dynamic", *, max_batch: int | None = None, max_len: int | None = None,
-                  allocator=None, dtype: torch.dtype | None = None, device=None, kv_dtype=None) -> KVCache:
+                  allocator=None, dtype: torch.dtype | None = None, device=None, kv_dtype=None,
+                  k_channel_scale=None) -> KVCache:
         """An empty latent cache for this layer: one "head" of ``[c_kv | k_pe]`` (r + dr values per
         token), V read as its first r channels. ``kind``: "dynamic" (grows), "static" (needs
         ``max_batch`` and ``max_len``) or "paged" (needs the model's shared ``allocator``).
         Dtype and device default to the weights'. ``kv_dtype`` ("int8", "fp8_e4m3") stores the
-        latent quantized, one fp32 scale per token (V is read from the same rows)."""
+        latent quantized, one fp32 scale per token (V is read from the same rows);
+        ``k_channel_scale`` (None: on for int8; True / False; a (1, r + dr) tensor) divides the
+        latent by a fixed per-channel scale first (V's channels carry it too;
+        :class:`~attnkit.caches.KVCache`)."""
         if kind == "sliding":
             raise ValueError("kind must be 'dynamic', 'static' or 'paged' for an MLA layer, got 'sliding'")
         w = self.kv_b_proj.weight
         return new_cache(kind, (1, self.config.latent_dim, self.config.kv_lora_rank), value_from_key=True,
                          max_batch=max_batch, max_len=max_len, allocator=allocator,
-                         dtype=dtype or w.dtype, device=device or w.device, kv_dtype=kv_dtype)
+                         dtype=dtype or w.dtype, device=device or w.device, kv_dtype=kv_dtype,
+                         k_channel_scale=k_channel_scale)
 
     def resolve_mode(self, q_len: int, cached: bool) -> str:
         """The path ``forward`` takes for ``q_len`` new tokens, with or without a cache."""
