@@ -360,7 +360,8 @@ def to_markdown(res: dict) -> str:
         f"trained {sizes[0]} pairs and at {sizes[-1]} (a longer context than any seen in training). Cache: "
         "what every position attends over: the model's own dtype (fp32, or bf16 for the model cast to bf16), or "
         "the same model with its cache in int8 / fp8 e4m3 (one fp32 scale per token and KV head; MLA: per token "
-        "of its latent). Bytes/token: the whole model's cache per token of one sequence, scales included.",
+        "of its latent; int8 also divides K by per-channel scales fixed at the first write, the caches' default). "
+        "Bytes/token: the whole model's cache per token of one sequence, scales included.",
         "",
         "| variant | model | cache | bytes/token | " + " | ".join(f"recall @{n} pairs" for n in sizes) + " |",
         "|---|---|---|---:|" + "---:|" * len(sizes),
@@ -409,10 +410,10 @@ def to_markdown(res: dict) -> str:
         f"{min(QUERY_ROWS, lp['context_bytes'] // 2)} query positions of each window (causal, over all its keys: "
         "decode-like rows), fp64 arithmetic, so only the storage differs (the metric of `bench_quantized.py`'s quality table). K channel "
         "ratio: the largest channel absmax of a KV head over its median channel absmax, the largest over the "
-        "layer's heads (a few times 1 means no outlier channels). bf16: K/V stored in bf16. Per-token: what the "
-        "caches store (one scale per token and KV head). + channel scales: K first divided by fixed per-channel "
-        "scales from the first 64 tokens (`QuantizedKV.quantize(k_channel_scale=channel_scale(...))`; the caches "
-        "do not set them yet). Per-channel K (KIVI): one scale per channel over all tokens, for comparison. "
+        "layer's heads (a few times 1 means no outlier channels). bf16: K/V stored in bf16. Per-token: one scale "
+        "per token and KV head (what fp8 caches store, and int8 ones with `k_channel_scale=False`). + channel "
+        "scales: K first divided by fixed per-channel scales from the first 64 tokens "
+        "(`attnkit.kvquant.channel_scale`), what int8 caches store by default. Per-channel K (KIVI): one scale per channel over all tokens, for comparison. "
         "Quantized: K and V both (what a cache stores), or K alone with V exact, which isolates the K schemes "
         "(V's rounding is the same under each, and can set the max).",
         "",

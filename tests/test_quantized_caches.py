@@ -422,10 +422,11 @@ def test_kv_command_reports_scales(capsys):
 
 
 def test_channel_scale_is_the_median_ratio_clamped_to_one():
-    """Each channel's absmax over batch and tokens / its head's median channel absmax, never
-    below 1; zero, NaN and inf channels (and an empty k) get 1, and do not move the median."""
+    """Each channel's absmax over batch and tokens / its head's median channel absmax where that
+    is at least 2 (an outlier), else 1; zero, NaN and inf channels (and an empty k) get 1, and do
+    not move the median."""
     k = torch.zeros(2, 2, 3, 5)
-    k[:, 0] = torch.tensor([1.0, 2.0, 4.0, 40.0, 0.5])  # head 0: median 2
+    k[:, 0] = torch.tensor([1.0, 2.0, 4.0, 40.0, 0.5])  # head 0: median 2 (1.0 / 2 and 2.0 / 2 are below the threshold)
     k[1, 1, 2] = torch.tensor([3.0, -30.0, 0.0, float("nan"), 3.0])  # head 1: median of 3, 30, 3 (0 and NaN out)
     k[0, 1, 0, 2] = float("inf")
     want = torch.tensor([[1.0, 1.0, 2.0, 20.0, 1.0], [1.0, 10.0, 1.0, 1.0, 1.0]])

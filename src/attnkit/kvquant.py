@@ -112,21 +112,32 @@ def dequantize(data: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) 
     return (data.float() * finite_or_nan(scale).unsqueeze(-1)).to(dtype)
 
 
+#: How many times its head's median channel absmax a key channel must reach to be scaled
+#: (:func:`channel_scale`).
+OUTLIER_RATIO = 2.0
+
+
 def channel_scale(k: Tensor) -> Tensor:
     """Per (KV head, channel) scales of keys ``k`` (B, Hkv, S, D) (pools (N, bs, Hkv, D): pass
     ``k.transpose(1, 2)``), to divide K by before it is quantized. Returns (Hkv, D) fp32.
 
     Each channel's absmax over the batch and the tokens, divided by its head's median channel
-    absmax, and clamped to >= 1: outlier channels are scaled down to the head's typical range,
-    the others keep 1. Never < 1, so a channel that happened to be quiet in the keys measured
-    (a cache's short first write) is never blown up for the keys that come later. A channel
+    absmax: a channel at least ``OUTLIER_RATIO`` (2) times the median (an outlier) gets that
+    ratio, so it is scaled down to the head's typical range; every other channel keeps 1. Why
+    only outliers: a scaled channel's rounding step grows by its scale, which pays off only when
+    the channel would otherwise set its token's absmax (and so every other channel's step);
+    measured on a trained model without outlier channels, scaling every channel above the median
+    raised int8's attention-output error up to 3x (``benchmarks/bench_quantized_quality.py``).
+    Never < 1, so a channel that happened to be quiet in the keys measured (a cache's short
+    first write) is never blown up for the keys that come later. A channel
     whose ratio is not finite or not positive (all zero, NaN, inf, a head whose median is 0)
     gets 1, as does every channel of an empty ``k``.
 
     Equivalent PyTorch code (finite, non-empty k whose heads' medians are > 0)::
 
         a = k.float().abs().amax(dim=(0, 2))                         # (Hkv, D)
-        c = (a / a.median(-1, keepdim=True).values).clamp_min(1)
+        c = a / a.median(-1, keepdim=True).values
+        c = torch.where(c >= OUTLIER_RATIO, c, 1)
     """
     if not isinstance(k, Tensor) or k.dim() != 4 or not k.is_floating_point():
         raise ValueError(f"channel_scale: k must be a floating (B, Hkv, S, D) tensor, got "
@@ -138,4 +149,4 @@ def channel_scale(k: Tensor) -> Tensor:
     # The median of the finite channels: a NaN or inf channel must not move the others' scale.
     med = torch.where(torch.isfinite(a), a, torch.full_like(a, float("nan"))).nanmedian(-1, keepdim=True).values
     c = a / med
-    return torch.where(torch.isfinite(c) & (c > 1), c, torch.ones_like(c))
+    return torch.where(torch.isfinite(c) & (c >= OUTLIER_RATIO), c, torch.ones_like(c))

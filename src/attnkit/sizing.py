@@ -173,7 +173,8 @@ def kv_cache_bytes(spec, *, context: int = 1, layers: int = 1, batch: int = 1,
 
     ``spec``: anything :func:`cache_spec` accepts (an :class:`MLAConfig` sizes the latent cache;
     use :func:`expanded_dims` for the per-head cache the naive path would keep). A quantized
-    ``dtype`` (int8, fp8) counts its fp32 scales (:func:`scales_per_token`).
+    ``dtype`` (int8, fp8) counts its fp32 scales (:func:`scales_per_token`), not an int8 cache's
+    K channel scale: one (Hkv, D) fp32 tensor per layer, whatever the context.
     """
     for name, val in (("context", context), ("layers", layers), ("batch", batch)):
         if not isinstance(val, int) or isinstance(val, bool) or val < 0:
