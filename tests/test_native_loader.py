@@ -166,14 +166,15 @@ def test_no_compiler_is_reported_and_auto_leaves_decode_to_sdpa(tmp_path):
         warnings.simplefilter("always")
         out = attnkit.attention(q, k, k, backend="decode")  # forcing still works
     print(attnkit.describe_call(q, k, k, backend="decode", detail=True))
-    print(float((out - attnkit.attention(q, k, k, backend="sdpa")).abs().max()) < 1e-5)
+    print(float((out - attnkit.attention(q, k, k, backend="sdpa")).abs().max()))
     print("WARN", [str(x.message) for x in w])
     main(["info"])
     """
     res = run_py(code, tmp_path, "/nonexistent")
     assert res.returncode == 0, res.stderr
     out = res.stdout.splitlines()
-    assert out[:3] == ["sdpa", "decode[torch]", "True"]
+    assert out[:2] == ["sdpa", "decode[torch]"]
+    assert float(out[2]) < 1e-5, f"torch fallback vs SDPA differ by {out[2]}"
     assert "no C++ compiler found" in out[3]
     info = res.stdout[res.stdout.index("backends (auto order"):]
     assert "engine torch" in info and "why: no C++ compiler found" in info
