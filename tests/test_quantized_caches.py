@@ -176,6 +176,15 @@ def test_ragged_batch_equals_each_sequence_alone(kind, kv_dtype):
 # ---------------------------------------------------------------------------- exception safety
 
 
+def failing_attends(cache, q, k, v) -> list:
+    """Steps on ``cache`` that raise after the write (a mask of the wrong width, a q attention
+    refuses, an unknown backend), with the errors they raise."""
+    bad_q = torch.randn(*q.shape[:3], q.shape[3] + 1)
+    return [(lambda: cache.attend(q, k, v, torch.ones(1, 1, 1, 99, dtype=torch.bool)), ValueError),
+            (lambda: cache.attend(bad_q, k, v), ValueError),
+            (lambda: cache.attend(q, k, v, backend="no-such-backend"), (ValueError, attnkit.BackendNotSupported))]
+
+
 @pytest.mark.parametrize("kv_dtype", QDTYPES)
 @pytest.mark.parametrize("kind", KINDS)
 def test_failed_step_leaves_data_and_scales_unchanged(kind, kv_dtype):
@@ -188,13 +197,8 @@ def test_failed_step_leaves_data_and_scales_unchanged(kind, kv_dtype):
         c.attend(*prefill)
     before = snapshot(cache)
     q, k, v = step_kv(kind, 2, 3, torch.float32, 2)  # 3 tokens: a sliding cache overwrites ring slots
-    bad_q = torch.randn(*q.shape[:3], q.shape[3] + 1)
-    calls = [
-        (lambda: cache.attend(q, k.double(), None if v is None else v.double()), TypeError),
-        (lambda: cache.attend(q, k, v, torch.ones(1, 1, 1, 99, dtype=torch.bool)), ValueError),
-        (lambda: cache.attend(bad_q, k, v), ValueError),
-        (lambda: cache.attend(q, k, v, backend="no-such-backend"), (ValueError, attnkit.BackendNotSupported)),
-    ]
+    calls = [(lambda: cache.attend(q, k.double(), None if v is None else v.double()), TypeError),
+             *failing_attends(cache, q, k, v)]
     for call, err in calls:
         with pytest.raises(err):
             call()
@@ -271,13 +275,7 @@ def test_failed_first_step_leaves_channel_scale_unset(kind):
     cache, twin = build(kind, "int8"), build(kind, "int8")
     before = snapshot(cache)
     q, k, v = step_kv(kind, 2, 5, torch.float32, 21)
-    bad_q = torch.randn(*q.shape[:3], q.shape[3] + 1)
-    calls = [
-        (lambda: cache.attend(q, k, v, torch.ones(1, 1, 1, 99, dtype=torch.bool)), ValueError),
-        (lambda: cache.attend(bad_q, k, v), ValueError),
-        (lambda: cache.attend(q, k, v, backend="no-such-backend"), (ValueError, attnkit.BackendNotSupported)),
-    ]
-    for call, err in calls:
+    for call, err in failing_attends(cache, q, k, v):
         with pytest.raises(err):
             call()
         assert cache.k_channel_scale is None
