@@ -348,8 +348,12 @@ def _start_hanging_build(tmp_path, fake_cxx):
     log = tmp_path / "invocations"
     env = dict(os.environ, ATTNKIT_CACHE_DIR=str(tmp_path / "cache"), CXX=str(fake_cxx), FAKE_CXX_MODE="hang",
                FAKE_CXX_LOG=str(log))
-    proc = subprocess.Popen([sys.executable, "-c", "from attnkit import native; native.load()"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    # Ctrl-C raises KeyboardInterrupt even where this test runs with SIGINT ignored (a background
+    # job of a non-interactive shell), whose disposition the child would inherit
+    code = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); from attnkit import native; " \
+           "native.load()"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
     return proc, _pids(log, 2)
 
 
