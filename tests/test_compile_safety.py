@@ -76,3 +76,34 @@ def test_import_does_not_pull_in_dynamo():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("storage", ["bf16", "int8"])
+def test_compiled_cpu_decode_calls_the_split_k_kernel_once_it_is_loaded(storage):
+    """Under torch.compile (fullgraph), a CPU decode call goes to the native split-K op once the
+    library is loaded (its Meta kernel gives the traced shapes), reading an int8 QuantizedKV in
+    place instead of dequantizing it for SDPA; the result equals the eager call."""
+    from attnkit import QuantizedKV, native
+
+    if native.load() is None:
+        pytest.skip("the native kernel cannot be built here")
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 8, 1, 64, generator=g).bfloat16()
+    k, v = torch.randn(2, 2, 300, 64, generator=g), torch.randn(2, 2, 300, 64, generator=g)
+    kv = QuantizedKV.quantize(k, v, "int8") if storage == "int8" else k.bfloat16()
+    mask = attnkit.masks.KeyPadding(torch.tensor([300, 123]))
+
+    def call(q):
+        return attnkit.attention(q, kv, None if storage == "int8" else v.bfloat16(), mask)
+
+    targets = []
+
+    def record(gm, inputs):
+        targets.extend(str(n.target) for n in gm.graph.nodes)
+        return gm
+
+    torch._dynamo.reset()
+    out = torch.compile(call, backend=record, fullgraph=True)(q)
+    assert any("attnkit_cpu.splitk_attention" in t for t in targets), targets
+    assert not any("scaled_dot_product" in t for t in targets)
+    torch.testing.assert_close(out, call(q), rtol=0, atol=0)

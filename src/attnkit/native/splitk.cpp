@@ -1405,6 +1405,20 @@ std::tuple<at::Tensor, at::Tensor> splitk_attention(
   return {out, lse};
 }
 
+// The outputs' shapes and dtypes only (the Meta kernel): what torch.compile's fake tensors see
+// when a traced decode step calls the op (the CPU kernel runs when the graph does).
+std::tuple<at::Tensor, at::Tensor> splitk_attention_meta(
+    const at::Tensor& q, const at::Tensor&, const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
+    const c10::optional<at::Tensor>&, int64_t v_head_dim, const c10::optional<at::Tensor>&,
+    const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
+    const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, double,
+    double, int64_t, bool return_lse) {
+  TORCH_CHECK(q.dim() == 4, "q must be (B, Hq, Sq, D), got ", q.sizes());
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v_head_dim}, q.options());
+  at::Tensor lse = at::empty({return_lse ? q.size(0) : 0, q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+  return {out, lse};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(attnkit_cpu, m) {
@@ -1413,4 +1427,5 @@ TORCH_LIBRARY(attnkit_cpu, m) {
       "Tensor? hi, Tensor? bias, Tensor? slopes, Tensor? qpos, Tensor? sinks, float scale, float softcap, "
       "int num_kv_heads, bool return_lse) -> (Tensor, Tensor)");
   m.impl("splitk_attention", c10::DispatchKey::CPU, TORCH_FN(splitk_attention));
+  m.impl("splitk_attention", c10::DispatchKey::Meta, TORCH_FN(splitk_attention_meta));
 }

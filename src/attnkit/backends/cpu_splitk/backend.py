@@ -104,11 +104,12 @@ class SplitKBackend(BackendBase):
         return why
 
     def auto_skip_reason(self, call: AttentionCall) -> str | None:
-        if torch.compiler.is_compiling():
-            return "under torch.compile (an eager kernel; SDPA traces)"
+        if torch.compiler.is_compiling() and native.library_path() is None:
+            # traced code must not build the library; once it is loaded, the graph calls the op
+            return "under torch.compile before the native kernel is loaded (SDPA traces)"
         # build=False: deciding (and describe_call) must never start the compile; the first call
         # that runs the engine does.
-        return auto_skip(call, native.engine(build=False))
+        return auto_skip(call, "native" if torch.compiler.is_compiling() else native.engine(build=False))
 
     def kernel_name(self, q, k, v, call: AttentionCall) -> str:
         state = native.status(build=False)  # "native", "native (not built yet)" or "torch (<why>)"

@@ -140,7 +140,9 @@ def splitk_attention(q: Tensor, k: Tensor, v: Tensor | None, *, scale: float,
         the sinks).
     """
     B, Hq, Sq, D = q.shape
-    if v is not None and block_table is None and v_is_prefix_of_k(k, v) and (
+    compiling = torch.compiler.is_compiling()
+    # (traced: the views' memory is not known, so V stays a tensor of its own, read on its own)
+    if v is not None and block_table is None and not compiling and v_is_prefix_of_k(k, v) and (
             k_scale is None or v_scale is None or v_scale is k_scale):
         v_head_dim, v, v_scale = v.shape[-1], None, None
     Dv = v.shape[-1] if v is not None else int(v_head_dim)
@@ -148,7 +150,9 @@ def splitk_attention(q: Tensor, k: Tensor, v: Tensor | None, *, scale: float,
     Sk = kv_len if block_table is not None else k.shape[2]
     reduced = mask if isinstance(mask, ReducedMask) else ReducedMask(mask, B, Sq, Sk)
     alibi = reduced.alibi  # computed per score, never materialized
-    ops = native.load()
+    # Traced code never builds or loads the library (auto takes this engine under torch.compile
+    # only once it is loaded): the op is called by name, its Meta kernel gives the shapes.
+    ops = (torch.ops.attnkit_cpu if native.library_path() is not None else None) if compiling else native.load()
     if Sq > Q_CHUNK:
         return _chunked(q, k, v, Dv, Hkv, Sk, scale, reduced, block_table, sinks, softcap, return_lse, k_scale,
                         v_scale)
