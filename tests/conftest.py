@@ -149,6 +149,22 @@ def compile_ahead(script: str, cases: list) -> list:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def scattered_table(lens, page: int, rng, *, fill: int = 0, spare: int = 0) -> tuple[torch.Tensor, int]:
+    """A (B, W + spare) int32 block table giving sequence b ``ceil(lens[b] / page)`` blocks of a
+    pool in a shuffled order (``rng``: a ``random.Random``), ``fill`` past them; and the pool's
+    block count N (3 spare blocks no sequence uses)."""
+    need = [-(-n // page) for n in lens]
+    N = sum(need) + 3
+    order = list(range(N))
+    rng.shuffle(order)
+    table = torch.full((len(lens), max(1, max(need)) + spare), fill, dtype=torch.int32)
+    it = iter(order)
+    for b, nb in enumerate(need):
+        for i in range(nb):
+            table[b, i] = next(it)
+    return table, N
+
+
 def stable_seed(*parts) -> int:
     """A seed from test parameters that is the same in every process (hash() is salted)."""
     return zlib.crc32(repr(parts).encode()) % 10_000

@@ -46,7 +46,12 @@ def test_backend_availability_traces_under_fullgraph_compile(name):
 ], ids=["decode", "decode-softcap", "mla-decode", "prefill-softcap", "prefill-alibi", "prefill-causal"])
 def test_auto_decision_for_a_cuda_call_is_the_same_under_compile(call):
     """``auto``'s choice for a CUDA call, made inside a fullgraph trace, equals the eager choice:
-    the registry reads availability resolved beforehand, never probes inside the trace."""
+    the registry reads availability resolved beforehand, never probes inside the trace. With the
+    native library loaded, so the CPU engine's compile rule (take traced calls once it is loaded)
+    is asked too, and must still leave CUDA calls to the CUDA backends."""
+    from attnkit import native
+
+    native.load()
     eager = registry.select(call).name
     names = registry.backend_names()
 
@@ -56,6 +61,27 @@ def test_auto_decision_for_a_cuda_call_is_the_same_under_compile(call):
     torch._dynamo.reset()
     out = torch.compile(pick, fullgraph=True, backend="eager")(torch.zeros(1))
     assert names[int(out.item())] == eager
+
+
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_auto_decision_for_a_cpu_decode_call_is_the_same_under_compile(q_len):
+    """A CPU decode call: with the native library loaded, ``auto`` picks the split-K engine inside
+    a fullgraph trace as it does eagerly (before this, traced calls went to SDPA)."""
+    from attnkit import native
+
+    if native.load() is None:
+        pytest.skip("the native kernel cannot be built here")
+    call = registry.AttentionCall(1, 32, 8, q_len, 4096, 128, 128, torch.bfloat16, torch.device("cpu"), Causal(),
+                                  0.1, 0.0, False, False)
+    eager = registry.select(call).name
+    names = registry.backend_names()
+
+    def pick(x):
+        return x + float(names.index(registry.select(call).name))
+
+    torch._dynamo.reset()
+    out = torch.compile(pick, fullgraph=True, backend="eager")(torch.zeros(1))
+    assert eager == "decode" and names[int(out.item())] == eager
 
 
 def test_compiled_decode_uses_cuda_graphs_on_cuda_only():

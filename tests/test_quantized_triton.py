@@ -21,7 +21,7 @@ from attnkit import masks as M
 from attnkit.backends import registry
 from attnkit.masks import ALiBi, Causal, KeyPadding
 
-from conftest import base_attention, compile_ahead, rule_r, stable_seed
+from conftest import base_attention, compile_ahead, rule_r, scattered_table, stable_seed
 
 triton_decode = pytest.importorskip("attnkit.backends.triton_splitk.kernel")
 if triton_decode.available() is not None:
@@ -40,17 +40,8 @@ def _pools(B, Hkv, D, Dv, page, lens, storage, *, seed, v_from_k=False, v_mag=1.
     """Quantized pages on a scattered (shuffled) block table: a paged QuantizedKV holding
     ``lens[b]`` tokens per sequence (random float K/V, then quantized row by row). ``v_mag``
     scales the float V before quantizing (small V rows: small V scales)."""
-    rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
-    need = [-(-n // page) for n in lens]
-    N = sum(need) + 3
-    order = list(range(N))
-    rng.shuffle(order)
-    table = torch.full((len(lens), max(1, max(need)) + 1), -1, dtype=torch.int32)  # -1: padding past the pages
-    it = iter(order)
-    for b, nb in enumerate(need):
-        for i in range(nb):
-            table[b, i] = next(it)
+    table, N = scattered_table(lens, page, random.Random(seed), fill=-1, spare=1)  # -1: padding past the pages
     k_pool = torch.randn(N, page, Hkv, D, generator=g)
     v_pool = None if v_from_k else torch.randn(N, page, Hkv, Dv, generator=g) * v_mag
     kv = QuantizedKV.quantize(k_pool.to(DEV), None if v_pool is None else v_pool.to(DEV), storage,

@@ -18,7 +18,7 @@ from attnkit.caches.paged import PagedKVCache
 from attnkit import masks as M
 from attnkit.masks import Causal, KeyPadding, SlidingWindow
 
-from conftest import base_attention, compile_ahead, rule_r, stable_seed
+from conftest import base_attention, compile_ahead, rule_r, scattered_table, stable_seed
 
 triton_decode = pytest.importorskip("attnkit.backends.triton_splitk.kernel")
 if triton_decode.available() is not None:
@@ -31,18 +31,8 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 def _pools(B, Hkv, D, Dv, page, lens, dtype, *, seed, value_from_key=False):
     """Random pages in a scattered (shuffled) block table; returns k_pool, v_pool | None, table and
     the contiguous (B, Hkv, max_len, D|Dv) K and V the table describes (zeros past each length)."""
-    rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
-    need = [-(-n // page) for n in lens]
-    N = sum(need) + 3
-    order = list(range(N))
-    rng.shuffle(order)
-    width = max(1, max(need))
-    table = torch.zeros(len(lens), width, dtype=torch.int32)
-    it = iter(order)
-    for b, nb in enumerate(need):
-        for i in range(nb):
-            table[b, i] = next(it)
+    table, N = scattered_table(lens, page, random.Random(seed))
     k_pool = torch.randn(N, page, Hkv, D, generator=g, dtype=torch.float64).to(dtype)
     v_pool = None if value_from_key else torch.randn(N, page, Hkv, Dv, generator=g, dtype=torch.float64).to(dtype)
     L = max(lens)

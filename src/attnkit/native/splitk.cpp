@@ -63,30 +63,6 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// exp(x) in fp32 (Cephes' expf polynomial after Cody-Waite reduction, ~1 ulp): exp(-inf) and
-// anything below the normal range is 0, NaN stays NaN. vexp below is the same on vectors.
-inline float exp_f32(float x) {
-  const float lo = -87.33654475f, hi = 88.0f;
-  float xc = x < lo ? lo : x;
-  xc = xc > hi ? hi : xc;
-  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  float n = (xc * 1.44269504088896341f + magic) - magic;
-  float r = xc - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof(two_n));
-  float res = p * two_n;
-  return x < lo ? 0.0f : res;
-}
-
 // max that propagates NaN (std::max drops it): a NaN score poisons its row, as it should.
 inline float nan_max(float a, float b) { return (a != a || a > b) ? a : b; }
 
@@ -358,7 +334,8 @@ int64_t tile_keys(int64_t width, int64_t heads, int64_t elem) {
   return round_up(std::max<int64_t>(8, std::min<int64_t>(128, tile_key_bytes() / row)), VL);
 }
 
-// exp_f32 on a whole vector (the same arithmetic, lane by lane).
+// exp(x) in fp32, lane by lane (Cephes' expf polynomial after Cody-Waite reduction, ~1 ulp):
+// exp(-inf) and anything below the normal range is 0, NaN stays NaN.
 inline vf vexp(vf x) {
   const vf lo = vsplat(-87.33654475f), hi = vsplat(88.0f), magic = vsplat(12582912.0f);
   vf xc = x < lo ? lo : x;
@@ -377,6 +354,9 @@ inline vf vexp(vf x) {
   const vf res = p * reinterpret_cast<const vf&>(bits);
   return x < lo ? vf{} : res;
 }
+
+// The same for one value (the online softmax's rescale factors, the slices' merge).
+inline float exp_f32(float x) { return vexp(vsplat(x))[0]; }
 
 // tanh_f32 on a whole vector.
 inline vf vtanh(vf x) {
