@@ -21,6 +21,17 @@ def _cuda_call(q_len, *, softcap=None, mask=None, D=128, Dv=128):
                                   0.1, 0.0, False, False, softcap=softcap)
 
 
+def _traced_choice(call) -> str:
+    """The backend ``auto`` selects for ``call`` inside a fullgraph torch.compile trace."""
+    names = registry.backend_names()
+
+    def pick(x):
+        return x + float(names.index(registry.select(call).name))
+
+    torch._dynamo.reset()
+    return names[int(torch.compile(pick, fullgraph=True, backend="eager")(torch.zeros(1)).item())]
+
+
 @pytest.mark.parametrize("name", registry.backend_names())
 def test_backend_availability_traces_under_fullgraph_compile(name):
     """Every backend's ``available()`` gives the same answer inside a fullgraph trace as eagerly
@@ -53,14 +64,7 @@ def test_auto_decision_for_a_cuda_call_is_the_same_under_compile(call):
 
     native.load()
     eager = registry.select(call).name
-    names = registry.backend_names()
-
-    def pick(x):
-        return x + float(names.index(registry.select(call).name))
-
-    torch._dynamo.reset()
-    out = torch.compile(pick, fullgraph=True, backend="eager")(torch.zeros(1))
-    assert names[int(out.item())] == eager
+    assert _traced_choice(call) == eager
 
 
 @pytest.mark.parametrize("q_len", [1, 4])
@@ -74,14 +78,7 @@ def test_auto_decision_for_a_cpu_decode_call_is_the_same_under_compile(q_len):
     call = registry.AttentionCall(1, 32, 8, q_len, 4096, 128, 128, torch.bfloat16, torch.device("cpu"), Causal(),
                                   0.1, 0.0, False, False)
     eager = registry.select(call).name
-    names = registry.backend_names()
-
-    def pick(x):
-        return x + float(names.index(registry.select(call).name))
-
-    torch._dynamo.reset()
-    out = torch.compile(pick, fullgraph=True, backend="eager")(torch.zeros(1))
-    assert eager == "decode" and names[int(out.item())] == eager
+    assert eager == "decode" and _traced_choice(call) == eager
 
 
 def test_compiled_decode_uses_cuda_graphs_on_cuda_only():
