@@ -34,6 +34,7 @@ import torch
 from _common import bench_main, interleaved_medians, machine, timed
 from attnkit.backends.cpu_splitk import engine as splitk
 from attnkit.caches import BlockAllocator, DynamicCache, PagedKVCache
+from attnkit.caches import memory as cache_memory
 from attnkit.masks import KeyPadding
 
 HQ, HKV, D = 16, 4, 64
@@ -104,6 +105,13 @@ def decode_row(dtype, batch: int, ctx: int, block_size: int, steps: int, seed: i
             **{f"{k}_ms": v * 1e3 for k, v in t.items()}}
 
 
+def in_cache_memory(x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` copied into the memory a cache allocates its buffers from (huge pages where the
+    system gives them), optionally with its rows sent to ``rows`` (a permutation of dim 0)."""
+    out = cache_memory.zeros(x.shape, dtype=x.dtype)
+    return out.copy_(x) if rows is None else out.index_copy_(0, rows, x)
+
+
 def kernel_row(dtype, batch: int, ctx: int, block_size: int, reps: int, seed: int = 0) -> dict:
     """The engine call alone on the same K/V laid out three ways: contiguous (B, Hkv, L, D), pages
     in order, pages scattered (a random permutation of the pool). Splits a step's gap into the
@@ -115,10 +123,10 @@ def kernel_row(dtype, batch: int, ctx: int, block_size: int, reps: int, seed: in
     v_pool = torch.randn(nb, block_size, HKV, D, generator=g).to(dtype)
     tables = {"in order": torch.arange(nb).view(batch, -1),
               "scattered": torch.randperm(nb, generator=g).view(batch, -1)}
-    pools = {"in order": (k_pool, v_pool)}
     order = tables["scattered"].flatten()  # the scattered pools hold the same tokens elsewhere
-    pools["scattered"] = tuple(torch.empty_like(p).index_copy_(0, order, p) for p in (k_pool, v_pool))
-    dense = tuple(p.view(batch, ctx, HKV, D).transpose(1, 2).contiguous() for p in (k_pool, v_pool))
+    pools = {"in order": tuple(in_cache_memory(p) for p in (k_pool, v_pool)),
+             "scattered": tuple(in_cache_memory(p, order) for p in (k_pool, v_pool))}
+    dense = tuple(in_cache_memory(p.view(batch, ctx, HKV, D).transpose(1, 2)) for p in (k_pool, v_pool))
     lengths = torch.full((batch,), ctx, dtype=torch.long)
     mask = KeyPadding(lengths)
     scale = D ** -0.5

@@ -62,6 +62,7 @@ from ..functional import attention
 from ..kvlayout import QuantizedKV
 from ..kvquant import channel_scale, dtype_name, kv_storage_dtype, quantize
 from ..masks import Causal, KeyPadding, Mask, as_mask
+from . import memory
 
 __all__ = ["KVCache", "DynamicCache", "StaticCache", "CacheStep", "BoundCache", "step", "reorder", "crop", "reset"]
 
@@ -610,7 +611,8 @@ class _ContiguousCache(KVCache):
         """Fresh zero buffers of (batch, Hkv, length, ·), keeping what fits of the old ones."""
         for name, dim in self._stored():
             old = getattr(self, name)
-            buf = old.new_zeros(batch, self.kv_heads, length, *(() if dim is None else (dim,)))
+            buf = memory.zeros((batch, self.kv_heads, length, *(() if dim is None else (dim,))),
+                               dtype=old.dtype, device=old.device)
             rows, cols = min(batch, old.shape[0]), min(length, old.shape[2])
             buf[:rows, :, :cols] = old[:rows, :, :cols]
             setattr(self, name, buf)

@@ -39,6 +39,7 @@ from torch import Tensor
 from ..kvlayout import PagedKV, QuantizedKV
 from ..masks import Causal, KeyPadding
 from .allocator import BlockAllocator, OutOfBlocks, PagedStep
+from . import memory
 from .base import KVCache, as_bytes
 
 __all__ = ["BlockAllocator", "PagedKVCache", "OutOfBlocks", "PagedStep"]
@@ -110,13 +111,13 @@ class PagedKVCache(KVCache):
         self.allocator = allocator
         N, bs = allocator.num_blocks, allocator.block_size
         kw = dict(dtype=self.storage_dtype, device=device)
-        self.register_buffer("k_pool", torch.zeros(N, bs, kv_heads, head_dim, **kw), persistent=False)
-        self.register_buffer("v_pool", torch.zeros(0 if value_from_key else N, bs, kv_heads, self.v_head_dim, **kw),
+        self.register_buffer("k_pool", memory.zeros((N, bs, kv_heads, head_dim), **kw), persistent=False)
+        self.register_buffer("v_pool", memory.zeros((0 if value_from_key else N, bs, kv_heads, self.v_head_dim), **kw),
                              persistent=False)
         if self.kv_dtype is not None:
             f32 = dict(dtype=torch.float32, device=device)
-            self.register_buffer("k_scale", torch.zeros(N, bs, kv_heads, **f32), persistent=False)
-            self.register_buffer("v_scale", torch.zeros(0 if value_from_key else N, bs, kv_heads, **f32),
+            self.register_buffer("k_scale", memory.zeros((N, bs, kv_heads), **f32), persistent=False)
+            self.register_buffer("v_scale", memory.zeros((0 if value_from_key else N, bs, kv_heads), **f32),
                                  persistent=False)
         allocator.attach(self)
 

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from ..kvlayout import QuantizedKV
 from ..masks import Dense, Mask
+from . import memory
 from .base import CacheStep, KVCache, as_bytes
 
 __all__ = ["SlidingWindowCache"]
@@ -42,14 +43,14 @@ class SlidingWindowCache(KVCache):
         self.window, self.max_rollback, self.max_batch = window, max_rollback, max_batch
         self.slots = window + max_rollback
         kw = dict(dtype=self.storage_dtype, device=device)
-        self.register_buffer("k_ring", torch.zeros(max_batch, kv_heads, self.slots + 1, head_dim, **kw),
+        self.register_buffer("k_ring", memory.zeros((max_batch, kv_heads, self.slots + 1, head_dim), **kw),
                              persistent=False)
-        self.register_buffer("v_ring", torch.zeros(max_batch, kv_heads, self.slots + 1, self.v_head_dim, **kw),
+        self.register_buffer("v_ring", memory.zeros((max_batch, kv_heads, self.slots + 1, self.v_head_dim), **kw),
                              persistent=False)
         if self.kv_dtype is not None:
             for name in ("k_scale", "v_scale"):
-                self.register_buffer(name, torch.zeros(max_batch, kv_heads, self.slots + 1, dtype=torch.float32,
-                                                       device=device), persistent=False)
+                self.register_buffer(name, memory.zeros((max_batch, kv_heads, self.slots + 1), dtype=torch.float32,
+                                                        device=device), persistent=False)
 
     def _rings(self) -> list[Tensor]:
         """The ring buffers, in :meth:`_quantize`'s order: K, V (and quantized: their scales)."""
