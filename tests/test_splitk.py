@@ -63,6 +63,21 @@ def test_engine_matches_the_oracle(engine, dtype, case, mask_name):
     assert (out.masked_select(empty.unsqueeze(-1).expand_as(out)) == 0).all()  # nothing visible -> exactly 0
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_a_decode_step_reads_right_padding_lengths_as_they_are(engine, dtype):
+    """One query per row over dense K/V with a right KeyPadding (a static cache's decode step):
+    the engine hands the lengths to the kernel as its key bounds. A length past Sk allows every key
+    (never a read past the buffer), 0 none (an exact zero row); the caller's lengths stay as given."""
+    Sk = 70
+    lens = torch.tensor([Sk + 5, 0, 33, Sk])
+    given = lens.clone()
+    q, k, v = make_qkv(4, 8, 2, 1, Sk, 32, dtype=DTYPES[dtype], seed=stable_seed(dtype, "decode-lengths"))
+    mask = M.KeyPadding(lens)
+    out = attnkit.attention(q, k, v, mask, backend="decode")
+    rule_r(out, base_attention(q, k, v, mask), attnkit.attention_reference(q, k, v, mask), n_terms=Sk)
+    assert (out[1] == 0).all() and torch.equal(lens, given)
+
+
 @pytest.mark.parametrize("block_size", [1, 3, 16])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_paged_pages_match_the_oracle(engine, dtype, block_size):

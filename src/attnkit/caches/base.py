@@ -648,8 +648,13 @@ class _ContiguousCache(KVCache):
             start = step.old_host[0] if step.old_host else 0
             buf[:B, :, start:start + S].copy_(t)
         else:
-            pos = step.positions()  # (B, S); rows' padding tokens land past their new length
-            buf[:B].scatter_(2, pos[:, None, :, None].expand(B, H, S, dim), t)
+            # (B, S) positions; rows' padding tokens land past their new length. An index_put_
+            # (row b's tokens to positions pos[b]), not a scatter_: under torch.compile inductor
+            # writes it into the buffer in place, where a scatter_ became a copy of the whole
+            # buffer per step (and a copy back).
+            pos = step.positions()
+            rows = torch.arange(B, device=pos.device)[:, None]
+            buf[rows, :, pos] = t.transpose(1, 2)
 
     def _abort(self, step):
         # Rows past the committed lengths are zeroed where this step wrote them (never left
@@ -762,7 +767,11 @@ class StaticCache(_ContiguousCache):
         return CacheStep(old, n, S, old_host=old_host, num_new_host=n_host)
 
     def view(self, step, *, dense=False):
-        return (*self._views(step.batch, self.max_len, dense), Causal(offsets=step.old) & KeyPadding(step.new))
+        # One token per row (decode): its query at position old sees keys j <= old, and j < new
+        # with new <= old + 1, so KeyPadding(new) alone is the whole mask: per-row lengths,
+        # which kernels take as they are (no key intervals built per step under compile).
+        mask = KeyPadding(step.new) if step.tokens == 1 else Causal(offsets=step.old) & KeyPadding(step.new)
+        return (*self._views(step.batch, self.max_len, dense), mask)
 
     def _commit(self, step):
         if self.lengths.numel() == 0:  # the first step: the (B,) buffer every later step updates in place

@@ -13,10 +13,13 @@
 // registers. The tail of K (less than a step) is summed by scalar code. x is converted once, on
 // the calling thread; the output is rounded once to x's dtype, after the bias is added in fp32.
 //
-// No software prefetch: each thread reads R rows front to back, R sequential streams that the
-// hardware prefetchers follow. Prefetching 512 to 1024 bytes ahead (to L1, to L2, non-temporal)
-// was measured on a Sapphire Rapids Xeon: never faster, the non-temporal hint much slower, and
-// the prefetches take load slots from cache-resident (small) layers.
+// Prefetch one block ahead: each thread reads R rows front to back, R streams of K weights, and a
+// row of a 1024-wide fp32 layer is one 4 KiB page, where the hardware prefetchers stop and start
+// over. So while a block's rows are read, the next block's rows (the R * K weights after them, in
+// the thread's own range) are requested into L2 a line per row per step, spread over the block's
+// arithmetic. A short distance (512 to 1024 bytes ahead in the same rows, to L1, to L2 or
+// non-temporal) was never faster on a Sapphire Rapids Xeon: the hardware prefetchers already cover
+// it. (benchmarks/bench_linear.py measures both against F.linear and a plain read.)
 //
 // Arithmetic: fp32 products and sums (fused multiply-add), VL partial sums per output summed at
 // the end; the order differs from torch's GEMM, the error bound (K * eps * sum |x||w|) is the same.
@@ -109,7 +112,9 @@ constexpr int weight_vectors() {
 // x is fp32 (bf16 weights widened to fp32 in registers) or, on CPUs with AVX-512-BF16, bf16 against
 // bf16 weights.
 template <int M, int R, typename X, typename W, typename O>
-inline void block(const X* x, const W* w, const float* bias, O* out, int64_t n0, int64_t N, int64_t K) {
+// ``ahead``: elements from a weight to the one the next block reads at its place (0: no prefetch).
+inline void block(const X* x, const W* w, const float* bias, O* out, int64_t n0, int64_t N, int64_t K,
+                  int64_t ahead) {
   const W* wr[R];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) wr[r] = w + (n0 + r) * K;
@@ -131,6 +136,7 @@ inline void block(const X* x, const W* w, const float* bias, O* out, int64_t n0,
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         wv[r] = (__m512bh)_mm512_loadu_si512(wr[r] + k);
+        if (ahead) __builtin_prefetch(wr[r] + k + ahead, 0, 1);
       }
 #pragma GCC unroll 8
       for (int m = 0; m < M; ++m) {
@@ -159,6 +165,7 @@ inline void block(const X* x, const W* w, const float* bias, O* out, int64_t n0,
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
           wv[r] = load(wr[r] + k);
+          if (ahead) __builtin_prefetch(wr[r] + k + ahead, 0, 1);
         }
 #pragma GCC unroll 8
         for (int m = 0; m < M; ++m) {
@@ -178,6 +185,7 @@ inline void block(const X* x, const W* w, const float* bias, O* out, int64_t n0,
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
           const vi words = load_words(wr[r] + k);
+          if (ahead) __builtin_prefetch(wr[r] + k + ahead, 0, 1);
           we[r] = (vf)(words << 16);
           wo[r] = (vf)(words & high);
         }
@@ -210,8 +218,8 @@ template <int M, typename X, typename W, typename O>
 void rows(const X* x, const W* w, const float* bias, O* out, int64_t n0, int64_t n1, int64_t N, int64_t K) {
   constexpr int R = rows_per_pass(M, weight_vectors<X, W>());
   int64_t n = n0;
-  for (; n + R <= n1; n += R) block<M, R>(x, w, bias, out, n, N, K);
-  for (; n < n1; ++n) block<M, 1>(x, w, bias, out, n, N, K);
+  for (; n + R <= n1; n += R) block<M, R>(x, w, bias, out, n, N, K, n + 2 * R <= n1 ? R * K : 0);
+  for (; n < n1; ++n) block<M, 1>(x, w, bias, out, n, N, K, 0);
 }
 
 template <int M, typename X, typename W, typename O>

@@ -158,11 +158,14 @@ def splitk_attention(q: Tensor, k: Tensor, v: Tensor | None, *, scale: float,
                         v_scale)
     if ops is not None and reduced.rest is None and block_table is None:
         lo = hi = bias = None  # the kernel's default: every row sees all Sk keys
-    elif ops is not None and block_table is not None and Sq == 1 and reduced.padding_lengths is not None:
-        # A paged decode step: each row sees its sequence's keys [0, length), the lengths the
-        # pages were validated against. No interval tensors to build: the kernel reads hi as
-        # B * Sq = B contiguous int64, which the (B,) lengths already are.
+    elif ops is not None and Sq == 1 and reduced.padding_lengths is not None:
+        # A decode step over right-padded keys (a paged call's lengths, a static cache's step):
+        # each row sees its sequence's keys [0, length). No interval tensors to build: the kernel
+        # reads hi as B * Sq = B contiguous int64, which the (B,) lengths already are. Paged
+        # lengths were validated against the pages; dense ones may pass Sk (all keys allowed).
         lo, bias, hi = None, None, reduced.padding_lengths
+        if block_table is None:
+            hi = hi.clamp(max=Sk)
         if hi.dtype != torch.long or hi.device != q.device or not hi.is_contiguous():
             hi = hi.to(device=q.device, dtype=torch.long).contiguous()
     else:
