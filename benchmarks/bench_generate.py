@@ -1,7 +1,8 @@
 """attnkit ``Decoder.generate`` against Hugging Face ``LlamaForCausalLM.generate``, same weights.
 
 Config (the issue's): hidden 512, 4 layers, 8 heads, 2 KV heads, intermediate 1376, vocab
-4096, fp32; prompts of 32 tokens, 128 new tokens, greedy, batch 1 and batch 8. Contenders run
+4096, fp32; prompts of 32 tokens, 128 new tokens, greedy, batch 1 and batch 8, and (full run) a
+batch-1 prompt of 1920 tokens, where each step reads a long cache as well. Contenders run
 interleaved (alternating order) in one process; the table gives medians of end-to-end tokens/s
 (B x new tokens / wall time of the whole call, prefill included) and whether each produced
 exactly Hugging Face's tokens. The compiled static-cache decode step is timed after its
@@ -32,6 +33,8 @@ from _common import bench_main, interleaved_medians, machine, require
 from attnkit.models import Decoder, config_from_hf
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, INTER, VOCAB, PROMPT = 512, 4, 8, 2, 1376, 4096, 32
+#: The long row's prompt: with the new tokens, the model's 2048 positions.
+LONG_PROMPT = 1920
 EAGER = ("attnkit_dynamic", "attnkit_static")
 
 
@@ -114,9 +117,9 @@ def run(quick: bool) -> dict:
     new, reps = (16, 2) if quick else (128, 5)
     hf, ours = build()
     rows = []
-    for B in (1, 8):
+    for B, P in [(1, PROMPT), (8, PROMPT)] + ([] if quick else [(1, LONG_PROMPT)]):
         g = torch.Generator().manual_seed(B)
-        ids = torch.randint(0, VOCAB, (B, PROMPT), generator=g)
+        ids = torch.randint(0, VOCAB, (B, P), generator=g)
         outs: dict[str, list] = {}
 
         def hf_run():
@@ -125,7 +128,7 @@ def run(quick: bool) -> dict:
                 o = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
                                 min_new_tokens=new, do_sample=False)
                 dt = time.perf_counter() - t0
-            outs["hf"] = o[:, PROMPT:].tolist()
+            outs["hf"] = o[:, P:].tolist()
             return dt
 
         def ours_run(name, **kw):
@@ -159,7 +162,7 @@ def run(quick: bool) -> dict:
             compile_s = time.perf_counter() - t0
             contenders["attnkit_compiled"] = ours_run("attnkit_compiled", cache="static", compile=True)
         secs = interleaved_medians(contenders, reps, warmup=1)
-        row = {"batch": B, "prompt": PROMPT, "new_tokens": new}
+        row = {"batch": B, "prompt": P, "new_tokens": new}
         for name, s in secs.items():
             row[f"{name}_tok_s"] = B * new / s
             if name not in ("hf", "floor"):
