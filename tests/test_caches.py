@@ -175,6 +175,24 @@ def test_static_cache_keeps_shapes_and_buffer_identity():
     assert shapes == {(2, 2, 32, 8)} and cache.k_buf is kb
 
 
+def test_static_cache_one_token_step_with_idle_rows():
+    """A static cache's one-token step is masked by the rows' lengths alone (KeyPadding(new)):
+    a row that gains no token (num_new 0) sees its old keys and never the step's padding token,
+    exactly as the full Causal(offsets=old) & KeyPadding(new) mask of longer steps says."""
+    q, k, v = make_qkv(2, 4, 2, 6, 6, 8, seed=3)
+    cache = StaticCache(2, 8, max_batch=2, max_len=16)
+    cache.update(k[:, :, :5], v[:, :, :5], num_new=torch.tensor([5, 3]))
+    k_all, v_all, mask = cache.update(k[:, :, 5:], v[:, :, 5:], num_new=torch.tensor([1, 0]))
+    assert isinstance(mask, attnkit.masks.KeyPadding) and cache.lengths.tolist() == [6, 3]
+    out = attnkit.attention(q[:, :, 5:], k_all, v_all, mask)
+    want = attnkit.attention_reference(q[:, :, 5:], k_all, v_all,
+                                       attnkit.masks.Causal(offsets=torch.tensor([5, 3]))
+                                       & attnkit.masks.KeyPadding(torch.tensor([6, 3])))
+    torch.testing.assert_close(out.double(), want, atol=1e-6, rtol=1e-6)
+    alone = attnkit.attention_reference(q[1:, :, 5:], k[1:, :, :3], v[1:, :, :3])  # row 1: its 3 old keys
+    torch.testing.assert_close(out[1:].double(), alone, atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("make,call,exc,text", [
     (lambda: StaticCache(2, 8, max_batch=1, max_len=4), lambda c: c.update(torch.zeros(1, 2, 5, 8), torch.zeros(1, 2, 5, 8)), ValueError, "max_len 4"),
     (lambda: StaticCache(2, 8, max_batch=1, max_len=4), lambda c: c.update(torch.zeros(2, 2, 1, 8), torch.zeros(2, 2, 1, 8)), ValueError, "max_batch=1"),
