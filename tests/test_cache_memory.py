@@ -69,6 +69,15 @@ def test_a_view_keeps_the_mapping_alive():
     assert torch.equal(tail, torch.full((16,), 8.0))
 
 
+def test_a_refused_mapping_falls_back_to_torch_zeros(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    x = memory.zeros((4, 1 << 20), dtype=torch.float32)
+    assert x.shape == (4, 1 << 20) and x.untyped_storage().nbytes() == 16 << 20 and torch.count_nonzero(x) == 0
+
+
 def test_without_the_advice_it_is_torch_zeros(monkeypatch):
     monkeypatch.delattr(mmap, "MADV_HUGEPAGE", raising=False)
     memory.huge_page_size.cache_clear()

@@ -54,7 +54,10 @@ def zeros(shape: tuple[int, ...], *, dtype: torch.dtype, device=None) -> Tensor:
     if dev.type != "cpu" or page == 0 or nbytes < page:
         return torch.zeros(shape, dtype=dtype, device=dev)
     # One page more than needed, so an aligned start exists; its untouched pages cost nothing.
-    mapping = mmap.mmap(-1, nbytes + page, flags=mmap.MAP_PRIVATE)
+    try:
+        mapping = mmap.mmap(-1, nbytes + page, flags=mmap.MAP_PRIVATE)
+    except OSError:  # no mapping to spare (vm.max_map_count, a strict overcommit limit): torch's
+        return torch.zeros(shape, dtype=dtype, device=dev)  # allocator, and its error if memory is short
     raw = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping (not a copy)
     start = -raw.data_ptr() % page
     try:
