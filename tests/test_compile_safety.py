@@ -81,12 +81,12 @@ def test_auto_decision_for_a_cpu_decode_call_is_the_same_under_compile(q_len):
     assert eager == "decode" and _traced_choice(call) == eager
 
 
-def test_compiled_decode_uses_cuda_graphs_on_cuda_only():
-    from attnkit.models.generation import compile_mode
+def test_compiled_decode_uses_cuda_graphs_on_cuda_and_a_cpp_wrapper_on_cpu():
+    from attnkit.models.generation import compile_settings
 
-    assert compile_mode("inductor", "cuda") == "reduce-overhead"
-    assert compile_mode("inductor", "cpu") is None
-    assert compile_mode("aot_eager", "cuda") is None  # a backend that takes no mode
+    assert compile_settings("inductor", "cuda") == {"mode": "reduce-overhead"}
+    assert compile_settings("inductor", "cpu") == {"options": {"cpp_wrapper": True}}
+    assert compile_settings("aot_eager", "cuda") == {} and compile_settings("aot_eager", "cpu") == {}
 
 
 def test_import_does_not_pull_in_dynamo():
