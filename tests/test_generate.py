@@ -299,6 +299,23 @@ def test_inductor_compiled_decode_equals_eager():
         assert m.generate(PROMPTS, 16, cache="static", compile=True).tokens == want
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+@pytest.mark.parametrize("attention", ["gqa", "mla"])
+def test_compiled_decode_on_cuda_equals_eager(attention, kv_dtype):
+    """``generate(compile=True)`` on CUDA (inductor with CUDA graphs; the static caches written in
+    place, the one-token step masked by the lengths) gives the eager CUDA tokens, and a second
+    call replays the step without recompiling. Only a GPU run (``gpu_check.py``) reaches it."""
+    import torch._dynamo
+    m = tiny(attention, seed=7).cuda()
+    want = m.generate(PROMPTS, 12, cache="static", kv_dtype=kv_dtype).tokens
+    torch._dynamo.reset()
+    assert m.generate(PROMPTS, 12, cache="static", compile=True, kv_dtype=kv_dtype).tokens == want
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert m.generate(PROMPTS, 12, cache="static", compile=True, kv_dtype=kv_dtype).tokens == want
+
+
 def test_generating_past_max_position_embeddings_warns():
     m = tiny(max_position_embeddings=12)
     with pytest.warns(UserWarning, match="max_position_embeddings=12"):
