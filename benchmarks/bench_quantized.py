@@ -5,7 +5,8 @@ Speed: one decode step (B 1, Hq 32 / Hkv 8, D 128) over 4k and 32k keys, with th
 bf16, int8 and fp8, dense and paged (blocks of 16 in a shuffled pool), each read in place by
 attnkit's split-K engine; beside them the peer a user of transformers' ``QuantizedCache`` gets
 (dequantize the whole cache, then torch SDPA) and a plain sum over a buffer of the same bytes
-(the machine's read bandwidth), all interleaved in one run.
+(the machine's read bandwidth), all interleaved in one run; with every core, then with one core
+at the longest context (a decode stream per core, as a server runs them).
 
 Quality: the attention output's error against fp64 attention over the unquantized K/V, relative
 to the output's RMS, for Gaussian K/V and for K with outlier channels (a few channels 20x larger,
@@ -20,6 +21,7 @@ model's own K/V when ``--model`` names a checkpoint folder.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
@@ -43,60 +45,87 @@ def _paged(x: torch.Tensor, block: int, g: torch.Generator) -> tuple[torch.Tenso
     return pool, perm.view(1, W)
 
 
+@contextlib.contextmanager
+def _threads(n: int):
+    """torch's intra-op threads set to ``n`` for the block (this script's own runs only)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _speed(quick: bool) -> list[dict]:
+    """Every core, then one core at the longest context: one core is what a decode stream gets
+    when a server runs a stream per core, and there a compute-bound kernel (int8 widens and scales
+    what it reads) and a bandwidth-bound one (bf16) compare differently than with every core
+    pulling from memory at once."""
     g = torch.Generator().manual_seed(0)
     rows = []
-    for ctx in ([1024, 4096] if quick else [4096, 32768]):
-        k32 = torch.randn(1, 8, ctx, 128, generator=g)
-        v32 = torch.randn(1, 8, ctx, 128, generator=g)
-        for layout in ("dense", "paged"):
-            fns, nbytes, calls = {}, {}, {}
-            for name, dt in [("fp32", torch.float32), ("bf16", torch.bfloat16)] + KV_DTYPES:
-                qdt = torch.float32 if dt == torch.float32 else torch.bfloat16
-                q = torch.randn(1, 32, 1, 128, generator=g).to(qdt)
-                if dt in (torch.float32, torch.bfloat16):
-                    k, v = k32.to(dt), v32.to(dt)
-                    nbytes[name] = 2 * k.numel() * k.element_size()
-                    if layout == "paged":
-                        kp, table = _paged(k, 16, torch.Generator().manual_seed(1))
-                        vp, _ = _paged(v, 16, torch.Generator().manual_seed(1))
-                        kv = attnkit.PagedKV(kp, vp, table, torch.tensor([ctx]), max_len=ctx, checked=True)
-                        args = (q, kv, None)
-                    else:
-                        args = (q, k, v)
-                else:
-                    if layout == "paged":
-                        kp, table = _paged(k32, 16, torch.Generator().manual_seed(1))
-                        vp, _ = _paged(v32, 16, torch.Generator().manual_seed(1))
-                        kv = QuantizedKV.quantize(kp, vp, dt, block_table=table, lengths=torch.tensor([ctx]),
-                                                  max_len=ctx)
-                    else:
-                        kv = QuantizedKV.quantize(k32, v32, dt)
+    everyone = torch.get_num_threads()
+    runs = [(1024, everyone), (4096, everyone), (4096, 1)] if quick else \
+        [(4096, everyone), (32768, everyone), (32768, 1)]
+    for ctx, threads in runs:
+        with _threads(threads):
+            rows += _speed_rows(ctx, threads, quick, g, peer=threads == everyone)
+    return rows
+
+
+def _speed_rows(ctx: int, threads: int, quick: bool, g: torch.Generator, peer: bool) -> list[dict]:
+    """The rows of one context and thread count (``peer``: with the dequantize-then-SDPA peer)."""
+    rows = []
+    k32 = torch.randn(1, 8, ctx, 128, generator=g)
+    v32 = torch.randn(1, 8, ctx, 128, generator=g)
+    for layout in ("dense", "paged"):
+        fns, nbytes, calls = {}, {}, {}
+        for name, dt in [("fp32", torch.float32), ("bf16", torch.bfloat16)] + KV_DTYPES:
+            qdt = torch.float32 if dt == torch.float32 else torch.bfloat16
+            q = torch.randn(1, 32, 1, 128, generator=g).to(qdt)
+            if dt in (torch.float32, torch.bfloat16):
+                k, v = k32.to(dt), v32.to(dt)
+                nbytes[name] = 2 * k.numel() * k.element_size()
+                if layout == "paged":
+                    kp, table = _paged(k, 16, torch.Generator().manual_seed(1))
+                    vp, _ = _paged(v, 16, torch.Generator().manual_seed(1))
+                    kv = attnkit.PagedKV(kp, vp, table, torch.tensor([ctx]), max_len=ctx, checked=True)
                     args = (q, kv, None)
-                    nbytes[name] = 2 * (kv.k.numel() + 4 * kv.k_scale.numel())
-                    if layout == "dense" and name == "int8":  # the dequantize-then-SDPA peer
-                        def peer(q=q, kv=kv):
-                            kd, vd = kv.gather(q.dtype)
-                            return F.scaled_dot_product_attention(q, kd, vd, enable_gqa=True)
-                        fns["int8 dequantize+SDPA"] = timed(peer)
-                fns[name] = timed(lambda a=args: attnkit.attention(*a))
-                calls[name] = args
-            read = torch.ones(nbytes["bf16"] // 4)
-            fns["read"] = timed(lambda: read.sum())
-            with torch.inference_mode():
-                t = interleaved_medians(fns, 5 if quick else (41 if ctx <= 4096 else 11), warmup=2)
-            read_bw = nbytes["bf16"] / t["read"] / 1e9
-            calls = {name: attnkit.describe_call(*a, detail=True) for name, a in calls.items()}  # after the runs
-            for name in nbytes:
-                rows.append({"ctx": ctx, "layout": layout, "kv": name, "backend": calls[name],
-                             "ms": t[name] * 1e3, "kv_bytes": nbytes[name],
-                             "GBps": nbytes[name] / t[name] / 1e9, "read_GBps": read_bw,
-                             "vs_bf16": t["bf16"] / t[name]})
-            if "int8 dequantize+SDPA" in t:
-                rows.append({"ctx": ctx, "layout": layout, "kv": "int8 dequantize+SDPA (QuantizedCache-style)",
-                             "backend": "torch SDPA", "ms": t["int8 dequantize+SDPA"] * 1e3,
-                             "kv_bytes": nbytes["int8"], "GBps": nbytes["int8"] / t["int8 dequantize+SDPA"] / 1e9,
-                             "read_GBps": read_bw, "vs_bf16": t["bf16"] / t["int8 dequantize+SDPA"]})
+                else:
+                    args = (q, k, v)
+            else:
+                if layout == "paged":
+                    kp, table = _paged(k32, 16, torch.Generator().manual_seed(1))
+                    vp, _ = _paged(v32, 16, torch.Generator().manual_seed(1))
+                    kv = QuantizedKV.quantize(kp, vp, dt, block_table=table, lengths=torch.tensor([ctx]),
+                                              max_len=ctx)
+                else:
+                    kv = QuantizedKV.quantize(k32, v32, dt)
+                args = (q, kv, None)
+                nbytes[name] = 2 * (kv.k.numel() + 4 * kv.k_scale.numel())
+                if peer and layout == "dense" and name == "int8":  # the dequantize-then-SDPA peer
+                    def peer(q=q, kv=kv):
+                        kd, vd = kv.gather(q.dtype)
+                        return F.scaled_dot_product_attention(q, kd, vd, enable_gqa=True)
+                    fns["int8 dequantize+SDPA"] = timed(peer)
+            fns[name] = timed(lambda a=args: attnkit.attention(*a))
+            calls[name] = args
+        read = torch.ones(nbytes["bf16"] // 4)
+        fns["read"] = timed(lambda: read.sum())
+        with torch.inference_mode():
+            t = interleaved_medians(fns, 5 if quick else (41 if ctx <= 4096 else 11), warmup=2)
+        read_bw = nbytes["bf16"] / t["read"] / 1e9
+        calls = {name: attnkit.describe_call(*a, detail=True) for name, a in calls.items()}  # after the runs
+        for name in nbytes:
+            rows.append({"ctx": ctx, "threads": threads, "layout": layout, "kv": name, "backend": calls[name],
+                         "ms": t[name] * 1e3, "kv_bytes": nbytes[name],
+                         "GBps": nbytes[name] / t[name] / 1e9, "read_GBps": read_bw,
+                         "vs_bf16": t["bf16"] / t[name]})
+        if "int8 dequantize+SDPA" in t:
+            rows.append({"ctx": ctx, "threads": threads, "layout": layout,
+                         "kv": "int8 dequantize+SDPA (QuantizedCache-style)",
+                         "backend": "torch SDPA", "ms": t["int8 dequantize+SDPA"] * 1e3,
+                         "kv_bytes": nbytes["int8"], "GBps": nbytes["int8"] / t["int8 dequantize+SDPA"] / 1e9,
+                         "read_GBps": read_bw, "vs_bf16": t["bf16"] / t["int8 dequantize+SDPA"]})
     return rows
 
 
@@ -151,12 +180,13 @@ def to_markdown(res: dict) -> str:
         "K/V bytes include the fp32 row scales. Machine read GB/s: a plain sum over the bf16 cache's bytes, "
         "interleaved with the contenders. Medians of interleaved runs.",
         "",
-        "| context | layout | K/V | attnkit backend | ms | K/V bytes | read GB/s | machine read GB/s | share | "
-        "speed vs bf16 |",
-        "|---:|---|---|---|---:|---:|---:|---:|---:|---:|",
+        "| context | threads | layout | K/V | attnkit backend | ms | K/V bytes | read GB/s | machine read GB/s | "
+        "share | speed vs bf16 |",
+        "|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in res["speed"]:
-        lines.append(f"| {r['ctx']} | {r['layout']} | {r['kv']} | {r['backend']} | {r['ms']:.2f} | "
+        lines.append(f"| {r['ctx']} | {r.get('threads', m['torch_threads'])} | {r['layout']} | {r['kv']} | "
+                     f"{r['backend']} | {r['ms']:.2f} | "
                      f"{r['kv_bytes'] / 2**20:.1f} MiB | {r['GBps']:.1f} | {r['read_GBps']:.1f} | "
                      f"{100 * r['GBps'] / r['read_GBps']:.0f}% | {r['vs_bf16']:.2f}x |")
     lines += [
