@@ -13,7 +13,7 @@ import torch
 
 import attnkit  # noqa: F401  (registers the backends)
 from attnkit.backends import registry
-from attnkit.masks import ALiBi, Causal, alibi_slopes
+from attnkit.masks import ALiBi, Causal, KeyPadding, alibi_slopes
 
 
 def _cuda_call(q_len, *, softcap=None, mask=None, D=128, Dv=128):
@@ -54,7 +54,9 @@ def test_backend_availability_traces_under_fullgraph_compile(name):
     _cuda_call(512, softcap=30.0, mask=Causal()),  # Gemma 2 prefill
     _cuda_call(512, mask=Causal() & ALiBi(alibi_slopes(16))),
     _cuda_call(512, mask=Causal()),
-], ids=["decode", "decode-softcap", "mla-decode", "prefill-softcap", "prefill-alibi", "prefill-causal"])
+    _cuda_call(1, mask=KeyPadding(torch.tensor([300]))),  # a static cache's decode step
+], ids=["decode", "decode-softcap", "mla-decode", "prefill-softcap", "prefill-alibi", "prefill-causal",
+        "static-cache-decode"])
 def test_auto_decision_for_a_cuda_call_is_the_same_under_compile(call):
     """``auto``'s choice for a CUDA call, made inside a fullgraph trace, equals the eager choice:
     the registry reads availability resolved beforehand, never probes inside the trace. With the
