@@ -9,8 +9,8 @@ here, in this process, from fixed seeds (nothing is downloaded):
    demo's held-out associative-recall examples at the trained number of pairs and at twice as
    many, with the cache in the model's dtype, int8 and fp8, for the fp32 model and its bf16 cast.
 2. **Greedy agreement of a small language model.** A byte-level Llama-style decoder (GQA, RoPE)
-   trained for a few minutes on the Python standard library's own ``.py`` files (on every
-   machine, offline; which files depends on the Python version, recorded in the result).
+   trained for about a quarter of an hour on the Python standard library's own ``.py`` files (on
+   every machine, offline; which files depends on the Python version, recorded in the result).
    Held-out prompts are continued greedily with each cache and compared token by token with the
    continuation from the model's own-dtype cache; then the reference continuation is fed through
    each cache (teacher forcing), which compares logits at every step without an early divergence
@@ -20,7 +20,7 @@ here, in this process, from fixed seeds (nothing is downloaded):
    table), with per-token scales and with fixed per-channel K scales, next to how outlying the
    layer's K channels are.
 
-    python benchmarks/bench_quantized_quality.py           # full tables -> benchmarks/results/ (~10 min, 2 cores)
+    python benchmarks/bench_quantized_quality.py           # full tables -> benchmarks/results/ (~20 min)
     python benchmarks/bench_quantized_quality.py --quick   # tiny models, under a minute (smoke test only)
 
 Everything runs on one torch thread: results then do not depend on the machine's core count (a
@@ -135,7 +135,7 @@ class LMPlan:
         if quick:
             return cls(hidden=64, layers=2, heads=4, kv_heads=2, seq=128, batch=8, steps=30, lr=3e-3, prompts=2,
                        prompt_bytes=32, new_tokens=32, contexts=2, context_bytes=128, holdout_every=8)
-        return cls(hidden=256, layers=4, heads=8, kv_heads=2, seq=512, batch=8, steps=200, lr=2e-3, prompts=8,
+        return cls(hidden=256, layers=4, heads=8, kv_heads=2, seq=512, batch=8, steps=800, lr=2e-3, prompts=8,
                    prompt_bytes=128, new_tokens=256, contexts=4, context_bytes=512, holdout_every=8)
 
 

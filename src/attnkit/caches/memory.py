@@ -2,9 +2,9 @@
 
 A decode step reads the whole cache, and a paged pool is read in a scattered order: with 4 KiB
 pages every few blocks cost a TLB miss and a page walk, which a 2 MiB page removes (the scattered
-rows of ``benchmarks/bench_paged.py``). Linux gives huge pages to anonymous private memory that asks for
-them (``madvise(MADV_HUGEPAGE)``) when ``/sys/kernel/mm/transparent_hugepage/enabled`` is
-``always`` or ``madvise``; torch's CPU allocator only does so under the process-wide
+rows of ``benchmarks/bench_paged.py``). Linux gives huge pages to anonymous private memory that
+asks for them (``madvise(MADV_HUGEPAGE)``) when ``/sys/kernel/mm/transparent_hugepage/enabled``
+is ``always`` or ``madvise``; torch's CPU allocator only does so under the process-wide
 ``THP_MEM_ALLOC_ENABLE``, which a library must not set. So a cache buffer of at least one huge
 page is its own private anonymous mapping, aligned to the huge page and advised, wrapped as a
 tensor (the tensor keeps the mapping alive; it is unmapped with the last view). Everything else,
