@@ -5,6 +5,7 @@ here, and the command line that writes a result table (markdown + JSON) and its 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -22,6 +23,17 @@ import attnkit
 from attnkit._sysinfo import cpu_isa, cpu_name
 
 RESULTS = Path(__file__).parent / "results"
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's intra-op threads set to ``n`` for the block, restored after (a benchmark's own runs)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def timed(fn: Callable[[], object]) -> Callable[[], float]:

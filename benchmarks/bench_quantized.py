@@ -21,7 +21,6 @@ model's own K/V when ``--model`` names a checkpoint folder.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 
 import torch
@@ -30,7 +29,7 @@ import torch.nn.functional as F
 import attnkit
 from attnkit import QuantizedKV
 from attnkit.kvquant import QUANTIZED_DTYPES, channel_scale, dequantize, quantize
-from _common import bench_main, interleaved_medians, machine, timed
+from _common import bench_main, interleaved_medians, machine, timed, torch_threads
 
 KV_DTYPES = [("int8", torch.int8)] + [("fp8", d) for d in QUANTIZED_DTYPES if d != torch.int8]
 
@@ -45,17 +44,6 @@ def _paged(x: torch.Tensor, block: int, g: torch.Generator) -> tuple[torch.Tenso
     return pool, perm.view(1, W)
 
 
-@contextlib.contextmanager
-def _threads(n: int):
-    """torch's intra-op threads set to ``n`` for the block (this script's own runs only)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def _speed(quick: bool) -> list[dict]:
     """Every core, then one core at the longest context: one core is what a decode stream gets
     when a server runs a stream per core, and there a compute-bound kernel (int8 widens and scales
@@ -67,7 +55,7 @@ def _speed(quick: bool) -> list[dict]:
     runs = [(1024, everyone), (4096, everyone), (4096, 1)] if quick else \
         [(4096, everyone), (32768, everyone), (32768, 1)]
     for ctx, threads in runs:
-        with _threads(threads):
+        with torch_threads(threads):
             rows += _speed_rows(ctx, threads, quick, g, peer=threads == everyone)
     return rows
 

@@ -48,7 +48,7 @@ from attnkit.demo import Plan, make_mqar, recall_accuracy, train as train_mqar, 
 from attnkit.kvquant import QUANTIZED_DTYPES, channel_scale, dequantize, dtype_name, quantize
 from attnkit.models import Decoder, DecoderConfig
 from bench_quantized import output_error, per_channel_k
-from _common import bench_main, machine
+from _common import bench_main, machine, torch_threads
 
 #: The quantized caches measured, by their ``kv_dtype=`` names ("int8", "fp8_e4m3").
 QUANT = tuple(dtype_name(d) for d in QUANTIZED_DTYPES)
@@ -322,9 +322,7 @@ def _own_kv(model: Decoder, contexts: Tensor) -> list[dict]:
 
 
 def run(quick: bool) -> dict:
-    old_threads = torch.get_num_threads()
-    torch.set_num_threads(THREADS)
-    try:
+    with torch_threads(THREADS):
         t0 = time.perf_counter()
         m = machine()
         demo = _demo_recall(quick)
@@ -333,8 +331,6 @@ def run(quick: bool) -> dict:
         t2 = time.perf_counter()
         own = _own_kv(model, contexts)
         t3 = time.perf_counter()
-    finally:
-        torch.set_num_threads(old_threads)
     return {"machine": m, "quick": quick, "demo": demo, "lm": lm, "own_kv": own,
             "seconds": {"demo": t1 - t0, "lm": t2 - t1, "own_kv": t3 - t2, "total": t3 - t0}}
 

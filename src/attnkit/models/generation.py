@@ -384,8 +384,7 @@ def compile_settings(backend: str, device_type: str) -> dict:
       of small kernels whose launch overhead would otherwise dominate; the static caches' buffers
       keep fixed addresses, as CUDA graphs need);
     * CPU: option ``cpp_wrapper``, the compiled step's calls made from C++ instead of a Python
-      wrapper (a batch-1 step is a few dozen calls; ``bench_generate.py``'s hidden-512 model:
-      about a sixth of the step).
+      wrapper (a batch-1 step is a few dozen calls, each a Python line otherwise).
 
     Other backends take neither (torch.compile accepts a mode or options, not both)."""
     if backend != "inductor":

@@ -19,7 +19,7 @@
 // the thread's own range) are requested into L2 a line per row per step, spread over the block's
 // arithmetic. A short distance (512 to 1024 bytes ahead in the same rows, to L1, to L2 or
 // non-temporal) was never faster on a Sapphire Rapids Xeon: the hardware prefetchers already cover
-// it. (benchmarks/bench_linear.py measures both against F.linear and a plain read.)
+// it. (benchmarks/bench_linear.py measures the kernel against F.linear and a plain read.)
 //
 // Arithmetic: fp32 products and sums (fused multiply-add), VL partial sums per output summed at
 // the end; the order differs from torch's GEMM, the error bound (K * eps * sum |x||w|) is the same.
@@ -111,8 +111,8 @@ constexpr int weight_vectors() {
 // Outputs [n0, n0 + R) of the M rows: out[m * N + n] = sum_k x[m * K + k] * w[n * K + k] + bias[n].
 // x is fp32 (bf16 weights widened to fp32 in registers) or, on CPUs with AVX-512-BF16, bf16 against
 // bf16 weights.
-template <int M, int R, typename X, typename W, typename O>
 // ``ahead``: elements from a weight to the one the next block reads at its place (0: no prefetch).
+template <int M, int R, typename X, typename W, typename O>
 inline void block(const X* x, const W* w, const float* bias, O* out, int64_t n0, int64_t N, int64_t K,
                   int64_t ahead) {
   const W* wr[R];
