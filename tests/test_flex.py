@@ -115,3 +115,43 @@ def test_empty_rows_come_from_the_lse_on_cuda_and_from_intervals_on_cpu():
     assert flex.wants_lse(call("cpu", sinks=torch.zeros(2)))
     empty = flex._empty_rows(call("cpu", M.SlidingWindow(2) & M.KeyPadding(torch.tensor([12, 2]))), "cpu")
     assert empty.shape == (2, 1, 8) and bool(empty[1].all()) and not bool(empty[0].any())
+
+
+def test_guard_signature_keeps_shapes_code_and_constants_not_tensor_values():
+    """What decides whether a call reuses a compiled entry: shapes, dtypes, the mask's code and
+    its constants count; the values in its tensors do not (a pure function, no compile)."""
+    sig = flex.guard_signature
+
+    def mod_of(mask, Sq=32, Sk=32):
+        return mask.mask_mod(Sq, Sk, "cpu")
+
+    assert sig(mod_of(M.KeyPadding(torch.tensor([3, 9])))) == sig(mod_of(M.KeyPadding(torch.tensor([30, 1]))))
+    assert sig(mod_of(M.KeyPadding(torch.tensor([3, 9])))) != sig(mod_of(M.KeyPadding(torch.tensor([3]))))
+    assert sig(mod_of(M.SlidingWindow(4))) != sig(mod_of(M.SlidingWindow(5)))  # an int constant
+    assert sig(mod_of(M.SlidingWindow(4))) != sig(mod_of(M.Causal()))  # other code
+    t = torch.zeros(2, 3)
+    assert sig(t) == sig(torch.ones(2, 3)) != sig(t.double()) != sig(torch.zeros(3, 2))
+    assert sig(t) != sig(t.requires_grad_())
+    assert sig([1, 2.0]) != sig([1, 2.5]) and sig(True) != sig(1)
+
+
+@pytest.mark.slow
+def test_more_mask_kinds_than_dynamos_recompile_limit_all_run_compiled():
+    """Dynamo keeps its compiled entries on a code object and, past its recompile limit, runs the
+    function uncompiled: FlexAttention then warns and materializes every score. On an H100 one
+    shared compiled function fell back after eight mask kinds; each guard signature now compiles
+    its own copy, so the call past the limit still runs the compiled kernel."""
+    import warnings
+
+    import torch._dynamo
+
+    limit = getattr(torch._dynamo.config, "recompile_limit", None) or torch._dynamo.config.cache_size_limit
+    q, k, v = make_qkv(1, 2, 2, 16, 16, 16, seed=5)
+    before = len(flex._COMPILED)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*unfused.*")  # torch's warning when it falls back
+        for w in range(1, limit + 2):
+            out = attnkit.attention(q, k, v, M.SlidingWindow(w), backend="flex")
+    assert len(flex._COMPILED) >= min(flex._MAX_COMPILED, before + limit + 1)
+    gold = attnkit.attention_reference(q.double(), k.double(), v.double(), M.SlidingWindow(limit + 1))
+    torch.testing.assert_close(out.double(), gold, atol=1e-5, rtol=1e-4)

@@ -1,10 +1,15 @@
 """``flex``: torch FlexAttention compiled from the mask's ``mask_mod``, block masks cached.
 
 The block mask of a call is built once per (mask key, batch, Sq, Sk, device) and kept in an LRU
-cache (:func:`block_mask_for`); the kernel is ``torch.compile``d once per shape
-(``dynamic=False``: torch 2.13's CPU template fails to compile some dynamic-shape kernels, and
-static shapes are what ran green on an H100). Past dynamo's recompile limit (8 shapes per process
-by default) torch runs FlexAttention unfused, with its own warning. Score modifiers (soft-cap, ALiBi from its slopes, an additive bias, sinks
+cache (:func:`block_mask_for`); the kernel is ``torch.compile``d once per guard signature
+(:func:`guard_signature`: shapes, dtypes, the mask's and modifiers' code and constants), with
+``dynamic=False`` (torch 2.13's CPU template fails to compile some dynamic-shape kernels, and
+static shapes are what ran green on an H100). Each signature compiles its own copy of the
+calling function (:func:`compiled_for`): dynamo keeps compiled entries on a code object and,
+past its recompile limit (8 per code object by default), runs the function uncompiled, where
+FlexAttention materializes every score. One shared compiled function hit that limit on an H100
+after eight mask kinds; per-signature copies never do, and no process-wide dynamo setting
+changes. Score modifiers (soft-cap, ALiBi from its slopes, an additive bias, sinks
 through the log-sum-exp) are closures built per call from the same code, over tensors and the
 soft-cap value: dynamo guards on their code and on the captured tensors' shapes and dtypes, not
 on the tensors' values or the closures' identity, so a new call of the same shape, dtype and
@@ -51,7 +56,9 @@ def sdpa_cannot_fuse(call: AttentionCall) -> str | None:
         return "a mask with blocks to skip (window, documents, prefix, ragged offsets)"
     return None
 
-_COMPILED = None
+#: Compiled copies of :func:`_flex_call`, one per guard signature, least recently used first.
+_COMPILED: "OrderedDict[tuple, object]" = OrderedDict()
+_MAX_COMPILED = 64
 _BLOCK_MASKS: "OrderedDict[tuple, object]" = OrderedDict()
 _MAX_CACHED = 64
 
@@ -69,11 +76,47 @@ def _flex_module():
     return fa
 
 
-def _compiled():
-    global _COMPILED
-    if _COMPILED is None:
-        _COMPILED = torch.compile(_flex_module().flex_attention, dynamic=False)
-    return _COMPILED
+def _flex_call(flex_attention, q, k, v, score_mod, block_mask, scale, enable_gqa, return_lse):
+    """The function each guard signature compiles a copy of."""
+    return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                          enable_gqa=enable_gqa, return_lse=return_lse)
+
+
+def guard_signature(obj) -> object:
+    """A hashable key holding what dynamo guards on in ``obj``: for a function, its code and what
+    its closure captures (recursively); for a tensor, shape, dtype, device and requires_grad (not
+    its values); for a BlockMask, its fields; constants as they are. Calls with equal signatures
+    reuse one compiled entry; tensors' values never enter it, so new slopes, lengths or biases of
+    the same shapes compile nothing."""
+    if isinstance(obj, torch.Tensor):
+        return ("tensor", tuple(obj.shape), obj.dtype, obj.device, obj.requires_grad)
+    if isinstance(obj, (list, tuple)):
+        return (type(obj).__name__, tuple(guard_signature(o) for o in obj))
+    if obj is None or isinstance(obj, (bool, int, float, str, torch.dtype, torch.device)):
+        return (type(obj).__name__, obj)
+    code = getattr(obj, "__code__", None)
+    if code is not None:
+        return ("function", code, tuple(guard_signature(c.cell_contents) for c in (obj.__closure__ or ())))
+    as_tuple = getattr(obj, "as_tuple", None)  # a BlockMask: its sizes, block tensors and mask_mod
+    if callable(as_tuple):
+        return (type(obj).__name__, guard_signature(as_tuple()))
+    return (type(obj).__name__, id(obj))  # anything else: keyed by identity, never conflated
+
+
+def compiled_for(signature):
+    """The compiled copy of :func:`_flex_call` for ``signature`` (compiled on its first call)."""
+    fn = _COMPILED.get(signature)
+    if fn is not None:
+        _COMPILED.move_to_end(signature)
+        return fn
+    import types
+
+    code = _flex_call.__code__.replace(co_name=f"_flex_call_{len(_COMPILED)}")  # a code object of its own
+    fn = torch.compile(types.FunctionType(code, _flex_call.__globals__, code.co_name), dynamic=False)
+    _COMPILED[signature] = fn
+    if len(_COMPILED) > _MAX_COMPILED:
+        _COMPILED.popitem(last=False)
+    return fn
 
 
 def block_mask_for(call: AttentionCall, device):
@@ -198,8 +241,9 @@ class FlexBackend(BackendBase):
         # and -inf marks the rows with no key to attend to, which attnkit's contract makes exactly
         # 0 whatever FlexAttention's kernel of this torch version leaves there.
         want_lse = wants_lse(call)
-        res = _compiled()(q, k, v, scale=call.scale, enable_gqa=call.q_heads != call.kv_heads,
-                          return_lse=want_lse, **kwargs)
+        args = (_flex_module().flex_attention, q, k, v, kwargs.get("score_mod"), kwargs.get("block_mask"),
+                call.scale, call.q_heads != call.kv_heads, want_lse)
+        res = compiled_for(guard_signature(args))(*args)
         out, lse = res if want_lse else (res, None)
         empty = torch.isneginf(lse) if lse is not None else _empty_rows(call, q.device)  # (B|1, Hq|1, Sq)
         if call.sinks is not None:  # the sinks join each row's denominator once: out * e^lse / (e^lse + e^sink)
