@@ -93,11 +93,20 @@ def _flash_attn():
     return _IMPORTED
 
 
-def _installed() -> bool:
+def _find_flash_attn() -> bool:
     try:
         return find_spec("flash_attn") is not None
     except (ImportError, ValueError):
         return False
+
+
+#: Looked up once, at import: ``available()`` runs under torch.compile traces, and dynamo
+#: (torch 2.11) refuses to trace ``importlib.util.find_spec``.
+_INSTALLED = _find_flash_attn()
+
+
+def _installed() -> bool:
+    return _INSTALLED
 
 
 # ---------------------------------------------------------------------------- translation

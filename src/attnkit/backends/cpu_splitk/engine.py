@@ -72,7 +72,12 @@ def with_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]
 
 
 def v_is_prefix_of_k(k: Tensor, v: Tensor) -> bool:
-    """True when v is k[..., :Dv] in memory (MLA's latent cache: V = the first channels of K)."""
+    """True when v is k[..., :Dv] in memory (MLA's latent cache: V = the first channels of K).
+    Always False under a trace: traced tensors have no addresses (dynamo cannot compare data
+    pointers; torch 2.11 failed compiled MLA decode on CUDA there), so V is then read through
+    its own view, which gives the same result."""
+    if torch.compiler.is_compiling():
+        return False
     return (v.dtype == k.dtype and v.device == k.device and v.dim() == k.dim() and v.shape[:-1] == k.shape[:-1]
             and v.shape[-1] <= k.shape[-1] and v.stride() == k.stride() and v.data_ptr() == k.data_ptr())
 
@@ -140,9 +145,7 @@ def splitk_attention(q: Tensor, k: Tensor, v: Tensor | None, *, scale: float,
         the sinks).
     """
     B, Hq, Sq, D = q.shape
-    compiling = torch.compiler.is_compiling()
-    # (traced: the views' memory is not known, so V stays a tensor of its own, read on its own)
-    if v is not None and block_table is None and not compiling and v_is_prefix_of_k(k, v) and (
+    if v is not None and block_table is None and v_is_prefix_of_k(k, v) and (
             k_scale is None or v_scale is None or v_scale is k_scale):
         v_head_dim, v, v_scale = v.shape[-1], None, None
     Dv = v.shape[-1] if v is not None else int(v_head_dim)
@@ -152,7 +155,8 @@ def splitk_attention(q: Tensor, k: Tensor, v: Tensor | None, *, scale: float,
     alibi = reduced.alibi  # computed per score, never materialized
     # Traced code never builds or loads the library (auto takes this engine under torch.compile
     # only once it is loaded): the op is called by name, its Meta kernel gives the shapes.
-    ops = (torch.ops.attnkit_cpu if native.library_path() is not None else None) if compiling else native.load()
+    ops = (torch.ops.attnkit_cpu if native.library_path() is not None else None) \
+        if torch.compiler.is_compiling() else native.load()
     if Sq > Q_CHUNK:
         return _chunked(q, k, v, Dv, Hkv, Sk, scale, reduced, block_table, sinks, softcap, return_lse, k_scale,
                         v_scale)
