@@ -125,12 +125,18 @@ def test_auto_sends_only_unequal_width_cuda_decode_to_triton():
     assert "not CUDA" in tb.auto_skip_reason(call("cpu", 576, 512))
     cache_mask = Causal(offsets=torch.tensor([298, 10])) & KeyPadding(torch.tensor([299, 12]))
     assert not any("mask" in r for r in tb.not_supported_reasons(call("cuda", 576, 512, cache_mask)))
-    assert any("mask" in r for r in tb.not_supported_reasons(call("cuda", 576, 512, SlidingWindow(8))))
+    window_step = cache_mask & SlidingWindow(7, offsets=torch.tensor([298, 10]))  # a windowed layer's step
+    assert not any("mask" in r for r in tb.not_supported_reasons(call("cuda", 576, 512, window_step)))
+    two_windows = SlidingWindow(8) & SlidingWindow(4, 2)
+    assert any("mask" in r for r in tb.not_supported_reasons(call("cuda", 576, 512, two_windows)))
     assert any("Sq=17" in r for r in tb.not_supported_reasons(call("cuda", 576, 512, Sq=17)))
-    # The limits the kernel gets: query j of row b sees keys < min(q_start + j + 1, seq_lens).
-    q_start, seq = decode_limits(cache_mask, 2, 1, 300, "cpu")
-    assert q_start.tolist() == [298, 10] and seq.tolist() == [299, 12]
-    q_start, seq = decode_limits(Causal(), 2, 3, 300, "cpu")
+    # The limits the kernel gets: query j of row b sees keys < min(q_start + j + 1, seq_lens),
+    # and with a window only keys in [w - left, w + right], w = window_start + j.
+    q_start, seq, w_start = decode_limits(cache_mask, 2, 1, 300, "cpu")
+    assert q_start.tolist() == [298, 10] and seq.tolist() == [299, 12] and w_start is None
+    assert decode_limits(window_step, 2, 1, 300, "cpu")[2].tolist() == [298, 10]
+    assert decode_limits(SlidingWindow(3, None), 2, 2, 300, "cpu")[2].tolist() == [298, 298]
+    q_start, seq, _ = decode_limits(Causal(), 2, 3, 300, "cpu")
     assert q_start.tolist() == [297, 297] and seq.tolist() == [300, 300]
     assert decode_limits(None, 2, 1, 300, "cpu")[0].min() > 300
     assert decode_limits(KeyPadding(torch.tensor([500, 3])), 2, 1, 300, "cpu")[1].tolist() == [300, 3]
@@ -168,7 +174,9 @@ def test_auto_gives_every_modifier_a_fused_path_on_cuda():
     for c in (call(2048), call(2048, Causal()), call(2048, KeyPadding(torch.tensor([9, 2048])))):
         assert registry.select(c).name == "sdpa"
     if registry.get_backend("triton").available() is None:
-        for c in (call(1, Causal(), softcap=30.0), call(1, Causal(), sinks=sinks), call(1, ALiBi(alibi_slopes(16)))):
+        for c in (call(1, Causal(), softcap=30.0), call(1, Causal(), sinks=sinks), call(1, ALiBi(alibi_slopes(16))),
+                  call(1, SlidingWindow(127), sinks=sinks),  # gpt-oss's windowed layers: not the math path
+                  replace(call(1, SlidingWindow(127)), kv_layout="paged")):  # pages read in place, not gathered
             assert registry.select(c).name == "triton"
         assert registry.select(call(1, Causal())).name == "sdpa"
     # On CPU the same calls never go to flex (its compile does not pay off; the CPU engines fuse them).

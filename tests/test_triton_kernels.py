@@ -160,6 +160,43 @@ def test_non_causal_empty_and_fully_masked_rows():
     assert empty.shape == (2, 4, 3, 16) and (empty == 0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("left,right", [(5, 0), (0, 0), (12, 3), (None, 2), (4, None), (200, 0), (61, 0)])
+def test_sliding_window_matches_oracle(left, right, dtype):
+    """A window (left, right) around each row's own position, anchored apart from the causal
+    part (a cache's offsets), over scattered pages: ragged lengths, an empty sequence, 1-4 query
+    tokens, forced split counts (splits start at the window, not at key 0). (61, 0) with 4 queries:
+    the rows see 65 keys together, one past a tile, so splits that left out the queries' own
+    spread would miss keys."""
+    seed = stable_seed("window", left, right, str(dtype))
+    rng = random.Random(seed)
+    B, Hkv, G, D, page = 3, 2, 2, 32, 16
+    S = 4 if left == 61 else rng.choice([1, 4])
+    lens = [0, rng.randint(S, 40), rng.randint(90, 150)]
+    k_pool, v_pool, table, k, v = _pools(B, Hkv, D, D, page, lens, dtype, seed=seed)
+    q = torch.randn(B, Hkv * G, S, D, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64).to(dtype)
+    seq = torch.tensor(lens)
+    q_start = seq - S
+    w_start = q_start - torch.tensor([0, 1, 7])  # the window's own anchor
+    mask = Causal(offsets=q_start) & KeyPadding(seq) & SlidingWindow(left, right, offsets=w_start)
+    for splits in (0, 1, 3):
+        out = triton_decode.paged_decode_attention(q.to(DEV), k_pool, v_pool, table, seq.to(DEV),
+                                                   q_start=q_start.to(DEV), num_splits=splits, window=(left, right),
+                                                   window_start=w_start.to(DEV))
+        _check(out, q, k, v, mask)
+        assert (out[0] == 0).all()
+
+
+def test_window_arguments_are_checked():
+    q, k, v = (torch.randn(1, 2, 1, 16, device=DEV), torch.randn(1, 1, 20, 16, device=DEV),
+               torch.randn(1, 1, 20, 16, device=DEV))
+    for bad in ((3,), (-1, 0), (2.5, 0), 4):
+        with pytest.raises(ValueError, match="window"):
+            triton_decode.decode_attention(q, k, v, window=bad)
+    with pytest.raises(ValueError, match="window_start"):
+        triton_decode.decode_attention(q, k, v, window_start=3)
+
+
 def test_registered_as_a_custom_op_that_compiles_without_graph_breaks():
     q = torch.randn(1, 4, 1, 16, device=DEV)
     k = torch.randn(1, 2, 24, 16, device=DEV)
@@ -191,7 +228,7 @@ def test_backend_takes_cache_masks_and_refuses_the_rest():
     _check(out, q.cpu(), k.cpu(), v.cpu(), Causal())
     assert attnkit.describe_call(q, k, v, causal=True) != "triton"  # auto never picks it on CPU
     with pytest.raises(attnkit.BackendNotSupported, match="triton.*SlidingWindow"):
-        attnkit.attention(q, k, v, SlidingWindow(4), backend="triton")
+        attnkit.attention(q, k, v, SlidingWindow(4) & SlidingWindow(2, 1), backend="triton")
     with pytest.raises(attnkit.BackendNotSupported, match="Sq=17"):
         attnkit.attention(torch.randn(2, 4, 17, 16, device=DEV), k, v, backend="triton")
     with pytest.raises(attnkit.BackendNotSupported, match="gradients"):
@@ -255,9 +292,9 @@ from triton.backends.compiler import GPUTarget
 from attnkit.backends.triton_splitk import kernel as td
 fn = td._split_kernel
 ints = ["stride_qb", "stride_qh", "stride_qs", "stride_kn", "stride_kt", "stride_kh", "stride_vn", "stride_vt",
-        "stride_vh", "stride_tb", "stride_ksn", "stride_kst", "stride_ksh", "stride_vsn", "stride_vst", "stride_vsh", "HKV", "G", "S", "DK", "DR", "DV", "PAGE", "SPLIT_LEN", "NSPLIT", "NPAGES"]
+        "stride_vh", "stride_tb", "stride_ksn", "stride_kst", "stride_ksh", "stride_vsn", "stride_vst", "stride_vsh", "HKV", "G", "S", "DK", "DR", "DV", "PAGE", "SPLIT_LEN", "NSPLIT", "NPAGES", "WLEFT", "WRIGHT"]
 # Pointers and strides get the 16-byte divisibility hints a real launch specialises on.
-aligned = ["Q", "K", "V", "TABLE", "QSTART", "SEQLEN", "OP", "LSEP", "SLOPES", "APOS", "KS", "VS"] + ints[:16] + \
+aligned = ["Q", "K", "V", "TABLE", "QSTART", "SEQLEN", "OP", "LSEP", "SLOPES", "APOS", "KS", "VS", "WSTART"] + ints[:16] + \
     ["DK", "DV", "PAGE", "SPLIT_LEN"]
 attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
 out = []
@@ -265,11 +302,12 @@ for dt, D, Dv, vfk, cap in json.loads(sys.argv[1]):
     cfg = td._config(getattr(torch, dt), D, Dv, 128, vfk)
     short = {"float32": "fp32", "bfloat16": "bf16"}[dt]
     sig = dict(Q="*" + short, K="*" + short, V="*" + short, TABLE="*i32", QSTART="*i32", SEQLEN="*i32",
-               OP="*fp32", LSEP="*fp32", SLOPES="*fp32", APOS="*i32", KS="*fp32", VS="*fp32", scale_log2="fp32", softcap="fp32",
+               OP="*fp32", LSEP="*fp32", SLOPES="*fp32", APOS="*i32", KS="*fp32", VS="*fp32", WSTART="*i32", scale_log2="fp32",
+               softcap="fp32",
                **{n: "i32" for n in ints})
-    # The heaviest variant: soft-capping and ALiBi on (more registers per score tile).
+    # The heaviest variant: soft-capping, ALiBi and a window on (more registers per score tile).
     consts = dict(V_FROM_K=vfk, HAS_ROPE=cfg["DR"] > 0, PRECISION="ieee" if short == "fp32" else "tf32",
-                  DOT_F32=False, HAS_SOFTCAP=True, HAS_ALIBI=True, QUANT=False, FP8=False,
+                  DOT_F32=False, HAS_SOFTCAP=True, HAS_ALIBI=True, QUANT=False, FP8=False, HAS_WINDOW=True,
                   **{k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_DK", "BLOCK_DR", "BLOCK_DV")})
     sig.update({k: "constexpr" for k in consts})
     k = triton.compile(triton.compiler.ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", cap, 32),
@@ -313,3 +351,45 @@ def test_table_padding_past_a_sequences_pages_is_accepted_and_a_lying_entry_is_n
     keep[0, ..., 8:16] = False
     mask = M.Dense(keep) & M.KeyPadding(torch.tensor(lens))
     _check(out, q.cpu(), k, v, mask)
+
+
+@pytest.mark.parametrize("layout", ["dense", "paged", "fp8_e4m3", "int8-paged"])
+def test_windowed_cache_steps_with_modifiers_through_attention(layout):
+    """A windowed layer's decode step (cache offsets for the window and for causality, ragged
+    lengths) with sinks (gpt-oss) or a soft cap and ALiBi, over each K/V layout the kernel reads:
+    the oracle runs on the same (dequantized) K/V."""
+    B, Hq, Hkv, S, L, D = 2, 4, 2, 2, 70, 16
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(B, Hq, S, D, generator=g)
+    k, v = torch.randn(B, Hkv, L, D, generator=g), torch.randn(B, Hkv, L, D, generator=g)
+    old, new = torch.tensor([60, 30]), torch.tensor([62, 32])
+    mask = Causal(offsets=old) & KeyPadding(new) & SlidingWindow(9, offsets=old.clone())
+    kv, kk, vv = (k.to(DEV), v.to(DEV)), k, v
+    if layout.endswith("paged"):
+        table = torch.randperm(B * 5, generator=g).view(B, 5)
+        pool_k, pool_v = torch.zeros(B * 5, 16, Hkv, D), torch.zeros(B * 5, 16, Hkv, D)
+        pos = torch.arange(L)
+        for b in range(B):
+            pool_k[table[b, pos // 16], pos % 16] = k[b].transpose(0, 1)
+            pool_v[table[b, pos // 16], pos % 16] = v[b].transpose(0, 1)
+        lens = torch.full((B,), L, device=DEV)
+        if layout == "paged":
+            kv = (attnkit.PagedKV(pool_k.to(DEV), pool_v.to(DEV), table.to(DEV), lens), None)
+        else:
+            kv = (attnkit.QuantizedKV.quantize(pool_k.to(DEV), pool_v.to(DEV), layout.split("-")[0],
+                                               block_table=table.to(DEV), lengths=lens), None)
+    elif layout != "dense":
+        kv = (attnkit.QuantizedKV.quantize(k.to(DEV), v.to(DEV), layout), None)
+    if isinstance(kv[0], attnkit.QuantizedKV):
+        kk, vv = (t.cpu() for t in kv[0].gather(torch.float32))
+    for mods in ({"sinks": torch.randn(Hq, generator=g)},
+                 {"softcap": 5.0, "alibi": M.alibi_slopes(Hq)}):
+        alibi = mods.pop("alibi", None)
+        m = mask if alibi is None else M.ALiBi(alibi, offsets=old) & mask
+        dev_mods = {key: val.to(DEV) if isinstance(val, torch.Tensor) else val for key, val in mods.items()}
+        assert attnkit.describe_call(q.to(DEV), *kv, m, backend="triton", **dev_mods) == "triton"
+        out = attnkit.attention(q.to(DEV), *kv, m, backend="triton", **dev_mods)
+        sinks = mods.get("sinks")
+        gold = attnkit.attention_reference(q.double(), kk.double(), vv.double(), m, softcap=mods.get("softcap"),
+                                           sinks=None if sinks is None else sinks.double())
+        rule_r(out.cpu(), base_attention(q, kk, vv, m, **mods), gold)

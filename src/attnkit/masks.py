@@ -904,38 +904,43 @@ class ReducedMask:
             return self.rest.key_range(self.batch, self.q_len, self.kv_len, device)
         return self._once(("intervals", device), make)
 
-    def limit_parts(self) -> tuple[Causal | None, KeyPadding | None] | None:
-        """(the Causal, the right KeyPadding with lengths) ``rest`` is an AND of (each optional),
-        or None when it is anything else. Structure only."""
+    def limit_parts(self) -> tuple[Causal | None, list[KeyPadding], SlidingWindow | None] | None:
+        """(the Causal, the right KeyPaddings with lengths, the SlidingWindow) ``rest`` is an AND
+        of (at most one Causal and one SlidingWindow; any number of paddings, e.g. a paged
+        layout's lengths and a cache step's), or None when it is anything else. Structure only."""
         m = self.rest
         parts = [] if m is None else list(m.masks) if isinstance(m, And) else [m]
         causal = [p for p in parts if type(p) is Causal]
         pads = [p for p in parts if type(p) is KeyPadding and p.lengths is not None and p.side == "right"]
-        if len(causal) + len(pads) != len(parts) or len(causal) > 1 or len(pads) > 1:
+        windows = [p for p in parts if type(p) is SlidingWindow]
+        if len(causal) + len(pads) + len(windows) != len(parts) or max(len(causal), len(windows)) > 1:
             return None
-        return (causal[0] if causal else None), (pads[0] if pads else None)
+        return (causal[0] if causal else None), pads, (windows[0] if windows else None)
 
-    def limits(self, device, no_causal: int) -> tuple[Tensor, Tensor] | None:
-        """(q_start (B,), seq_lens (B,)) int64: query j of sequence b sees keys
-        ``< min(q_start[b] + j + 1, seq_lens[b])``; ``q_start`` is ``no_causal`` without a causal
-        part. None when :meth:`limit_parts` is None."""
+    def limits(self, device, no_causal: int) -> tuple[Tensor, Tensor, Tensor | None] | None:
+        """(q_start (B,), seq_lens (B,), window_start (B,) | None) int64: query j of sequence b
+        sees keys ``< min(q_start[b] + j + 1, seq_lens[b])``, and with a window part also only
+        keys within ``[w - left, w + right]`` of its position ``w = window_start[b] + j`` (the
+        window's own anchor, which may differ from the causal part's). ``q_start`` is
+        ``no_causal`` without a causal part. None when :meth:`limit_parts` is None."""
         parts = self.limit_parts()
         if parts is None:
             return None
         device = torch.device(device)
 
         def make():
-            causal, pad = parts
+            causal, pads, window = parts
             B = self.batch
             if causal is not None:
                 q_start = causal.query_start(self.q_len, self.kv_len, device).expand(B)
             else:
                 q_start = torch.full((B,), no_causal, device=device)
-            if pad is not None:
-                seq = pad.lengths.to(device).reshape(-1).expand(B).clamp(0, self.kv_len)
-            else:
-                seq = torch.full((B,), self.kv_len, device=device)
-            return q_start.long(), seq.long()
+            seq = torch.full((B,), self.kv_len, device=device)
+            for pad in pads:  # keys past the shortest length are masked
+                seq = torch.minimum(seq, pad.lengths.to(device).reshape(-1).expand(B))
+            seq = seq.clamp(0, self.kv_len)
+            w_start = None if window is None else window.query_start(self.q_len, self.kv_len, device).expand(B).long()
+            return q_start.long(), seq.long(), w_start
         return self._once(("limits", device, no_causal), make)
 
     def dense(self, device, *, alibi: bool = True, shift: bool = True) -> tuple[Tensor, Tensor | None]:

@@ -1,9 +1,10 @@
 """``triton``: the fused split-K decode kernel (:mod:`attnkit.backends.triton_splitk.kernel`) for
 ``attnkit.attention`` calls with a few queries per sequence (Sq <= 16).
 
-It takes the masks a KV cache produces, causal (any offsets) and right-side key padding, which it
-turns into per-sequence limits: query j of sequence b sees keys ``< min(q_start[b] + j + 1,
-seq_lens[b])``. When V is a prefix view of K (MLA's latent cache) each K tile serves as V too.
+It takes the masks a KV cache produces, causal (any offsets), right-side key padding and a
+sliding window (any offsets, its own anchor), which it turns into per-sequence limits: query j of
+sequence b sees keys ``< min(q_start[b] + j + 1, seq_lens[b])``, within the window around its
+position; the splits cover only the window's keys. When V is a prefix view of K (MLA's latent cache) each K tile serves as V too.
 Quantized K/V (:class:`attnkit.QuantizedKV`, int8 or fp8 e4m3 with per-row scales, dense or
 paged) are read in place, one byte per element, and widened in registers; fp8 is decoded with
 integer ops, so it needs no fp8 hardware (sm_80 runs it as sm_90 does) and nothing about it
@@ -86,7 +87,7 @@ class TritonBackend(BackendBase):
         elif call.device_type not in ("cpu", "cuda"):
             why.append(f"device {call.device_type}")
         if call.reduced.limit_parts() is None:
-            why.append(f"mask {call.mask!r} (takes causal and right-side key padding only)")
+            why.append(f"mask {call.mask!r} (takes causal, right-side key padding and one sliding window only)")
         return why
 
     def auto_skip_reason(self, call: AttentionCall) -> str | None:
@@ -100,8 +101,11 @@ class TritonBackend(BackendBase):
         from . import kernel as triton_decode
 
         alibi = call.reduced.alibi
-        q_start, seq = call.reduced.limits(q.device, NO_CAUSAL)
+        q_start, seq, w_start = call.reduced.limits(q.device, NO_CAUSAL)
         mods = dict(softcap=call.softcap, sinks=call.sinks)
+        if w_start is not None:  # read only the window's keys (its own anchor: offsets may differ from Causal's)
+            window = call.reduced.limit_parts()[2]
+            mods.update(window=(window.left, window.right), window_start=w_start)
         if alibi is not None:  # slopes and each sequence's first ALiBi query position
             mods.update(alibi_slopes=alibi.slopes,
                         alibi_start=alibi.positions(call.q_len, call.kv_len, q.device)[:, 0].expand(call.batch))

@@ -24,7 +24,11 @@ accumulation are fp32 (base-2 exponentials with the scale folded in); P is round
 Visibility, per query row: query ``j`` of sequence ``b`` sees the keys at positions
 ``< min(q_start[b] + j + 1, seq_lens[b])``. That is the cache protocol's
 ``Causal(offsets=old) & KeyPadding(new)``; ``q_start = seq_lens - S`` is plain bottom-right causal,
-and a huge ``q_start`` means no causality. A row that sees nothing gets exactly 0.
+and a huge ``q_start`` means no causality. A sliding window ``(left, right)`` anchored at
+``window_start`` (``SlidingWindow(left, right, offsets=window_start)``) further keeps the keys
+within ``[w - left, w + right]`` of the row's position ``w = window_start[b] + j``, and the splits
+then cover only the keys some row of the sequence can see (a 4k window over a 128k cache reads
+4k keys). A row that sees nothing gets exactly 0.
 
 Quantized K/V: a tile of int8 or e4m3 rows is widened to fp32 and then to q's dtype, exactly
 (every int8 and every e4m3 value is an fp16 and a bf16 value), so the score dot product is the
@@ -68,6 +72,9 @@ except ImportError:  # optional dependency: only this module needs it
 __all__ = ["available", "decode_attention", "interpreting", "paged_decode_attention", "MAX_Q_LEN", "NO_CAUSAL"]
 
 _LOG2E = 1.4426950408889634
+#: A window extent standing for "unbounded" (window positions are within +-NO_CAUSAL, so
+#: position +- extent stays inside int32).
+UNBOUNDED = 1 << 29
 
 
 def available(device: torch.device | str | None = None) -> str | None:
@@ -102,7 +109,7 @@ if triton is not None:
 
     @triton.jit
     def _split_kernel(
-        Q, K, V, TABLE, QSTART, SEQLEN, OP, LSEP, SLOPES, APOS, KS, VS,
+        Q, K, V, TABLE, QSTART, SEQLEN, OP, LSEP, SLOPES, APOS, KS, VS, WSTART,
         scale_log2, softcap,
         stride_qb, stride_qh, stride_qs,
         stride_kn, stride_kt, stride_kh,
@@ -110,10 +117,10 @@ if triton is not None:
         stride_ksn, stride_kst, stride_ksh,
         stride_vsn, stride_vst, stride_vsh,
         stride_tb,
-        HKV, G, S, DK, DR, DV, PAGE, SPLIT_LEN, NSPLIT, NPAGES,
+        HKV, G, S, DK, DR, DV, PAGE, SPLIT_LEN, NSPLIT, NPAGES, WLEFT, WRIGHT,
         V_FROM_K: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, QUANT: tl.constexpr, FP8: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_DK: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
     ):
         pid_bh = tl.program_id(0)
@@ -136,6 +143,13 @@ if triton is not None:
         h = kvh * G + rows // S
         seq_len = tl.load(SEQLEN + b)
         lim = tl.minimum(tl.load(QSTART + b) + j + 1, seq_len)  # keys < lim are visible
+        if HAS_WINDOW:  # and keys >= low: the window around each row's own position
+            w_start = tl.load(WSTART + b)
+            lim = tl.minimum(lim, w_start + j + WRIGHT + 1)
+            low = w_start + j - WLEFT
+            base = tl.maximum(w_start - WLEFT, 0)  # the first key any row of the sequence sees
+        else:
+            base = 0
         if HAS_ALIBI:  # slope of each row's head (log2 units), and the row's ALiBi query position
             slope = tl.load(SLOPES + h, mask=row_ok, other=0.0) * 1.4426950408889634
             apos = tl.load(APOS + b) + j
@@ -156,7 +170,7 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
-        start = pid_s * SPLIT_LEN
+        start = base + pid_s * SPLIT_LEN
         end = tl.minimum(start + SPLIT_LEN, seq_len)
         for n0 in range(start, end, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
@@ -195,6 +209,8 @@ if triton is not None:
             if HAS_ALIBI:
                 s += slope[:, None] * (pos[None, :] - apos[:, None]).to(tl.float32)
             vis = (pos[None, :] < lim[:, None]) & pos_ok[None, :]
+            if HAS_WINDOW:
+                vis = vis & (pos[None, :] >= low[:, None])
             s = tl.where(vis, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
@@ -290,12 +306,14 @@ def _num_splits(device: torch.device, programs: int, max_len: int, block_n: int)
 def _launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tensor, seq_lens: Tensor,
             scale: float, v_head_dim: int, max_len: int, num_splits: int, softcap: float = 0.0,
             slopes: Tensor | None = None, alibi_start: Tensor | None = None, sinks: Tensor | None = None,
-            k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> Tensor:
+            k_scale: Tensor | None = None, v_scale: Tensor | None = None, window_start: Tensor | None = None,
+            window_left: int = 0, window_right: int = 0) -> Tensor:
     """q (B, Hq, S, D); k (N, page, Hkv, D) and v (N, page, Hkv, Dv) | None (V = K[..., :Dv]),
     last dims contiguous; table (B, nb) int; q_start, seq_lens (B,) int32; softcap (0: off);
     slopes (Hq,) fp32 with alibi_start (B,) int32 (ALiBi query position of each sequence's first
     query); sinks (Hq,) fp32; quantized (int8 / fp8 e4m3) k and v: k_scale (N, page, Hkv) and
-    v_scale (N, page, Hkv) | None (with v None) fp32, any strides. Returns (B, Hq, S, Dv)."""
+    v_scale (N, page, Hkv) | None (with v None) fp32, any strides; window_start (B,) int32 with
+    window_left / window_right in [0, UNBOUNDED]: a sliding window. Returns (B, Hq, S, Dv)."""
     B, Hq, S, D = q.shape
     page, Hkv = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -307,10 +325,13 @@ def _launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tens
     cfg = _config(q.dtype, D, Dv, G * S, v_from_k)
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     m_tiles = -(-G * S // block_m)
-    longest = -(-max(1, max_len) // block_n)  # key tiles of the longest sequence
-    num_splits = _num_splits(q.device, B * Hkv * m_tiles, max(1, max_len), block_n) if num_splits <= 0 \
+    span = max(1, max_len)  # keys the splits of a sequence cover
+    if window_start is not None and max(window_left, window_right) < UNBOUNDED:
+        span = max(1, min(span, window_left + window_right + S))  # what the rows of a window can see
+    longest = -(-span // block_n)  # key tiles of the longest span
+    num_splits = _num_splits(q.device, B * Hkv * m_tiles, span, block_n) if num_splits <= 0 \
         else min(num_splits, longest, 1024)
-    split_len = -(-max(1, max_len) // num_splits)
+    split_len = -(-span // num_splits)
     split_len = -(-split_len // block_n) * block_n
     op = torch.empty((B, Hq, S, num_splits, Dv), dtype=torch.float32, device=q.device)
     lsep = torch.empty((B, Hq, S, num_splits), dtype=torch.float32, device=q.device)
@@ -325,20 +346,20 @@ def _launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tens
     _split_kernel[(B * Hkv, m_tiles, num_splits)](
         q, k, vv, table, q_start, seq_lens, op, lsep,
         seq_lens if slopes is None else slopes, seq_lens if alibi_start is None else alibi_start,  # unread if off
-        ks, vs,
+        ks, vs, seq_lens if window_start is None else window_start,  # unread if off
         scale * _LOG2E, float(softcap),
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         vv.stride(0), vv.stride(1), vv.stride(2),
         *scale_strides,
         table.stride(0),
-        Hkv, G, S, cfg["DK"], cfg["DR"], Dv, page, split_len, num_splits, k.shape[0],
+        Hkv, G, S, cfg["DK"], cfg["DR"], Dv, page, split_len, num_splits, k.shape[0], window_left, window_right,
         V_FROM_K=v_from_k, HAS_ROPE=cfg["DR"] > 0, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # Triton 3.9's interpreter computes bf16 dots wrongly: there, operands go up to fp32 (exact
         # products, fp32 sums: what the GPU's bf16 dot with fp32 accumulation gives).
         DOT_F32=q.dtype == torch.bfloat16 and interpreting(),
         HAS_SOFTCAP=softcap > 0, HAS_ALIBI=slopes is not None, QUANT=quant, FP8=fp8,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DK=cfg["BLOCK_DK"], BLOCK_DR=cfg["BLOCK_DR"],
+        HAS_WINDOW=window_start is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DK=cfg["BLOCK_DK"], BLOCK_DR=cfg["BLOCK_DR"],
         BLOCK_DV=cfg["BLOCK_DV"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     _merge_kernel[(B * Hq * S,)](op, lsep, out, lsep if sinks is None else sinks, num_splits, Dv, Hq, S,
@@ -352,17 +373,18 @@ def _launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tens
 def _decode_op(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tensor, seq_lens: Tensor,
                scale: float, v_head_dim: int, max_len: int, num_splits: int, softcap: float = 0.0,
                slopes: Tensor | None = None, alibi_start: Tensor | None = None,
-               sinks: Tensor | None = None, k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> Tensor:
+               sinks: Tensor | None = None, k_scale: Tensor | None = None, v_scale: Tensor | None = None,
+               window_start: Tensor | None = None, window_left: int = 0, window_right: int = 0) -> Tensor:
     why = available(q.device)
     if why:
         raise RuntimeError(f"attnkit::decode_attention: {why}")
     return _launch(q, k, v, table, q_start, seq_lens, scale, v_head_dim, max_len, num_splits, softcap, slopes,
-                   alibi_start, sinks, k_scale, v_scale)
+                   alibi_start, sinks, k_scale, v_scale, window_start, window_left, window_right)
 
 
 @_decode_op.register_fake
 def _(q, k, v, table, q_start, seq_lens, scale, v_head_dim, max_len, num_splits, softcap=0.0, slopes=None,
-      alibi_start=None, sinks=None, k_scale=None, v_scale=None):
+      alibi_start=None, sinks=None, k_scale=None, v_scale=None, window_start=None, window_left=0, window_right=0):
     B, Hq, S, _ = q.shape
     return q.new_empty((B, Hq, S, v_head_dim))
 
@@ -383,7 +405,8 @@ def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor | None, blo
                            max_len: int | None = None, num_splits: int = 0, check: bool = True,
                            softcap: float | None = None, alibi_slopes: Tensor | None = None, alibi_start=None,
                            sinks: Tensor | None = None, k_scale: Tensor | None = None,
-                           v_scale: Tensor | None = None) -> Tensor:
+                           v_scale: Tensor | None = None, window: tuple[int | None, int | None] | None = None,
+                           window_start=None) -> Tensor:
     """Attention of a few new queries per sequence over a paged KV cache, in one fused kernel.
 
     Args:
@@ -410,6 +433,11 @@ def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor | None, blo
         k_scale: (N, page, Hkv) fp32 scales of quantized ``k_pool`` rows (:mod:`attnkit.kvquant`):
             attention over ``k_pool * k_scale[..., None]``; any strides.
         v_scale: (N, page, Hkv) fp32 scales of quantized ``v_pool`` rows (None with v_pool None).
+        window: ``(left, right)`` extents (ints >= 0, None: unbounded) of a sliding window
+            (:class:`attnkit.masks.SlidingWindow`): query j also sees only the keys within
+            ``[w - left, w + right]`` of its window position ``w = window_start + j``.
+        window_start: (B,) or int window position of each sequence's first query; default
+            ``seq_lens - S`` (bottom-right).
 
     Returns:
         (B, Hq, S, Dv) in q's dtype; a query that sees no key gets 0.
@@ -485,12 +513,22 @@ def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor | None, blo
         slopes = alibi_slopes.to(device=q.device, dtype=torch.float32).contiguous()
         astart = _lengths(alibi_start, "alibi_start", B, q.device, default=qs).to(torch.int32).contiguous()
     sinks = None if sinks is None else sinks.detach().to(device=q.device, dtype=torch.float32).contiguous()
+    w_start, w_left, w_right = None, 0, 0
+    if window is not None:
+        if not isinstance(window, (tuple, list)) or len(window) != 2 or any(
+                w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 0) for w in window):
+            raise ValueError(f"window must be (left, right), each an int >= 0 or None, got {window!r}")
+        w_left, w_right = (UNBOUNDED if w is None else min(w, UNBOUNDED) for w in window)
+        w_start = _lengths(window_start, "window_start", B, q.device, default=seq - S)
+        w_start = w_start.clamp(-NO_CAUSAL, NO_CAUSAL).to(torch.int32).contiguous()
+    elif window_start is not None:
+        raise ValueError("window_start is given without a window")
     k_scale = None if k_scale is None else k_scale.detach()
     v_scale = None if v_scale is None else v_scale.detach()
     return _decode_op(q, k_pool, v_pool, block_table.to(torch.int32).contiguous(),
                       qs.clamp(-NO_CAUSAL, NO_CAUSAL).to(torch.int32).contiguous(), seq.to(torch.int32).contiguous(),
                       float(scale), int(Dv), int(max_len), int(num_splits), float(softcap or 0.0), slopes, astart,
-                      sinks, k_scale, v_scale)
+                      sinks, k_scale, v_scale, w_start, int(w_left), int(w_right))
 
 
 def _check_quantized(q: Tensor, k_pool: Tensor, v_pool: Tensor | None, k_scale, v_scale) -> None:
