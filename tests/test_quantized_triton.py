@@ -347,7 +347,7 @@ from attnkit.backends.triton_splitk import kernel as td
 fn = td._split_kernel
 params = inspect.signature(fn.fn).parameters
 consts = [n for n, p in params.items() if "constexpr" in str(p.annotation)]
-ptrs = {"Q", "K", "V", "TABLE", "QSTART", "SEQLEN", "OP", "LSEP", "SLOPES", "APOS", "KS", "VS"}
+ptrs = {"Q", "K", "V", "TABLE", "QSTART", "SEQLEN", "OP", "LSEP", "SLOPES", "APOS", "KS", "VS", "WSTART"}
 ints = [n for n in params if n not in consts and n not in ptrs and n not in ("scale_log2", "softcap")]
 # Pointers, strides and sizes get the 16-byte divisibility hints a real launch specialises on.
 aligned = sorted(ptrs) + [n for n in ints if n.startswith("stride")] + ["DK", "DV", "PAGE", "SPLIT_LEN"]
@@ -358,11 +358,11 @@ for dt, storage, D, Dv, vfk, cap in json.loads(sys.argv[1]):
     short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dt]
     data = {"int8": "*i8", "fp8": "*u8"}[storage]  # fp8 rows go in as bytes
     sig = dict(Q="*" + short, K=data, V=data, TABLE="*i32", QSTART="*i32", SEQLEN="*i32", OP="*fp32",
-               LSEP="*fp32", SLOPES="*fp32", APOS="*i32", KS="*fp32", VS="*fp32", scale_log2="fp32",
+               LSEP="*fp32", SLOPES="*fp32", APOS="*i32", KS="*fp32", VS="*fp32", WSTART="*i32", scale_log2="fp32",
                softcap="fp32", **{n: "i32" for n in ints})
-    # The heaviest variant: soft-capping and ALiBi on.
+    # The heaviest variant: soft-capping, ALiBi and a window on.
     cv = dict(V_FROM_K=vfk, HAS_ROPE=cfg["DR"] > 0, PRECISION="ieee" if short == "fp32" else "tf32",
-              DOT_F32=False, HAS_SOFTCAP=True, HAS_ALIBI=True, QUANT=True, FP8=storage == "fp8",
+              DOT_F32=False, HAS_SOFTCAP=True, HAS_ALIBI=True, QUANT=True, FP8=storage == "fp8", HAS_WINDOW=True,
               **{k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_DK", "BLOCK_DR", "BLOCK_DV")})
     assert set(cv) == set(consts), sorted(set(consts) ^ set(cv))
     sig.update({k: "constexpr" for k in cv})
