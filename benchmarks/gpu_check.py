@@ -8,8 +8,10 @@ It runs, in order, each step with its own time limit so that one hang cannot eat
 1. the environment: GPU, compute capability, torch / CUDA / Triton / transformers versions, CPU;
 2. the native CPU kernel's build (once, before the tests, so no test waits on a compile);
 3. the test suite under ``pytest -n`` (every CUDA test and every Triton kernel compiled for the
-   GPU; ``--tests`` narrows it), the failures' full text kept in ``pytest.log``;
-4. the oracle sweep: ``auto`` and every backend that accepts the call, against the fp64 oracle
+   GPU; ``--tests`` narrows it), the failures' full text kept in ``pytest.log``; it runs beside
+   step 4, its workers sharing the cores out among torch's threads;
+4. the oracle sweep (``--sweep-budget`` seconds at most: no case starts after it, and the
+   cases left out are reported): ``auto`` and every backend that accepts the call, against the fp64 oracle
    under rule R (docs/testing.md) for every mask kind and score modifier, in bf16 and fp16,
    prefill (forward and backward), decode, decode over scattered pages (``PagedKV``), and decode
    over quantized K/V (``QuantizedKV``, int8 and fp8 e4m3, dense and paged; the oracle runs on
@@ -70,18 +72,34 @@ def environment() -> dict:
     return info
 
 
+def start_step(cmd: list[str], log: Path, env: dict | None = None) -> dict:
+    """Start ``cmd`` from the repository root in a session of its own (so a time limit can stop
+    its children too), its output in ``log``, ``env`` added to the environment."""
+    f = open(log, "w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                            start_new_session=True)
+    return {"cmd": " ".join(cmd), "proc": proc, "file": f, "t0": time.time(), "log": log.name}
+
+
+def finish_step(step: dict, timeout: float) -> dict:
+    """Wait for a started step until ``timeout`` seconds after its start (then stop it and its
+    children); its result row. Never raises."""
+    proc, f = step.pop("proc"), step.pop("file")
+    try:
+        rc = proc.wait(timeout=max(1.0, timeout - (time.time() - step["t0"])))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+        rc = "timeout"
+        f.write(f"\n[gpu_check] stopped after {timeout} s\n")
+    f.close()
+    step.update(rc=rc, seconds=round(time.time() - step.pop("t0"), 1))
+    return step
+
+
 def run_step(cmd: list[str], log: Path, timeout: int, env: dict | None = None) -> dict:
-    """Run ``cmd`` from the repository root with its output in ``log`` (``env`` added to the
-    environment); never raises."""
-    t0 = time.time()
-    with open(log, "w") as f:
-        try:
-            rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=timeout,
-                                env={**os.environ, **(env or {})}).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-            f.write(f"\n[gpu_check] stopped after {timeout} s\n")
-    return {"cmd": " ".join(cmd), "rc": rc, "seconds": round(time.time() - t0, 1), "log": log.name}
+    """Run ``cmd`` to the end (or ``timeout``); its result row. Never raises."""
+    return finish_step(start_step(cmd, log, env), timeout)
 
 
 def pytest_counts(log: Path) -> str:
@@ -306,17 +324,16 @@ def main(argv=None) -> int:
     py = sys.executable
     steps["native build"] = run_step([py, "-c", "from attnkit import native; print(native.status())"],
                                      out / "native.log", timeout=600)
-    if "tests" not in args.skip:
+    tests = None
+    if "tests" not in args.skip:  # started first, then runs beside the sweep (GPU and cores both shared)
         files = args.tests if args.tests is not None else (QUICK_TESTS if args.quick else ["tests"])
         xdist = [] if args.quick else ["-n", args.workers]
-        # torch threads per worker: the cores shared out (each worker taking all of them made the
-        # suite 5x slower on a 16-core H100 host)
+        # torch threads per worker: the cores shared out (with every worker taking all 16 cores of
+        # an H100 host, the suite got through 14% of its tests in 400 s)
         threads = str(max(1, (os.cpu_count() or 1) // (1 if args.quick else int(args.workers))))
-        s = run_step([py, "-m", "pytest", *xdist, "-q", "-p", "no:cacheprovider", "-rfE", "--tb=long",
-                      f"--junitxml={out / 'pytest.xml'}", *files], out / "pytest.log",
-                     timeout=args.test_timeout or (150 if args.quick else 330), env={"OMP_NUM_THREADS": threads})
-        s["summary"] = pytest_counts(out / "pytest.log")
-        steps["tests"] = s
+        tests = start_step([py, "-m", "pytest", *xdist, "-q", "-p", "no:cacheprovider", "-rfE", "--tb=long",
+                            f"--junitxml={out / 'pytest.xml'}", *files], out / "pytest.log",
+                           env={"OMP_NUM_THREADS": threads})
     rows: list[dict] = []
     if "sweep" not in args.skip:
         t0 = time.time()
@@ -324,6 +341,11 @@ def main(argv=None) -> int:
         bad = sum(r["status"] not in ("pass", "refused", "not run") for r in rows)
         steps["oracle sweep"] = {"rc": 0 if bad == 0 else 1, "seconds": round(time.time() - t0, 1),
                                  "summary": f"{len(rows)} rows, {bad} failing", "log": "sweep.json"}
+    if tests is not None:
+        s = finish_step(tests, timeout=args.test_timeout or (150 if args.quick else 330))
+        s["summary"] = ("stopped at its time limit; " if s["rc"] == "timeout" else "") + pytest_counts(out / "pytest.log")
+        steps = {"native build": steps["native build"], "tests": s, **{k: v for k, v in steps.items()
+                                                                       if k != "native build"}}
     if "bench" not in args.skip:
         steps["bench_gpu"] = run_step([py, "benchmarks/bench_gpu.py", *(["--quick"] if args.quick else []),
                                        "--out", str(out / "bench")], out / "bench.log", timeout=120 if args.quick else 240)
