@@ -176,7 +176,8 @@ def test_auto_gives_every_modifier_a_fused_path_on_cuda():
     if registry.get_backend("triton").available() is None:
         for c in (call(1, Causal(), softcap=30.0), call(1, Causal(), sinks=sinks), call(1, ALiBi(alibi_slopes(16))),
                   call(1, SlidingWindow(127), sinks=sinks),  # gpt-oss's windowed layers: not the math path
-                  replace(call(1, SlidingWindow(127)), kv_layout="paged")):  # pages read in place, not gathered
+                  replace(call(1, SlidingWindow(127)), kv_layout="paged"),  # pages read in place, not gathered
+                  replace(call(1, SlidingWindow(127)), kv_layout="quantized")):  # int8 / fp8 read in place
             assert registry.select(c).name == "triton"
         assert registry.select(call(1, Causal())).name == "sdpa"
     # On CPU the same calls never go to flex (its compile does not pay off; the CPU engines fuse them).
