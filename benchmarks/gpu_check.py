@@ -1,6 +1,6 @@
 """The whole GPU side of attnkit in one command, for the short windows a GPU is at hand.
 
-    python benchmarks/gpu_check.py --out DIR            # on a CUDA machine: about 5-8 minutes on an H100
+    python benchmarks/gpu_check.py --out DIR            # on a CUDA machine: at most about 9 minutes
     python benchmarks/gpu_check.py --quick --out DIR    # on CPU, Triton in its interpreter: a smoke test (CI)
 
 It runs, in order, each step with its own time limit so that one hang cannot eat the window:
@@ -309,8 +309,11 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="small shapes, CPU allowed (Triton's interpreter)")
     p.add_argument("--workers", default=str(max(1, min(14, (os.cpu_count() or 2) - 2))), help="pytest -n")
     p.add_argument("--tests", nargs="*", default=None, help="test files for step 3 (default: all of tests/)")
-    p.add_argument("--test-timeout", type=int, default=None, help="seconds for step 3 (default 330, quick 150)")
-    p.add_argument("--sweep-budget", type=float, default=None, help="seconds after which no new sweep case starts")
+    # The defaults keep one run under 9 minutes (a device lent for 15 minutes, a call cut at 10):
+    # tests and sweep side by side, then the benchmark.
+    p.add_argument("--test-timeout", type=int, default=None, help="seconds for step 3 (default 300, quick 150)")
+    p.add_argument("--sweep-budget", type=float, default=None,
+                   help="seconds after which no new sweep case starts (default 240 on CUDA, none in quick mode)")
     p.add_argument("--skip", nargs="*", default=[], choices=["tests", "sweep", "bench"], help="steps to leave out")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -337,18 +340,19 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     if "sweep" not in args.skip:
         t0 = time.time()
-        rows = sweep("cuda" if cuda else "cpu", args.quick, args.sweep_budget)
+        budget = args.sweep_budget if args.sweep_budget is not None else (None if args.quick else 240.0)
+        rows = sweep("cuda" if cuda else "cpu", args.quick, budget)
         bad = sum(r["status"] not in ("pass", "refused", "not run") for r in rows)
         steps["oracle sweep"] = {"rc": 0 if bad == 0 else 1, "seconds": round(time.time() - t0, 1),
                                  "summary": f"{len(rows)} rows, {bad} failing", "log": "sweep.json"}
     if tests is not None:
-        s = finish_step(tests, timeout=args.test_timeout or (150 if args.quick else 330))
+        s = finish_step(tests, timeout=args.test_timeout or (150 if args.quick else 300))
         s["summary"] = ("stopped at its time limit; " if s["rc"] == "timeout" else "") + pytest_counts(out / "pytest.log")
         steps = {"native build": steps["native build"], "tests": s, **{k: v for k, v in steps.items()
                                                                        if k != "native build"}}
     if "bench" not in args.skip:
         steps["bench_gpu"] = run_step([py, "benchmarks/bench_gpu.py", *(["--quick"] if args.quick else []),
-                                       "--out", str(out / "bench")], out / "bench.log", timeout=120 if args.quick else 240)
+                                       "--out", str(out / "bench")], out / "bench.log", timeout=120 if args.quick else 200)
     ok = write_summary(out, info, steps, rows)
     print((out / "summary.md").read_text())
     return 0 if ok else 1
