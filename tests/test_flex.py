@@ -155,3 +155,41 @@ def test_more_mask_kinds_than_dynamos_recompile_limit_all_run_compiled():
     assert len(flex._COMPILED) >= min(flex._MAX_COMPILED, before + limit + 1)
     gold = attnkit.attention_reference(q.double(), k.double(), v.double(), M.SlidingWindow(limit + 1))
     torch.testing.assert_close(out.double(), gold, atol=1e-5, rtol=1e-4)
+
+
+def test_a_failed_compile_falls_back_under_auto_and_raises_when_forced(monkeypatch):
+    """On an H100 inductor found no kernel for one FlexAttention call (torch 2.11,
+    NoValidChoicesError). Under ``auto`` such a call runs on the next backend, with a warning
+    naming the error, and the failing signature is not compiled again; forced, it raises.
+    Simulated on CPU: auto is let take flex here, and the compile raises inductor's error."""
+    import warnings
+
+    InductorError = pytest.importorskip("torch._inductor.exc").__dict__.get("InductorError")
+    if InductorError is None:
+        pytest.skip("this torch has no InductorError")
+    tries = []
+
+    def failing(signature):
+        def fn(*args):
+            tries.append(signature)
+            raise InductorError(RuntimeError("No choices to select"), "target: flex_attention")
+        return fn
+
+    monkeypatch.setattr(flex, "compiled_for", failing)
+    monkeypatch.setattr(flex.FlexBackend, "auto_skip_reason", lambda self, call: None)
+    monkeypatch.setattr(flex.FlexBackend, "auto_devices", ("cpu", "cuda"))
+    monkeypatch.setattr(flex, "_FAILED", type(flex._FAILED)())
+    q, k, v = make_qkv(2, 4, 2, 40, 40, 16, seed=6)
+    mask = M.Causal() & M.Document(torch.tensor([10, 30]))
+    assert attnkit.describe_call(q, k, v, mask) == "flex"
+    gold = attnkit.attention_reference(q.double(), k.double(), v.double(), mask)
+    for _ in range(2):
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            out = attnkit.attention(q, k, v, mask)
+        torch.testing.assert_close(out.double(), gold, atol=1e-5, rtol=1e-4)
+        assert any("FlexAttention failed to compile" in str(x.message) and "InductorError" in str(x.message)
+                   for x in w), [str(x.message) for x in w]
+    assert len(tries) == 1  # the second call knew the signature failed
+    with pytest.raises(attnkit.BackendCompileFailed, match="InductorError"):
+        attnkit.attention(q, k, v, mask, backend="flex")

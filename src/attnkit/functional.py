@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import warnings
 from dataclasses import replace
 
 import torch
@@ -20,7 +21,7 @@ from torch import Tensor
 
 from . import backends  # noqa: F401  (registers the built-in backends)
 from ._checks import check_sinks, positive_number, shape_of
-from .backends.registry import AttentionCall, as_read_by, get_backend, select
+from .backends.registry import AttentionCall, BackendCompileFailed, as_read_by, get_backend, select
 from .kvlayout import PagedKV, QuantizedKV
 from .masks import KeyPadding, as_mask
 from .reference import attention_math
@@ -259,15 +260,31 @@ def attention(
     """
     call = _validate(q, k, v, mask, causal, scale, dropout_p, return_weights, backend, softcap, sinks)
     chosen = None if call.is_empty else select(call, backend)
-    call, k, v = _as_run_by(chosen, call, k, v)
-    if _DEBUG:
-        _log_call(chosen, q, k, v, call)
     if chosen is None:
         # Nothing to attend to (Sk = 0) or nothing to compute: the contract's zeros, with grads.
+        call, k, v = _as_run_by(None, call, k, v)
+        if _DEBUG:
+            _log_call(None, q, k, v, call)
         out, weights = attention_math(q, k, v, call.mask, scale=call.scale, return_weights=return_weights,
                                       softcap=call.softcap, sinks=call.sinks)
-    else:
-        out, weights = chosen.run(q, k, v, call)
+        return (out, weights) if return_weights else out
+    failed = frozenset()
+    while True:
+        run, kr, vr = _as_run_by(chosen, call, k, v)
+        if _DEBUG:
+            _log_call(chosen, q, kr, vr, run)
+        try:
+            out, weights = chosen.run(q, kr, vr, run)
+            break
+        except BackendCompileFailed as e:
+            if backend != "auto":
+                raise
+            # auto: the next backend that accepts the call runs it (correct, maybe slower), and
+            # the user hears why once per message (warnings' default filter)
+            failed = failed | {chosen.name}
+            nxt = select(call, "auto", exclude=failed)
+            warnings.warn(f"attnkit: {e}; auto ran this call on {nxt.name!r} instead", RuntimeWarning, stacklevel=2)
+            chosen = nxt
     return (out, weights) if return_weights else out
 
 

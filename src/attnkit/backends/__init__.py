@@ -7,8 +7,8 @@ from .cpu_splitk import SplitKBackend
 from .flash import FlashBackend
 from .flex import FlexBackend
 from .math import MathBackend
-from .registry import (AttentionCall, BackendBase, BackendNotSupported, auto_order, backend_names, explain,
-                       get_backend, register_backend, select)
+from .registry import (AttentionCall, BackendBase, BackendCompileFailed, BackendNotSupported, auto_order,
+                       backend_names, explain, get_backend, register_backend, select)
 from .sdpa import SdpaBackend
 from .triton_splitk import TritonBackend
 
@@ -20,5 +20,5 @@ register_backend(SdpaBackend())
 register_backend(MathBackend())
 register_backend(FlashBackend(), auto=False)
 
-__all__ = ["AttentionCall", "BackendBase", "BackendNotSupported", "auto_order", "backend_names", "explain",
+__all__ = ["AttentionCall", "BackendBase", "BackendCompileFailed", "BackendNotSupported", "auto_order", "backend_names", "explain",
            "get_backend", "register_backend", "select"]

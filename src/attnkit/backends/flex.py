@@ -9,7 +9,9 @@ calling function (:func:`compiled_for`): dynamo keeps compiled entries on a code
 past its recompile limit (8 per code object by default), runs the function uncompiled, where
 FlexAttention materializes every score. One shared compiled function hit that limit on an H100
 after eight mask kinds; per-signature copies never do, and no process-wide dynamo setting
-changes. Score modifiers (soft-cap, ALiBi from its slopes, an additive bias, sinks
+changes. A signature whose compile fails (inductor finding no kernel) raises
+:class:`BackendCompileFailed` at once on later calls; under ``auto`` the call then runs on the
+next backend, with a warning. Score modifiers (soft-cap, ALiBi from its slopes, an additive bias, sinks
 through the log-sum-exp) are closures built per call from the same code, over tensors and the
 soft-cap value: dynamo guards on their code and on the captured tensors' shapes and dtypes, not
 on the tensors' values or the closures' identity, so a new call of the same shape, dtype and
@@ -37,7 +39,7 @@ from collections import OrderedDict
 
 import torch
 
-from .registry import AttentionCall, BackendBase
+from .registry import AttentionCall, BackendBase, BackendCompileFailed
 
 #: Longest query ``auto`` leaves to the decode kernels instead (a new Sk per step would recompile).
 MAX_DECODE_Q_LEN = 16
@@ -59,6 +61,20 @@ def sdpa_cannot_fuse(call: AttentionCall) -> str | None:
 #: Compiled copies of :func:`_flex_call`, one per guard signature, least recently used first.
 _COMPILED: "OrderedDict[tuple, object]" = OrderedDict()
 _MAX_COMPILED = 64
+#: Guard signatures whose compile failed, with why (LRU): a call with one raises at once instead
+#: of spending seconds failing again.
+_FAILED: "OrderedDict[tuple, str]" = OrderedDict()
+
+
+def compile_errors() -> tuple[type[BaseException], ...]:
+    """What a failed compile raises: inductor's errors, and dynamo's wrapper of a backend's."""
+    errors = []
+    for module, name in (("torch._inductor.exc", "InductorError"), ("torch._dynamo.exc", "BackendCompilerFailed")):
+        try:
+            errors.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(errors)
 _BLOCK_MASKS: "OrderedDict[tuple, object]" = OrderedDict()
 _MAX_CACHED = 64
 
@@ -243,7 +259,20 @@ class FlexBackend(BackendBase):
         want_lse = wants_lse(call)
         args = (_flex_module().flex_attention, q, k, v, kwargs.get("score_mod"), kwargs.get("block_mask"),
                 call.scale, call.q_heads != call.kv_heads, want_lse)
-        res = compiled_for(guard_signature(args))(*args)
+        signature = guard_signature(args)
+        why = _FAILED.get(signature)
+        if why is not None:
+            raise BackendCompileFailed(f"FlexAttention failed to compile this call before ({why})")
+        try:
+            res = compiled_for(signature)(*args)
+        except compile_errors() as e:
+            text = str(e).strip().splitlines()
+            why = f"{type(e).__name__}: {text[0][:200] if text else ''}"
+            _FAILED[signature] = why
+            if len(_FAILED) > _MAX_COMPILED:
+                _FAILED.popitem(last=False)
+            _COMPILED.pop(signature, None)
+            raise BackendCompileFailed(f"FlexAttention failed to compile this call ({why})") from e
         out, lse = res if want_lse else (res, None)
         empty = torch.isneginf(lse) if lse is not None else _empty_rows(call, q.device)  # (B|1, Hq|1, Sq)
         if call.sinks is not None:  # the sinks join each row's denominator once: out * e^lse / (e^lse + e^sink)

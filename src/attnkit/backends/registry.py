@@ -112,6 +112,12 @@ class BackendNotSupported(ValueError):
     """Raised when a forced backend cannot run a call; the message lists every backend's reasons."""
 
 
+class BackendCompileFailed(RuntimeError):
+    """Raised by a backend whose kernel for a call failed to compile (FlexAttention's inductor
+    finding no kernel, say). Under ``backend="auto"`` the call runs on the next backend in auto
+    order, with a warning; a forced backend raises it."""
+
+
 _REGISTRY: dict[str, Backend] = {}
 _AUTO_ORDER: list[str] = []
 
@@ -202,8 +208,9 @@ def _refusal(header: str, call: AttentionCall) -> str:
     return "\n".join(lines)
 
 
-def select(call: AttentionCall, backend: str = "auto") -> Backend:
-    """The backend that will run ``call``: the forced one, or the first in auto order that accepts."""
+def select(call: AttentionCall, backend: str = "auto", exclude: frozenset[str] = frozenset()) -> Backend:
+    """The backend that will run ``call``: the forced one, or the first in auto order that accepts
+    (leaving out the names in ``exclude``)."""
     if len(_AVAILABLE) < len(_REGISTRY):
         resolve_availability()
     if backend != "auto":
@@ -217,7 +224,7 @@ def select(call: AttentionCall, backend: str = "auto") -> Backend:
     for in_place_only in ((True, False) if call.kv_layout != "dense" else (False,)):
         for name in _AUTO_ORDER:
             b = _REGISTRY[name]
-            if in_place_only and not reads_in_place(b, call):
+            if name in exclude or (in_place_only and not reads_in_place(b, call)):
                 continue
             devices = getattr(b, "auto_devices", None)
             if devices is not None and call.device_type not in devices:
