@@ -281,9 +281,9 @@ def test_channel_scale_errors():
 @pytest.mark.parametrize("qdtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("D", [32, 128, 256, 288, 80])
 def test_int8_keys_scored_by_integer_dot_products_match_the_oracle(engine, qdtype, D):
-    """On CPUs with AVX-512-VNNI the native kernel scores int8 keys against bf16 / fp16 queries
-    held as int16 (to 2^-16 of each row's largest element) for D <= 256 in whole 32-lane steps;
-    the other widths (288, 80) take the fp32 path. Either way rule R holds, also for a query row
+    """With AVX-512-VNNI (VPDPWSSD) or AVX2 (VPMADDWD) the native kernel scores int8 keys
+    against bf16 / fp16 queries held as int16 (to 2^-16 of each row's largest element) for
+    D <= 256 in whole 32-lane steps; the other widths (288, 80) take the fp32 path. Either way rule R holds, also for a query row
     whose elements span 6 orders of magnitude and an all-zero row; a NaN in one query row
     poisons that row only (its unit falls back to fp32 products)."""
     g = torch.Generator().manual_seed(D)
@@ -304,3 +304,25 @@ def test_int8_keys_scored_by_integer_dot_products_match_the_oracle(engine, qdtyp
     bad[1, 5, 1] = True
     assert torch.isfinite(out[~bad]).all()
     rule_r(out[~bad], base[~bad], gold[~bad], n_terms=max(Sk, D))
+
+
+@pytest.mark.slow
+def test_avx2_build_scores_int8_keys_like_the_oracle():
+    """The AVX2 build (ATTNKIT_NATIVE_MARCH=haswell: what AMD Zen 3 runs) has its own integer dot
+    product for int8 keys: the tests above, in a process of their own with that build."""
+    import os
+    import subprocess
+    import sys
+
+    from attnkit import native
+    from attnkit._sysinfo import cpu_flags
+
+    if native.load() is None or not {"avx2", "fma", "f16c"} <= cpu_flags():
+        pytest.skip("no native kernel, or this CPU cannot run the AVX2 build")
+    here = os.path.dirname(__file__)
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+                          os.path.join(here, "test_quantized.py"), "-k",
+                          "integer_dot_products or paged_quantized_pools or engine_on_quantized"],
+                         capture_output=True, text=True, timeout=900, cwd=os.path.dirname(here),
+                         env=dict(os.environ, ATTNKIT_NATIVE_MARCH="haswell"))
+    assert res.returncode == 0 and " passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]
