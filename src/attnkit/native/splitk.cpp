@@ -250,6 +250,24 @@ constexpr bool kDotBF16 = false;
 inline void dot_4x2_bf16(const uint16_t*, int64_t, const c10::BFloat16*, const c10::BFloat16*, float*) {}
 #endif
 
+#if defined(__AVX2__)
+// The eight int32 sums of 4 query rows x 2 keys, each spread over the 8 lanes of h[x] in the order
+// (row 0, key 0), (row 0, key 1), (row 1, key 0), ...: summed by a tree of horizontal adds,
+// converted once and multiplied by the row's scale into ``sr`` (rows TILE apart).
+inline void store_sums_4x2(const __m256i h[8], const float* rs, int64_t TILE, float* sr) {
+  const __m256i t0 = _mm256_hadd_epi32(h[0], h[1]), t1 = _mm256_hadd_epi32(h[2], h[3]);
+  const __m256i t2 = _mm256_hadd_epi32(h[4], h[5]), t3 = _mm256_hadd_epi32(h[6], h[7]);
+  const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
+  const __m256i sums = _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+  float f[8];
+  _mm256_storeu_ps(f, _mm256_cvtepi32_ps(sums));
+  for (int64_t x = 0; x < 4; ++x) {
+    sr[x * TILE] = f[2 * x] * rs[x];
+    sr[x * TILE + 1] = f[2 * x + 1] * rs[x];
+  }
+}
+#endif
+
 // Scores of 4 query rows x 2 int8 keys with AVX-512-VNNI's integer dot product (VPDPWSSD: pairs
 // of int16 x int16 products summed exactly into int32 lanes). ``q`` holds the 4 rows Dp apart as
 // int16 (quantize_q_i16: row r is rs[r] * q[r] to 2^-16 of the row's largest element, far below
@@ -271,21 +289,11 @@ inline void dot_4x2_i16(const int16_t* q, int64_t Dp, const int8_t* k0, const in
     c20 = _mm512_dpwssd_epi32(c20, y2, x0); c21 = _mm512_dpwssd_epi32(c21, y2, x1);
     c30 = _mm512_dpwssd_epi32(c30, y3, x0); c31 = _mm512_dpwssd_epi32(c31, y3, x1);
   }
-  // the eight sums (the AVX2 tree of horizontal adds after folding each vector to 256 bits), in
-  // the order c00, c01, c10, c11, ...
+  // each vector folded to 256 bits, then the AVX2 tree
   const __m512i c[8] = {c00, c01, c10, c11, c20, c21, c30, c31};
   __m256i h[8];
   for (int x = 0; x < 8; ++x) h[x] = _mm256_add_epi32(_mm512_castsi512_si256(c[x]), _mm512_extracti64x4_epi64(c[x], 1));
-  const __m256i t0 = _mm256_hadd_epi32(h[0], h[1]), t1 = _mm256_hadd_epi32(h[2], h[3]);
-  const __m256i t2 = _mm256_hadd_epi32(h[4], h[5]), t3 = _mm256_hadd_epi32(h[6], h[7]);
-  const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
-  const __m256i sums = _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
-  float f[8];
-  _mm256_storeu_ps(f, _mm256_cvtepi32_ps(sums));
-  for (int64_t x = 0; x < 4; ++x) {
-    sr[x * TILE] = f[2 * x] * rs[x];
-    sr[x * TILE + 1] = f[2 * x + 1] * rs[x];
-  }
+  store_sums_4x2(h, rs, TILE, sr);
 }
 #elif defined(__AVX2__)
 // AVX2 (no VNNI): VPMADDWD multiplies the int16 pairs and sums each pair exactly into an int32
@@ -307,16 +315,8 @@ inline void dot_4x2_i16(const int16_t* q, int64_t Dp, const int8_t* k0, const in
     c20 = _mm256_add_epi32(c20, _mm256_madd_epi16(y2, x0)); c21 = _mm256_add_epi32(c21, _mm256_madd_epi16(y2, x1));
     c30 = _mm256_add_epi32(c30, _mm256_madd_epi16(y3, x0)); c31 = _mm256_add_epi32(c31, _mm256_madd_epi16(y3, x1));
   }
-  const __m256i t0 = _mm256_hadd_epi32(c00, c01), t1 = _mm256_hadd_epi32(c10, c11);
-  const __m256i t2 = _mm256_hadd_epi32(c20, c21), t3 = _mm256_hadd_epi32(c30, c31);
-  const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
-  const __m256i sums = _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
-  float f[8];
-  _mm256_storeu_ps(f, _mm256_cvtepi32_ps(sums));
-  for (int64_t x = 0; x < 4; ++x) {
-    sr[x * TILE] = f[2 * x] * rs[x];
-    sr[x * TILE + 1] = f[2 * x + 1] * rs[x];
-  }
+  const __m256i h[8] = {c00, c01, c10, c11, c20, c21, c30, c31};
+  store_sums_4x2(h, rs, TILE, sr);
 }
 #else
 constexpr bool kDotI16 = false;
