@@ -93,7 +93,8 @@ def _flex_module():
 
 
 def _flex_call(flex_attention, q, k, v, score_mod, block_mask, scale, enable_gqa, return_lse):
-    """The function each guard signature compiles a copy of."""
+    """The function each guard signature compiles a copy of: q (B, Hq, Sq, D), k (B, Hkv, Sk, D),
+    v (B, Hkv, Sk, Dv) -> (B, Hq, Sq, Dv), with the (B, Hq, Sq) log-sum-exp when ``return_lse``."""
     return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
                           enable_gqa=enable_gqa, return_lse=return_lse)
 
