@@ -5,6 +5,8 @@ modifier, paged pools, MLA's V-from-K; NaN / inf / zero scales; what ``auto`` do
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -306,6 +308,32 @@ def test_int8_keys_scored_by_integer_dot_products_match_the_oracle(engine, qdtyp
     rule_r(out[~bad], base[~bad], gold[~bad], n_terms=max(Sk, D))
 
 
+@pytest.mark.parametrize("qdtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("G", [1, 3, 4, 5])
+def test_int8_values_summed_by_integer_multiply_adds_match_the_oracle(engine, qdtype, G):
+    """AVX2 builds sum P @ V over int8 V with integer multiply-adds (each row's probabilities, times
+    the values' scales, as int16 to 2^-16 of the row's largest, two keys per lane): groups of 4
+    query rows and single rows (G 1, 3, 5), odd and ragged numbers of visible keys per tile (a
+    sliding window), value scales spanning 6 orders of magnitude. Rule R holds; a NaN value row
+    makes exactly the rows that see it NaN (their group falls back to fp32 products)."""
+    g = torch.Generator().manual_seed(G)
+    B, Hkv, Sq, Sk, D = 1, 2, 3, 301, 64
+    q = torch.randn(B, Hkv * G, Sq, D, generator=g).to(qdtype)
+    k, v = torch.randn(B, Hkv, Sk, D, generator=g), torch.randn(B, Hkv, Sk, D, generator=g)
+    v[0, 0] *= torch.logspace(-3, 3, Sk).view(Sk, 1)
+    qkv = QuantizedKV.quantize(k, v, "int8")
+    window = M.SlidingWindow(57)
+    for mask, causal in ((None, True), (window, False)):
+        out = attnkit.attention(q, qkv, None, mask, causal=causal, backend="decode")
+        gold, base = _oracle(q, qkv, mask, causal=causal)
+        rule_r(out, base, gold, n_terms=Sk)
+    vs = qkv.v_scale.clone()
+    vs[0, 1, Sk - 2] = float("nan")  # seen by KV head 1's rows 1 and 2 (causal: key i + Sk - 3)
+    out = attnkit.attention(q, replace(qkv, v_scale=vs), None, causal=True, backend="decode")
+    assert out[0, G:, 1:].isnan().all()
+    assert torch.isfinite(out[0, G:, 0]).all() and torch.isfinite(out[0, :G]).all()
+
+
 @pytest.mark.slow
 def test_avx2_build_scores_int8_keys_like_the_oracle():
     """The AVX2 build (ATTNKIT_NATIVE_MARCH=haswell: what AMD Zen 3 runs) has its own integer dot
@@ -322,7 +350,7 @@ def test_avx2_build_scores_int8_keys_like_the_oracle():
     here = os.path.dirname(__file__)
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
                           os.path.join(here, "test_quantized.py"), "-k",
-                          "integer_dot_products or paged_quantized_pools or engine_on_quantized"],
+                          "integer_dot_products or integer_multiply_adds or paged_quantized_pools or engine_on_quantized"],
                          capture_output=True, text=True, timeout=900, cwd=os.path.dirname(here),
                          env=dict(os.environ, ATTNKIT_NATIVE_MARCH="haswell"))
     assert res.returncode == 0 and " passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]

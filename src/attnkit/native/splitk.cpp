@@ -317,6 +317,7 @@ inline void dot_4x2_i16(const int16_t* q, int64_t Dp, const int8_t* k0, const in
     c10 = _mm256_add_epi32(c10, _mm256_madd_epi16(y1, x0)); c11 = _mm256_add_epi32(c11, _mm256_madd_epi16(y1, x1));
     c20 = _mm256_add_epi32(c20, _mm256_madd_epi16(y2, x0)); c21 = _mm256_add_epi32(c21, _mm256_madd_epi16(y2, x1));
     c30 = _mm256_add_epi32(c30, _mm256_madd_epi16(y3, x0)); c31 = _mm256_add_epi32(c31, _mm256_madd_epi16(y3, x1));
+    asm("" : "+x"(c00), "+x"(c01), "+x"(c10), "+x"(c11), "+x"(c20), "+x"(c21), "+x"(c30), "+x"(c31));  // see pv_i16
   }
   const __m256i h[8] = {c00, c01, c10, c11, c20, c21, c30, c31};
   store_sums_4x2(h, rs, TILE, sr);
@@ -361,11 +362,12 @@ int64_t tile_key_bytes() {
 }
 
 // Keys per tile for rows of ``width`` elements of ``elem`` bytes, ``heads`` heads a key: what
-// tile_key_bytes() holds, 8 to 128 keys, rounded up to whole vectors (the softmax runs over whole
-// vectors of a tile's scores; lanes past the tile's keys are -inf).
+// tile_key_bytes() holds, 8 to kMaxTileKeys keys, rounded up to whole vectors (the softmax runs
+// over whole vectors of a tile's scores; lanes past the tile's keys are -inf).
+constexpr int64_t kMaxTileKeys = 128;
 int64_t tile_keys(int64_t width, int64_t heads, int64_t elem) {
   const int64_t row = std::max<int64_t>(1, width * heads * elem);
-  return round_up(std::max<int64_t>(8, std::min<int64_t>(128, tile_key_bytes() / row)), VL);
+  return round_up(std::max<int64_t>(8, std::min<int64_t>(kMaxTileKeys, tile_key_bytes() / row)), VL);
 }
 
 // exp(x) in fp32, lane by lane (Cephes' expf polynomial after Cody-Waite reduction, ~1 ulp):
@@ -995,13 +997,118 @@ __attribute__((always_inline)) inline void pv_1x1(float* a0, const float* p0, co
   vstore(a0, vload(a0) + x0);
 }
 
-// acc += P @ V for one head's tile, over the keys some row sees (p = 0 for the others, as in
-// P @ V of the math). Each tile's sum starts from zero and is added to acc once (blocked
-// summation): a long single-threaded walk no longer adds every key's term to one running total,
-// whose rounding grows with the number of keys.
+// P @ V for NR rows over int8 V by integer multiply-adds (bf16 / fp16 queries, as the scores'
+// dot product): each row's probabilities over [lo, hi), already times the values' scales, as
+// int16 to 2^-16 of the row's largest (far below the rounding of a bf16 / fp16 result), two keys
+// to an int32 lane, against the two keys' V rows interleaved channel by channel. VPMADDWD
+// multiplies and sums each pair exactly into int32 (|sum| <= kMaxTileKeys * 32767 * 128 < 2^31);
+// the fp32 path converts every V element to fp32 and issues twice the multiply-adds. acc (NR
+// rows Dvp apart) += the sums times each row's scale, once per tile. False, with nothing done,
+// when a row's probabilities hold NaN or inf: the fp32 path carries those into the output.
+// AVX2 builds only: AVX-512 keeps its 16-lane fp32 FMAs (the integer path was measured on AVX2,
+// benchmarks/results/quantized.md).
+#if defined(__AVX2__) && !defined(__AVX512F__)
+constexpr int64_t kPVI16 = 16;  // channels per block
+#else
+constexpr int64_t kPVI16 = 0;  // no integer P @ V
+#endif
+template <int NR>  // 1 or 4
+__attribute__((always_inline)) inline bool pv_i16(float* a0, const float* p0, const int8_t* const* vrh, int64_t Dvp,
+                                                  int64_t TILE, int64_t lo, int64_t hi) {
+  static_assert(NR == 1 || NR == 4, "pv_i16 runs 1 or 4 rows");
+  if constexpr (kPVI16 == 0) {
+    return false;
+  } else {
+    int32_t pairs[NR][kMaxTileKeys / 2 + 1];
+    float rs[NR];
+    const int64_t np = (hi - lo + 1) / 2;
+    for (int r = 0; r < NR; ++r) {
+      const float* p = p0 + r * TILE;
+      const int64_t whole = lo + (hi - lo) / 16 * 16;  // [lo, whole) in vectors, the rest one by one
+      __m256 vmx = _mm256_setzero_ps(), vpoison = _mm256_setzero_ps();
+      const __m256 sign = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps();
+      for (int64_t j = lo; j < whole; j += 8) {
+        const __m256 x = _mm256_loadu_ps(p + j);
+        vmx = _mm256_max_ps(vmx, _mm256_andnot_ps(sign, x));
+        vpoison = _mm256_add_ps(vpoison, _mm256_mul_ps(x, zero));  // NaN once any p is NaN or inf
+      }
+      alignas(32) float m8[8], z8[8];
+      _mm256_store_ps(m8, vmx);
+      _mm256_store_ps(z8, vpoison);
+      float mx = 0.0f, poison = 0.0f;
+      for (int k = 0; k < 8; ++k) {
+        mx = std::max(mx, m8[k]);
+        poison += z8[k];
+      }
+      for (int64_t j = whole; j < hi; ++j) {
+        mx = std::max(mx, std::fabs(p[j]));
+        poison += p[j] * 0.0f;
+      }
+      if (poison != 0.0f) return false;
+      rs[r] = mx / 32767.0f;
+      const float inv = mx > 0.0f ? 32767.0f / mx : 0.0f;
+      // 16 keys -> 8 pairs: round to int32 (the default rounding, to nearest), pack with
+      // saturation to int16 (in-lane, so the two middle quarters swap), put the quarters back
+      const __m256 vinv = _mm256_set1_ps(inv);
+      for (int64_t j = lo; j < whole; j += 16) {
+        const __m256i c0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(p + j), vinv));
+        const __m256i c1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(p + j + 8), vinv));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs[r] + (j - lo) / 2),
+                            _mm256_permute4x64_epi64(_mm256_packs_epi32(c0, c1), 0xD8));
+      }
+      auto q16 = [&](int64_t j) -> uint32_t {
+        const float x = std::max(-32767.0f, std::min(32767.0f, std::nearbyint(p[j] * inv)));
+        return static_cast<uint16_t>(static_cast<int16_t>(x));
+      };
+      for (int64_t j = whole; j < hi; j += 2)
+        pairs[r][(j - lo) / 2] = static_cast<int32_t>(q16(j) | (j + 1 < hi ? q16(j + 1) << 16 : 0u));
+    }
+    for (int64_t d = 0; d < Dvp; d += kPVI16) {
+      __m256i c00 = _mm256_setzero_si256(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00,
+              c31 = c00;
+      for (int64_t k = 0; k < np; ++k) {
+        const int64_t j = lo + 2 * k;
+        const __m256i x0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vrh[j] + d)));
+        const __m256i x1 = _mm256_cvtepi8_epi16(  // the last key of an odd count pairs with itself (p 0)
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(vrh[std::min(j + 1, hi - 1)] + d)));
+        const __m256i il = _mm256_unpacklo_epi16(x0, x1), ih = _mm256_unpackhi_epi16(x0, x1);
+        __m256i b = _mm256_set1_epi32(pairs[0][k]);
+        c00 = _mm256_add_epi32(c00, _mm256_madd_epi16(b, il));
+        c01 = _mm256_add_epi32(c01, _mm256_madd_epi16(b, ih));
+        if constexpr (NR > 1) {
+          b = _mm256_set1_epi32(pairs[1][k]);
+          c10 = _mm256_add_epi32(c10, _mm256_madd_epi16(b, il));
+          c11 = _mm256_add_epi32(c11, _mm256_madd_epi16(b, ih));
+          b = _mm256_set1_epi32(pairs[2][k]);
+          c20 = _mm256_add_epi32(c20, _mm256_madd_epi16(b, il));
+          c21 = _mm256_add_epi32(c21, _mm256_madd_epi16(b, ih));
+          b = _mm256_set1_epi32(pairs[3][k]);
+          c30 = _mm256_add_epi32(c30, _mm256_madd_epi16(b, il));
+          c31 = _mm256_add_epi32(c31, _mm256_madd_epi16(b, ih));
+        }
+        // keeps the eight accumulators in registers: without it GCC spills one to the stack
+        asm("" : "+x"(c00), "+x"(c01), "+x"(c10), "+x"(c11), "+x"(c20), "+x"(c21), "+x"(c30), "+x"(c31));
+      }
+      const __m256i c[4][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}};
+      for (int r = 0; r < NR; ++r) {
+        // il / ih hold channels (0-3, 8-11) / (4-7, 12-15): back in order
+        const __m256 s = _mm256_set1_ps(rs[r]);
+        float* ar = a0 + r * Dvp + d;
+        _mm256_storeu_ps(ar, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_permute2x128_si256(c[r][0], c[r][1], 0x20)), s,
+                                             _mm256_loadu_ps(ar)));
+        _mm256_storeu_ps(ar + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_permute2x128_si256(c[r][0], c[r][1], 0x31)),
+                                                 s, _mm256_loadu_ps(ar + 8)));
+      }
+    }
+    return true;
+  }
+}
+
+// accumulate_pv's fp32 multiply-adds, for M rows.
 template <typename R>
-__attribute__((always_inline)) inline void accumulate_pv(float* ach, const float* sbuf, const R* const* vrh, int64_t M,
-                                                         int64_t Dvp, int64_t TILE, int64_t vis_lo, int64_t vis_hi) {
+__attribute__((always_inline)) inline void accumulate_pv_fp32(float* ach, const float* sbuf, const R* const* vrh,
+                                                              int64_t M, int64_t Dvp, int64_t TILE, int64_t vis_lo,
+                                                              int64_t vis_hi) {
   int64_t r = 0;
   for (; r + 4 <= M; r += 4) {
     int64_t d = 0;
@@ -1015,6 +1122,30 @@ __attribute__((always_inline)) inline void accumulate_pv(float* ach, const float
     for (int64_t x = r; x < M; ++x) pv_1x2(ach + x * Dvp + d, sbuf + x * TILE, vrh, d, vis_lo, vis_hi);
   for (; d < Dvp; d += VL)
     for (int64_t x = r; x < M; ++x) pv_1x1(ach + x * Dvp + d, sbuf + x * TILE, vrh, d, vis_lo, vis_hi);
+}
+
+// acc += P @ V for one head's tile, over the keys some row sees (p = 0 for the others, as in
+// P @ V of the math). Each tile's sum starts from zero and is added to acc once (blocked
+// summation): a long single-threaded walk no longer adds every key's term to one running total,
+// whose rounding grows with the number of keys. ``int_pv``: int8 V for a bf16 / fp16 query,
+// summed by pv_i16 where it can.
+template <typename R>
+__attribute__((always_inline)) inline void accumulate_pv(float* ach, const float* sbuf, const R* const* vrh, int64_t M,
+                                                         int64_t Dvp, int64_t TILE, int64_t vis_lo, int64_t vis_hi,
+                                                         bool int_pv) {
+  if constexpr (kPVI16 > 0 && std::is_same<R, int8_t>::value) {
+    if (int_pv && vis_lo < vis_hi && Dvp % kPVI16 == 0) {
+      int64_t r = 0;
+      for (; r + 4 <= M; r += 4)
+        if (!pv_i16<4>(ach + r * Dvp, sbuf + r * TILE, vrh, Dvp, TILE, vis_lo, vis_hi))
+          accumulate_pv_fp32(ach + r * Dvp, sbuf + r * TILE, vrh, 4, Dvp, TILE, vis_lo, vis_hi);
+      for (; r < M; ++r)
+        if (!pv_i16<1>(ach + r * Dvp, sbuf + r * TILE, vrh, Dvp, TILE, vis_lo, vis_hi))
+          accumulate_pv_fp32(ach + r * Dvp, sbuf + r * TILE, vrh, 1, Dvp, TILE, vis_lo, vis_hi);
+      return;
+    }
+  }
+  accumulate_pv_fp32(ach, sbuf, vrh, M, Dvp, TILE, vis_lo, vis_hi);
 }
 
 // The unit's unnormalised accumulators, (rows, Dvp) with padding lanes, to its partials (rows, Dv).
@@ -1067,7 +1198,7 @@ void run_unit(const Args& a, const Unit& u, float* m, float* l, float* acc_out) 
       int64_t vis_lo, vis_hi;
       softmax_tile(a, u, hh, M, t0, n, TILE, w.rlo, w.rhi, w.s, m + hh * M, l + hh * M, ach, Dvp,
                    w.ks ? w.ks + hh * TILE : nullptr, w.vs ? w.vs + hh * TILE : nullptr, vis_lo, vis_hi);
-      accumulate_pv(ach, w.s, w.vrow + hh * TILE, M, Dvp, TILE, vis_lo, vis_hi);
+      accumulate_pv(ach, w.s, w.vrow + hh * TILE, M, Dvp, TILE, vis_lo, vis_hi, use_dot);
     }
   }
   write_unit_partials(w.acc, NH * M, Dvp, Dv, acc_out);
