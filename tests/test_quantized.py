@@ -314,7 +314,8 @@ def test_int8_values_summed_by_integer_multiply_adds_match_the_oracle(engine, qd
     """AVX2 builds sum P @ V over int8 V with integer multiply-adds (each row's probabilities, times
     the values' scales, as int16 to 2^-16 of the row's largest, two keys per lane): groups of 4
     query rows and single rows (G 1, 3, 5), odd and ragged numbers of visible keys per tile (a
-    sliding window), value scales spanning 6 orders of magnitude. Rule R holds; a NaN value row
+    sliding window), value scales spanning 6 orders of magnitude, values near fp32's subnormals
+    (the fp32 path). Rule R holds; a NaN value row
     makes exactly the rows that see it NaN (their group falls back to fp32 products)."""
     g = torch.Generator().manual_seed(G)
     B, Hkv, Sq, Sk, D = 1, 2, 3, 301, 64
@@ -327,6 +328,12 @@ def test_int8_values_summed_by_integer_multiply_adds_match_the_oracle(engine, qd
         out = attnkit.attention(q, qkv, None, mask, causal=causal, backend="decode")
         gold, base = _oracle(q, qkv, mask, causal=causal)
         rule_r(out, base, gold, n_terms=Sk)
+    # values so small that int16 probabilities times their scales would need subnormal steps:
+    # those rows take fp32 products (compared at unit scale: rule R's floor is absolute)
+    tiny = QuantizedKV.quantize(k, v * 1e-36, "int8")
+    out = attnkit.attention(q, tiny, None, causal=True, backend="decode")
+    gold, base = _oracle(q, tiny, causal=True)
+    rule_r((out.float() * 1e36).to(qdtype), (base.float() * 1e36).to(qdtype), gold * 1e36, n_terms=Sk)
     vs = qkv.v_scale.clone()
     vs[0, 1, Sk - 2] = float("nan")  # seen by KV head 1's rows 1 and 2 (causal: key i + Sk - 3)
     out = attnkit.attention(q, replace(qkv, v_scale=vs), None, causal=True, backend="decode")

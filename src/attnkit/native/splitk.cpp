@@ -998,13 +998,16 @@ __attribute__((always_inline)) inline void pv_1x1(float* a0, const float* p0, co
 }
 
 // P @ V for NR rows over int8 V by integer multiply-adds (bf16 / fp16 queries, as the scores'
-// dot product): each row's probabilities over [lo, hi), already times the values' scales, as
+// dot product). p0 (NR, TILE): the rows' probabilities, TILE apart; vrh (TILE): the tile's V rows
+// (int8, Dvp channels); acc a0 (NR, Dvp). Each row's probabilities over [lo, hi), already times
+// the values' scales, as
 // int16 to 2^-16 of the row's largest (far below the rounding of a bf16 / fp16 result), two keys
 // to an int32 lane, against the two keys' V rows interleaved channel by channel. VPMADDWD
 // multiplies and sums each pair exactly into int32 (|sum| <= kMaxTileKeys * 32767 * 128 < 2^31);
-// the fp32 path converts every V element to fp32 and issues twice the multiply-adds. acc (NR
-// rows Dvp apart) += the sums times each row's scale, once per tile. False, with nothing done,
-// when a row's probabilities hold NaN or inf: the fp32 path carries those into the output.
+// the fp32 path converts every V element to fp32 and issues twice the multiply-adds. acc += the
+// sums times each row's scale, once per tile. False, with nothing done, when a row's
+// probabilities hold NaN or inf (the fp32 path carries those into the output) or are all below
+// 32767 * FLT_MIN (their int16 step would be subnormal).
 // AVX2 builds only: AVX-512 keeps its 16-lane fp32 FMAs (the integer path was measured on AVX2,
 // benchmarks/results/quantized.md).
 #if defined(__AVX2__) && !defined(__AVX512F__)
@@ -1044,7 +1047,9 @@ __attribute__((always_inline)) inline bool pv_i16(float* a0, const float* p0, co
         mx = std::max(mx, std::fabs(p[j]));
         poison += p[j] * 0.0f;
       }
-      if (poison != 0.0f) return false;
+      // NaN / inf, or a largest probability so small that its int16 step (mx / 32767) would be
+      // subnormal (and 32767 / mx overflow): the fp32 path
+      if (poison != 0.0f || (mx > 0.0f && mx < 32767.0f * std::numeric_limits<float>::min())) return false;
       rs[r] = mx / 32767.0f;
       const float inv = mx > 0.0f ? 32767.0f / mx : 0.0f;
       // 16 keys -> 8 pairs: round to int32 (the default rounding, to nearest), pack with
