@@ -144,57 +144,45 @@ struct Unit {
   int64_t b, h, nh, s0, s1, slot;
 };
 
-// Walks rows j, j + 1, ... of (sequence b, KV head h) with no division per row: a paged walk
-// reads the block table once per block.
+// Where a unit's rows of one tensor (K, V or their scales) lie: the row of key ``off`` of a run
+// in block ``id`` (paged; dense: id 0, off the key) for the unit's first head is start(id, off);
+// consecutive keys of a run are ``key`` elements apart, consecutive heads ``head``.
 template <typename T>
 struct Rows {
-  const Args& a;
   const T* base;
-  int64_t s0, s1, s2, b, h, slot = 0, off = 0;
-  const T* blk = nullptr;
-  const T* cur = nullptr;  // dense: the next row (rows are s2 apart, so a walk only adds)
+  int64_t block, key, head;
 
-  Rows(const Args& args, const void* p, int64_t t0, int64_t t1, int64_t t2, int64_t bb, int64_t hh)
-      : a(args), base(static_cast<const T*>(p)), s0(t0), s1(t1), s2(t2), b(bb), h(hh) {}
+  // Strides (s0, s1, s2): dense (b, h, j) of sequence b; paged (block, slot, h).
+  Rows(const Args& a, const void* p, int64_t s0, int64_t s1, int64_t s2, int64_t b, int64_t h)
+      : base(static_cast<const T*>(p) + (a.paged ? h * s2 : b * s0 + h * s1)),
+        block(a.paged ? s0 : 0),
+        key(a.paged ? s1 : s2),
+        head(a.paged ? s2 : s1) {}
 
-  // Dense: row j.
-  const T* row(int64_t j) const { return base + b * s0 + h * s1 + j * s2; }
-
-  void seek(int64_t j) {
-    if (a.paged) {
-      slot = j / a.block_size;
-      off = j - slot * a.block_size;
-      blk = nullptr;
-    } else {
-      cur = row(j);
-    }
-  }
-
-  const T* next() {
-    if (!a.paged) {
-      const T* r = cur;
-      cur += s2;
-      return r;
-    }
-    if (blk == nullptr) {
-      int64_t id = slot < a.table_w ? a.table[b * a.table_s0 + slot] : -1;
-      if (__builtin_expect(id < 0 || id >= a.num_blocks, 0)) {
-        // Ruled out by check_reads (which also saw a valid block, so block 0 exists). A worker
-        // must not throw: flag it, read block 0, and the call raises after the parallel region.
-        a.failed->store(kBadBlock, std::memory_order_relaxed);
-        id = 0;
-      }
-      blk = base + id * s0 + h * s2;
-    }
-    const T* r = blk + off * s1;
-    if (++off == a.block_size) {
-      off = 0;
-      ++slot;
-      blk = nullptr;
-    }
-    return r;
-  }
+  const T* start(int64_t id, int64_t off) const { return base + id * block + off * key; }
 };
+
+// Calls f(j0, run, id, off) for the runs of keys t0 .. t0 + n - 1 of sequence b that lie in one
+// block: keys t0 + j0 .. t0 + j0 + run - 1 are rows off .. off + run - 1 of block id (dense: one
+// run, block 0, off = t0). One block-table read per block, no division per key.
+template <typename F>
+__attribute__((always_inline)) inline void for_runs(const Args& a, int64_t b, int64_t t0, int64_t n, F&& f) {
+  if (n <= 0) return;
+  if (!a.paged) return f(int64_t{0}, n, int64_t{0}, t0);
+  int64_t slot = t0 / a.block_size, off = t0 - slot * a.block_size;
+  for (int64_t j0 = 0; j0 < n; ++slot, off = 0) {
+    const int64_t run = std::min(n - j0, a.block_size - off);
+    int64_t id = slot < a.table_w ? a.table[b * a.table_s0 + slot] : -1;
+    if (__builtin_expect(id < 0 || id >= a.num_blocks, 0)) {
+      // Ruled out by check_reads (which also saw a valid block, so block 0 exists). A worker
+      // must not throw: flag it, read block 0, and the call raises after the parallel region.
+      a.failed->store(kBadBlock, std::memory_order_relaxed);
+      id = 0;
+    }
+    f(j0, run, id, off);
+    j0 += run;
+  }
+}
 
 // fp32 SIMD vectors through the compilers' vector extensions (GCC, Clang): the width follows the
 // instruction set the library is compiled for (-march=native): 16 lanes with AVX-512, else 8.
@@ -625,24 +613,22 @@ inline float finite_or_nan(float x) { return std::isfinite(x) ? x : std::numeric
 
 // The key and value rows of a unit's NH heads, a tile at a time. gather() points krow / vrow
 // (NH, TILE) at a tile's rows (in place, or copied to fp32 buffers) and kpf / vpf (TILE) at the
-// next tile's, which the score loop prefetches a key at a time: the requests are spread over this
-// tile's arithmetic instead of issued in one burst, which stalls on the core's few outstanding
-// misses (line fill buffers) with nothing to overlap.
+// next tile's (its keys' rows of the unit's first head), which the score loops prefetch (NextRows).
 template <typename T, bool InPlace>
 struct TileRows {
   using R = typename std::conditional<InPlace, T, float>::type;
-  Rows<T> k, v, k_next, v_next;
+  const Args& a;
+  const int64_t b;
+  Rows<T> k, v;
   Rows<float> ks, vs;  // the rows' scales (quantized K/V)
   const int64_t NH, D, Dv, Dp, Dvp, TILE;
-  const int64_t ksstep, vsstep;  // between the scales of consecutive heads
-  const int64_t kstep, vstep;  // between the rows of consecutive heads
   const bool v_from_k;
 
-  TileRows(const Args& a, const Unit& u)
-      : k(a, a.k, a.ks0, a.ks1, a.ks2, u.b, u.h),
+  TileRows(const Args& args, const Unit& u)
+      : a(args),
+        b(u.b),
+        k(a, a.k, a.ks0, a.ks1, a.ks2, u.b, u.h),
         v(a, a.v == nullptr ? a.k : a.v, a.vs0, a.vs1, a.vs2, u.b, u.h),
-        k_next(k),
-        v_next(v),
         ks(a, a.ksc, a.kss0, a.kss1, a.kss2, u.b, u.h),
         vs(a.vsc == nullptr ? ks : Rows<float>(a, a.vsc, a.vss0, a.vss1, a.vss2, u.b, u.h)),
         NH(u.nh),
@@ -651,96 +637,86 @@ struct TileRows {
         Dp(round_up(a.D, VL)),
         Dvp(round_up(a.Dv, VL)),
         TILE(a.tile),
-        // paged (block, slot, h) / dense (b, h, j)
-        kstep(a.paged ? a.ks2 : a.ks1),
-        vstep(a.paged ? a.vs2 : a.vs1),
-        ksstep(a.paged ? a.kss2 : a.kss1),
-        vsstep(a.vsc == nullptr ? (a.paged ? a.kss2 : a.kss1) : (a.paged ? a.vss2 : a.vss1)),
         v_from_k(a.v == nullptr) {}
 
-  // gather() for a dense unit read in place: one head (a dense unit is one head of a slice), its
-  // rows s2 apart from the tile's first, addressed by arithmetic the compiler keeps in registers.
-  // (Stepping the walkers' positions instead, which every row pointer stored might alias, made
-  // an int8 step about 10% slower.)
-  __attribute__((always_inline)) inline void gather_dense(int64_t t0, int64_t n, int64_t ahead, const R** krow,
-                                                          const R** vrow, const char** kpf, const char** vpf,
-                                                          float* kscale, float* vscale) const {
-    const int64_t TILE = this->TILE;
-    const bool v_from_k = this->v_from_k;
-    const T* const k0 = k.row(t0);
-    const T* const v0 = v_from_k ? k0 : v.row(t0);
-    const int64_t kst = k.s2, vst = v_from_k ? k.s2 : v.s2;
-    for (int64_t j = 0; j < n; ++j) {
-      krow[j] = k0 + j * kst;
-      vrow[j] = v0 + j * vst;  // V = K[:Dv] reads the K row
-      kpf[j] = j < ahead ? reinterpret_cast<const char*>(k0 + (TILE + j) * kst) : nullptr;
-      vpf[j] = j < ahead && !v_from_k ? reinterpret_cast<const char*>(v0 + (TILE + j) * vst) : nullptr;
-    }
-    if constexpr (kQuantized<T>) {
-      const float* const ks0 = ks.row(t0);
-      const float* const vs0 = vs.row(t0);
-      const int64_t kss = ks.s2, vss = vs.s2;
-      for (int64_t j = 0; j < n; ++j) {
-        kscale[j] = finite_or_nan(ks0[j * kss]);
-        vscale[j] = finite_or_nan(vs0[j * vss]);
-      }
-    }
-  }
-
   // The n keys from t0 (the unit walks up to ``end``); quantized K/V also put the rows' scales
-  // in ``kscale`` / ``vscale`` (NH, TILE).
+  // in ``kscale`` / ``vscale`` (NH, TILE). Rows are addressed by arithmetic on locals, a block
+  // run at a time: the compiler keeps it in registers (stepping walkers kept in memory, which
+  // every row pointer stored might alias, made an int8 step about 10% slower).
   __attribute__((always_inline)) inline void gather(int64_t t0, int64_t n, int64_t end, const R** krow, const R** vrow,
                                                     const char** kpf, const char** vpf, float* kbuf, float* vbuf,
-                                                    float* kscale, float* vscale) {
-    // Locals, not members, in the loop: the compiler need not prove the row writes leave *this alone.
+                                                    float* kscale, float* vscale) const {
     const int64_t NH = this->NH, D = this->D, Dv = this->Dv, Dp = this->Dp, Dvp = this->Dvp, TILE = this->TILE;
-    const int64_t kstep = this->kstep, vstep = this->vstep;
     const bool v_from_k = this->v_from_k;
-    const int64_t ahead = std::min(TILE, std::max<int64_t>(0, end - t0 - TILE));  // keys of the next tile
-    if constexpr (InPlace) {
-      if (!k.a.paged) return gather_dense(t0, n, ahead, krow, vrow, kpf, vpf, kscale, vscale);
-    }
-    k.seek(t0);
-    v.seek(t0);
-    k_next.seek(t0 + TILE);
-    v_next.seek(t0 + TILE);
-    if constexpr (kQuantized<T>) {
-      ks.seek(t0);
-      vs.seek(t0);
-      const int64_t ksstep = this->ksstep, vsstep = this->vsstep;
-      for (int64_t j = 0; j < n; ++j) {
-        const float* k0 = ks.next();
-        const float* v0 = vs.next();
-        for (int64_t hh = 0; hh < NH; ++hh) {
-          kscale[hh * TILE + j] = finite_or_nan(k0[hh * ksstep]);
-          vscale[hh * TILE + j] = finite_or_nan(v0[hh * vsstep]);
-        }
-      }
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      kpf[j] = j < ahead ? reinterpret_cast<const char*>(k_next.next()) : nullptr;
-      vpf[j] = j < ahead && !v_from_k ? reinterpret_cast<const char*>(v_next.next()) : nullptr;
-      const T* kr0 = k.next();
-      const T* vr0 = v_from_k ? kr0 : v.next();
+    const Rows<T> k = this->k, v = v_from_k ? this->k : this->v;  // V = K[:Dv] reads the K rows
+    const Rows<float> ks = this->ks, vs = this->vs;
+    for_runs(a, b, t0, n, [&](int64_t j0, int64_t run, int64_t id, int64_t off) {
+      const int64_t kkey = k.key, vkey = v.key;
       for (int64_t hh = 0; hh < NH; ++hh) {
-        const T* kr = kr0 + hh * kstep;
-        const T* vr = v_from_k ? kr : vr0 + hh * vstep;
-        const int64_t x = hh * TILE + j;
+        const T* const k0 = k.start(id, off) + hh * k.head;
+        const T* const v0 = v.start(id, off) + hh * v.head;
+        const int64_t x = hh * TILE + j0;
         if constexpr (InPlace) {
-          krow[x] = kr;
-          vrow[x] = vr;  // V = K[:Dv] reads the K row
+          for (int64_t jj = 0; jj < run; ++jj) {
+            krow[x + jj] = k0 + jj * kkey;
+            vrow[x + jj] = v0 + jj * vkey;
+          }
         } else {
-          to_f32<T>(kr, kbuf + x * Dp, D);
-          krow[x] = kbuf + x * Dp;
-          if (v_from_k) {
-            vrow[x] = krow[x];  // lanes past Dv hold K's other channels: accumulated, dropped
-          } else {
-            to_f32<T>(vr, vbuf + x * Dvp, Dv);
-            vrow[x] = vbuf + x * Dvp;
+          for (int64_t jj = 0; jj < run; ++jj) {
+            float* const kb = kbuf + (x + jj) * Dp;
+            to_f32<T>(k0 + jj * kkey, kb, D);
+            krow[x + jj] = kb;
+            if (v_from_k) {
+              vrow[x + jj] = kb;  // lanes past Dv hold K's other channels: accumulated, dropped
+            } else {
+              float* const vb = vbuf + (x + jj) * Dvp;
+              to_f32<T>(v0 + jj * vkey, vb, Dv);
+              vrow[x + jj] = vb;
+            }
+          }
+        }
+        if constexpr (kQuantized<T>) {
+          const float* const ks0 = ks.start(id, off) + hh * ks.head;
+          const float* const vs0 = vs.start(id, off) + hh * vs.head;
+          const int64_t kskey = ks.key, vskey = vs.key;
+          for (int64_t jj = 0; jj < run; ++jj) {
+            kscale[x + jj] = finite_or_nan(ks0[jj * kskey]);
+            vscale[x + jj] = finite_or_nan(vs0[jj * vskey]);
           }
         }
       }
-    }
+    });
+    // The next tile's rows (its first ``ahead`` keys, inside the unit's walk); a paged tile's
+    // scales are prefetched here (a few lines), its rows by the score loops.
+    const int64_t ahead = std::min(TILE, std::max<int64_t>(0, end - t0 - TILE));
+    for (int64_t j = ahead; j < n; ++j) kpf[j] = vpf[j] = nullptr;
+    for_runs(a, b, t0 + TILE, ahead, [&](int64_t j0, int64_t run, int64_t id, int64_t off) {
+      const T* const k0 = k.start(id, off);
+      const T* const v0 = v.start(id, off);
+      for (int64_t jj = 0; jj < run; ++jj) {
+        kpf[j0 + jj] = reinterpret_cast<const char*>(k0 + jj * k.key);
+        vpf[j0 + jj] = v_from_k ? nullptr : reinterpret_cast<const char*>(v0 + jj * v.key);
+      }
+      if constexpr (kQuantized<T>) {
+        if (!a.paged) return;  // a dense unit's scales are one stream the core's prefetcher follows
+        const float* const ks0 = ks.start(id, off);
+        const float* const vs0 = vs.start(id, off);
+        uintptr_t last = 0;  // the line prefetched last (the scales of neighbouring keys share lines)
+        auto line = [&last](const float* p) {
+          const uintptr_t l = reinterpret_cast<uintptr_t>(p) >> 6;
+          if (l != last) __builtin_prefetch(p, 0, 3);
+          last = l;
+        };
+        for (int64_t jj = 0; jj < run; ++jj) {
+          line(ks0 + jj * ks.key);
+          line(ks0 + jj * ks.key + (NH - 1) * ks.head);
+        }
+        for (int64_t jj = 0; jj < run; ++jj) {
+          line(vs0 + jj * vs.key);
+          line(vs0 + jj * vs.key + (NH - 1) * vs.head);
+        }
+      }
+    });
   }
 };
 
@@ -802,35 +778,50 @@ __attribute__((always_inline)) inline float score_1x1_fma(const float* q0, int64
   return hsum(c0);
 }
 
-// One head's part of the next tile's rows: key j's K (and V) row of the head is ``klen`` (``vlen``)
-// bytes from ``k[j] + koff`` (``v[j] + voff``); null entries (past the next tile, V read from K)
-// are skipped.
+// The next tile's rows, prefetched a (key, head) row at a time by the score loops: the unit's NH
+// heads' loops over this tile's n keys take the next tile's NH * n rows in turn, head hh's loop
+// rows hh * n .. hh * n + n - 1 in (key, head) order, which is address order in a paged pool
+// (block, slot, head): the core's own prefetcher then streams along with them. (A head at a time,
+// 1 KiB apart in the pool, took int8 paged decode 1.5x as long on Zen 3.) Key j's row of head x
+// is ``klen`` (``vlen``) bytes from ``k[j] + x * khead`` (``v[j] + x * vhead``); null entries
+// (past the next tile, V read from K) are skipped.
 struct NextRows {
   const char* const* k;
   const char* const* v;
-  int64_t koff, klen, voff, vlen;
+  int64_t klen, khead, vlen, vhead, nh;
+  int64_t key = 0, x = 0;  // the row prefetch() takes next
 
-  __attribute__((always_inline)) inline void prefetch(int64_t j) const {
-    if (const char* p = k[j])
-      for (int64_t c = 0; c < klen; c += 64) __builtin_prefetch(p + koff + c, 0, 3);
-    if (const char* p = v[j])
-      for (int64_t c = 0; c < vlen; c += 64) __builtin_prefetch(p + voff + c, 0, 3);
+  // Positions at row ``first`` (hh * n for head hh's loop).
+  __attribute__((always_inline)) inline void seek(int64_t first) {
+    key = first / nh;
+    x = first - key * nh;
+  }
+
+  __attribute__((always_inline)) inline void prefetch() {
+    if (const char* p = k[key])
+      for (int64_t c = 0; c < klen; c += 64) __builtin_prefetch(p + x * khead + c, 0, 3);
+    if (const char* p = v[key])
+      for (int64_t c = 0; c < vlen; c += 64) __builtin_prefetch(p + x * vhead + c, 0, 3);
+    if (++x == nh) {
+      x = 0;
+      ++key;
+    }
   }
 };
 
 // s[r][j] = q_r . k_j (scaled) for the M rows of one head and the tile's n keys ``krh``: two keys
 // and four rows per pass, through the bf16 dot product where ``qbh`` is given (DotType: the
-// instantiation can take it), else by FMAs. The head's rows of the next tile's key j are
-// prefetched with key j's scores.
+// instantiation can take it), else by FMAs. A row of the next tile is prefetched with each key's
+// scores.
 template <typename R, bool DotType>
 __attribute__((always_inline)) inline void score_tile(const float* qh, const uint16_t* qbh, const float* qsh,
                                                       const R* const* krh,
                                                       int64_t M, int64_t Dp, int64_t n, int64_t TILE, float scale,
-                                                      const NextRows& next, float* sbuf) {
+                                                      NextRows& next, float* sbuf) {
   int64_t j = 0;
   for (; j + 2 <= n; j += 2) {
-    next.prefetch(j);
-    next.prefetch(j + 1);
+    next.prefetch();
+    next.prefetch();
     const R* k0 = krh[j];
     const R* k1 = krh[j + 1];
     int64_t r = 0;
@@ -850,7 +841,7 @@ __attribute__((always_inline)) inline void score_tile(const float* qh, const uin
     for (; r < M; ++r) score_1x2_fma(qh + r * Dp, Dp, k0, k1, sbuf + r * TILE + j);
   }
   for (; j < n; ++j) {
-    next.prefetch(j);
+    next.prefetch();
     for (int64_t r = 0; r < M; ++r) sbuf[r * TILE + j] = score_1x1_fma(qh + r * Dp, Dp, krh[j]);
   }
 }
@@ -1192,12 +1183,13 @@ void run_unit(const Args& a, const Unit& u, float* m, float* l, float* acc_out) 
 
   TileRows<T, InPlace> tiles(a, u);
   constexpr int64_t elem = sizeof(T);
+  NextRows next{w.kpf, w.vpf, a.D * elem, tiles.k.head * elem, a.Dv * elem, tiles.v.head * elem, NH};
   for (int64_t t0 = start; t0 < end; t0 += TILE) {
     const int64_t n = std::min(TILE, end - t0);
     tiles.gather(t0, n, end, w.krow, w.vrow, w.kpf, w.vpf, w.kbuf, w.vbuf, w.ks, w.vs);
     for (int64_t hh = 0; hh < NH; ++hh) {
       float* const ach = w.acc + hh * M * Dvp;
-      const NextRows next{w.kpf, w.vpf, hh * tiles.kstep * elem, a.D * elem, hh * tiles.vstep * elem, a.Dv * elem};
+      next.seek(hh * n);
       score_tile<R, kDotType>(w.q + hh * M * Dp, use_dot ? w.qb + hh * M * Dp : nullptr, w.qs + hh * M,
                               w.krow + hh * TILE, M, Dp, n, TILE, a.scale, next, w.s);
       int64_t vis_lo, vis_hi;
