@@ -21,6 +21,7 @@ model's own K/V when ``--model`` names a checkpoint folder.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import torch
@@ -84,8 +85,9 @@ def _speed_rows(ctx: int, threads: int, quick: bool, g: torch.Generator, peer: b
                 if layout == "paged":
                     kp, table = _paged(k32, 16, torch.Generator().manual_seed(1))
                     vp, _ = _paged(v32, 16, torch.Generator().manual_seed(1))
-                    kv = QuantizedKV.quantize(kp, vp, dt, block_table=table, lengths=torch.tensor([ctx]),
-                                              max_len=ctx)
+                    kv = dataclasses.replace(QuantizedKV.quantize(kp, vp, dt, block_table=table,
+                                                                  lengths=torch.tensor([ctx]), max_len=ctx),
+                                             checked=True)  # as the caches pass it, and the bf16 row
                 else:
                     kv = QuantizedKV.quantize(k32, v32, dt)
                 args = (q, kv, None)

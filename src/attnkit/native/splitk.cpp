@@ -330,10 +330,11 @@ inline bool quantize_q_i16(const float* x, int64_t Dp, int16_t* out, float& rs) 
   return true;
 }
 
-// Bytes of key rows one tile holds (all of a unit's heads): 1/32 of the core's L2, at least 16 KiB
-// (the size the kernel was first tuned to, with an L2 of 512 KiB). A tile and the next one
-// (prefetched) of K and V then take 1/8 of L2; larger L2s get longer tiles, which spread the
-// online softmax's per-tile work over more keys (paged units walk every KV head of a block).
+// Bytes of key rows one tile holds (all of a unit's heads): 1/16 of the core's L2, 16 to 64 KiB.
+// A tile and the next one (prefetched) of K and V then take 1/4 of L2 at most; longer tiles
+// spread the online softmax's per-tile work over more keys, which matters most to paged units
+// (they walk every KV head of a block: 32 keys of 8 int8 heads in 32 KiB). On Zen 3 (L2 512 KiB)
+// 32 KiB beat 16 and 64 KiB for paged int8 decode; a 2 MiB L2 keeps the 64 KiB it had at 1/32.
 // ATTNKIT_SPLITK_TILE_BYTES (read once per process) forces the size, so tests reach every tile
 // length on any machine.
 int64_t tile_key_bytes() {
@@ -344,7 +345,7 @@ int64_t tile_key_bytes() {
       if (end != forced && *end == '\0' && v > 0) return static_cast<int64_t>(v);
     }
     const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
-    return std::max<int64_t>(16384, l2 > 0 ? l2 / 32 : 0);
+    return std::clamp<int64_t>(l2 > 0 ? l2 / 16 : 0, 16384, 65536);
   }();
   return bytes;
 }
