@@ -612,6 +612,16 @@ __attribute__((always_inline)) inline void unit_key_bounds(const Args& a, const 
 // score and weight become NaN, never +-inf (an -inf score would silently mask the key).
 inline float finite_or_nan(float x) { return std::isfinite(x) ? x : std::numeric_limits<float>::quiet_NaN(); }
 
+// dst[j] = finite_or_nan(src[j * stride]) for j < n; contiguous scales (a dense cache's) a vector
+// at a time: the compiler vectorizes only the unit-stride loop.
+inline void copy_scales(const float* __restrict src, int64_t stride, int64_t n, float* __restrict dst) {
+  if (stride == 1) {
+    for (int64_t j = 0; j < n; ++j) dst[j] = finite_or_nan(src[j]);
+  } else {
+    for (int64_t j = 0; j < n; ++j) dst[j] = finite_or_nan(src[j * stride]);
+  }
+}
+
 // The key and value rows of a unit's NH heads, a tile at a time. gather() points krow / vrow
 // (NH, TILE) at a tile's rows (in place, or copied to fp32 buffers) and kpf / vpf (TILE) at the
 // next tile's (its keys' rows of the unit's first head), which the score loops prefetch (NextRows).
@@ -639,6 +649,15 @@ struct TileRows {
         Dvp(round_up(a.Dv, VL)),
         TILE(a.tile),
         v_from_k(a.v == nullptr) {}
+
+  // The scales of a run of keys from ``first`` (all NH heads), a line at a time, where they lie
+  // together (as the caches lay them out); scattered ones (a strided view) are left to the loads.
+  __attribute__((always_inline)) inline void prefetch_scales(const float* first, const Rows<float>& r,
+                                                             int64_t run) const {
+    const int64_t span = (run - 1) * r.key + (NH - 1) * r.head + 1;  // elements from first to last
+    if (span > 2 * run * NH) return;
+    for (int64_t c = 0; c < span; c += 64 / sizeof(float)) __builtin_prefetch(first + c, 0, 3);
+  }
 
   // The n keys from t0 (the unit walks up to ``end``); quantized K/V also put the rows' scales
   // in ``kscale`` / ``vscale`` (NH, TILE). Rows are addressed by arithmetic on locals, a block
@@ -677,18 +696,13 @@ struct TileRows {
           }
         }
         if constexpr (kQuantized<T>) {
-          const float* const ks0 = ks.start(id, off) + hh * ks.head;
-          const float* const vs0 = vs.start(id, off) + hh * vs.head;
-          const int64_t kskey = ks.key, vskey = vs.key;
-          for (int64_t jj = 0; jj < run; ++jj) {
-            kscale[x + jj] = finite_or_nan(ks0[jj * kskey]);
-            vscale[x + jj] = finite_or_nan(vs0[jj * vskey]);
-          }
+          copy_scales(ks.start(id, off) + hh * ks.head, ks.key, run, kscale + x);
+          copy_scales(vs.start(id, off) + hh * vs.head, vs.key, run, vscale + x);
         }
       }
     });
-    // The next tile's rows (its first ``ahead`` keys, inside the unit's walk); a paged tile's
-    // scales are prefetched here (a few lines), its rows by the score loops.
+    // The next tile's rows (its first ``ahead`` keys, inside the unit's walk); its scales are
+    // prefetched here (a few lines), its rows by the score loops.
     const int64_t ahead = std::min(TILE, std::max<int64_t>(0, end - t0 - TILE));
     for (int64_t j = ahead; j < n; ++j) kpf[j] = vpf[j] = nullptr;
     for_runs(a, b, t0 + TILE, ahead, [&](int64_t j0, int64_t run, int64_t id, int64_t off) {
@@ -699,23 +713,8 @@ struct TileRows {
         vpf[j0 + jj] = v_from_k ? nullptr : reinterpret_cast<const char*>(v0 + jj * v.key);
       }
       if constexpr (kQuantized<T>) {
-        if (!a.paged) return;  // a dense unit's scales are one stream the core's prefetcher follows
-        const float* const ks0 = ks.start(id, off);
-        const float* const vs0 = vs.start(id, off);
-        uintptr_t last = 0;  // the line prefetched last (the scales of neighbouring keys share lines)
-        auto line = [&last](const float* p) {
-          const uintptr_t l = reinterpret_cast<uintptr_t>(p) >> 6;
-          if (l != last) __builtin_prefetch(p, 0, 3);
-          last = l;
-        };
-        for (int64_t jj = 0; jj < run; ++jj) {
-          line(ks0 + jj * ks.key);
-          line(ks0 + jj * ks.key + (NH - 1) * ks.head);
-        }
-        for (int64_t jj = 0; jj < run; ++jj) {
-          line(vs0 + jj * vs.key);
-          line(vs0 + jj * vs.key + (NH - 1) * vs.head);
-        }
+        prefetch_scales(ks.start(id, off), ks, run);
+        prefetch_scales(vs.start(id, off), vs, run);
       }
     });
   }
