@@ -244,18 +244,21 @@ inline void dot_4x2_bf16(const uint16_t*, int64_t, const c10::BFloat16*, const c
 #if defined(__AVX2__)
 // The eight int32 sums of 4 query rows x 2 keys, each spread over the 8 lanes of h[x] in the order
 // (row 0, key 0), (row 0, key 1), (row 1, key 0), ...: summed by a tree of horizontal adds,
-// converted once and multiplied by the row's scale into ``sr`` (rows TILE apart).
+// converted once and multiplied by the row's scale ``rs`` (4) into ``sr`` (rows TILE apart).
 inline void store_sums_4x2(const __m256i h[8], const float* rs, int64_t TILE, float* sr) {
   const __m256i t0 = _mm256_hadd_epi32(h[0], h[1]), t1 = _mm256_hadd_epi32(h[2], h[3]);
   const __m256i t2 = _mm256_hadd_epi32(h[4], h[5]), t3 = _mm256_hadd_epi32(h[6], h[7]);
   const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
   const __m256i sums = _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
-  float f[8];
-  _mm256_storeu_ps(f, _mm256_cvtepi32_ps(sums));
-  for (int64_t x = 0; x < 4; ++x) {
-    sr[x * TILE] = f[2 * x] * rs[x];
-    sr[x * TILE + 1] = f[2 * x + 1] * rs[x];
-  }
+  // each row's two sums times its scale, stored as one 64-bit pair
+  const __m256 scale = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(rs)),
+                                                _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+  const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(sums), scale);
+  const __m128 lo = _mm256_castps256_ps128(f), hi = _mm256_extractf128_ps(f, 1);
+  _mm_storel_pi(reinterpret_cast<__m64*>(sr), lo);
+  _mm_storeh_pi(reinterpret_cast<__m64*>(sr + TILE), lo);
+  _mm_storel_pi(reinterpret_cast<__m64*>(sr + 2 * TILE), hi);
+  _mm_storeh_pi(reinterpret_cast<__m64*>(sr + 3 * TILE), hi);
 }
 #endif
 
