@@ -890,7 +890,8 @@ __attribute__((always_inline)) inline bool online_softmax_row(float* s, int64_t 
     std::fill(s, s + n, 0.0f);
     return false;
   }
-  const float alpha = exp_f32(m - m_new);  // 0 while m is -inf; NaN poisons the row
+  // 0 while m is -inf; NaN poisons the row; 1 (exp(0)) when the max stayed, as most tiles' does
+  const float alpha = m_new == m ? 1.0f : exp_f32(m - m_new);
   vf vsum = {};
   const vf mv = vsplat(m_new);
   for (int64_t jj = 0; jj < TILE; jj += VL) {
@@ -1029,21 +1030,17 @@ __attribute__((always_inline)) inline bool pv_i16(float* a0, const float* p0, co
         vmx = _mm256_max_ps(vmx, _mm256_andnot_ps(sign, x));
         vpoison = _mm256_add_ps(vpoison, _mm256_mul_ps(x, zero));  // NaN once any p is NaN or inf
       }
-      alignas(32) float m8[8], z8[8];
-      _mm256_store_ps(m8, vmx);
-      _mm256_store_ps(z8, vpoison);
-      float mx = 0.0f, poison = 0.0f;
-      for (int k = 0; k < 8; ++k) {
-        mx = std::max(mx, m8[k]);
-        poison += z8[k];
-      }
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmx), _mm256_extractf128_ps(vmx, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      float mx = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+      bool poisoned = _mm256_movemask_ps(_mm256_cmp_ps(vpoison, vpoison, _CMP_UNORD_Q)) != 0;
       for (int64_t j = whole; j < hi; ++j) {
         mx = std::max(mx, std::fabs(p[j]));
-        poison += p[j] * 0.0f;
+        poisoned |= !std::isfinite(p[j]);
       }
       // NaN / inf, or a largest probability so small that its int16 step (mx / 32767) would be
       // subnormal (and 32767 / mx overflow): the fp32 path
-      if (poison != 0.0f || (mx > 0.0f && mx < 32767.0f * std::numeric_limits<float>::min())) return false;
+      if (poisoned || (mx > 0.0f && mx < 32767.0f * std::numeric_limits<float>::min())) return false;
       rs[r] = mx / 32767.0f;
       const float inv = mx > 0.0f ? 32767.0f / mx : 0.0f;
       // 16 keys -> 8 pairs: round to int32 (the default rounding, to nearest), pack with
