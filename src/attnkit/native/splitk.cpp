@@ -785,7 +785,8 @@ __attribute__((always_inline)) inline float score_1x1_fma(const float* q0, int64
 // heads' loops over this tile's n keys take the next tile's NH * n rows in turn, head hh's loop
 // rows hh * n .. hh * n + n - 1 in (key, head) order, which is address order in a paged pool
 // (block, slot, head): the core's own prefetcher then streams along with them. (A head at a time,
-// 1 KiB apart in the pool, took int8 paged decode 1.5x as long on Zen 3.) Key j's row of head x
+// rows 1 KiB apart in the pool, which Zen 3's prefetcher did not follow, left paged decode at half
+// the dense speed there: benchmarks/README.md.) Key j's row of head x
 // is ``klen`` (``vlen``) bytes from ``k[j] + x * khead`` (``v[j] + x * vhead``); null entries
 // (past the next tile, V read from K) are skipped.
 struct NextRows {
