@@ -784,7 +784,9 @@ __attribute__((always_inline)) inline float score_1x1_fma(const float* q0, int64
 // The next tile's rows, prefetched a (key, head) row at a time by the score loops: the unit's NH
 // heads' loops over this tile's n keys take the next tile's NH * n rows in turn, head hh's loop
 // rows hh * n .. hh * n + n - 1 in (key, head) order, which is address order in a paged pool
-// (block, slot, head): the core's own prefetcher then streams along with them. (A head at a time,
+// (block, slot, head): the core's own prefetcher then streams along with them. One row per key's
+// scores spreads the requests over the tile's arithmetic, where one burst would stall on the
+// core's few outstanding misses (line fill buffers) with nothing to overlap. (A head at a time,
 // rows 1 KiB apart in the pool, which Zen 3's prefetcher did not follow, left paged decode at half
 // the dense speed there: benchmarks/README.md.) Key j's row of head x
 // is ``klen`` (``vlen``) bytes from ``k[j] + x * khead`` (``v[j] + x * vhead``); null entries
