@@ -189,6 +189,25 @@ def test_hand_built_scales_nan_inf_zero_and_fp8_nan_codes(engine):
         assert out.isnan().all()
 
 
+@pytest.mark.skipif(KV_DTYPES["fp8"] is None, reason="this torch has no float8_e4m3fn")
+def test_every_fp8_code_reads_as_torchs_e4m3_value(engine):
+    """The kernel decodes e4m3 bytes itself (sign, exponent and mantissa moved by integer
+    operations; subnormals; the two NaN codes): one key whose V row holds all 256 codes, scale
+    1, so each output channel is one code's value (exactly, p = 1), against torch's decoding."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    e4m3 = codes.view(torch.float8_e4m3fn)
+    for G, row in ((1, codes), (4, codes.flip(0))):  # one row and the four-row path, codes in both orders
+        q = torch.randn(1, 2 * G, 1, 256)
+        v = row.view(torch.float8_e4m3fn).reshape(1, 1, 1, 256).expand(1, 2, 1, 256).contiguous()
+        k = torch.zeros(1, 2, 1, 256, dtype=torch.float8_e4m3fn)
+        ones = torch.ones(1, 2, 1)
+        out = attnkit.attention(q, QuantizedKV(k, ones, v, ones), None, backend="decode")
+        want = row.view(torch.float8_e4m3fn).float().expand_as(out)
+        assert torch.equal(out.isnan(), want.isnan()) and want.isnan().sum() == 2 * 2 * G
+        assert torch.equal(out.nan_to_num(), want.nan_to_num()), (out - want).abs().max()
+    assert e4m3.float().isnan().sum() == 2  # 0x7F and 0xFF, as the kernel assumes
+
+
 def test_layout_errors_name_the_argument_and_shapes():
     q, k, v = make_qkv(2, 4, 2, 1, 10, 16)
     kq, ks = quantize(k, "int8")
@@ -354,6 +373,8 @@ def test_avx2_build_scores_int8_keys_like_the_oracle():
 
     if native.load() is None or not {"avx2", "fma", "f16c"} <= cpu_flags():
         pytest.skip("no native kernel, or this CPU cannot run the AVX2 build")
+    if "avx512f" not in cpu_flags():
+        pytest.skip("no AVX-512 here: the native build is the AVX2 code path, which the tests above ran")
     here = os.path.dirname(__file__)
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
                           os.path.join(here, "test_quantized.py"), "-k",

@@ -195,6 +195,7 @@ typedef float vf __attribute__((vector_size(VL * sizeof(float))));
 typedef float vf_u __attribute__((vector_size(VL * sizeof(float)), aligned(sizeof(float))));
 
 typedef int32_t vi __attribute__((vector_size(VL * sizeof(int32_t))));
+typedef uint32_t vu __attribute__((vector_size(VL * sizeof(uint32_t))));
 
 inline vf vload(const float* p) { return *reinterpret_cast<const vf_u*>(p); }
 inline void vstore(float* p, vf v) { *reinterpret_cast<vf_u*>(p) = v; }
@@ -478,26 +479,26 @@ inline vf vload_as_f32<int8_t>(const int8_t* p) {
   return out;
 #endif
 }
-// fp8 e4m3 (no infinities; 0x7F / 0xFF are NaN): the magnitude's 7 bits placed at the top of an
-// fp32's exponent and mantissa fields read as 2^(e - 127) * 1.m (a subnormal when e = 0), times
-// 2^120 gives 2^(e - 7) * 1.m (and m/8 * 2^-6 for e = 0): exactly e4m3's value. Then the sign,
-// and NaN for the NaN codes.
+// fp8 e4m3 (no infinities; 0x7F / 0xFF are NaN), from each byte sign-extended to 32 bits: shifted
+// up by 20, its sign lands in the fp32 sign bit and its 7 magnitude bits at the top of the
+// exponent and mantissa fields (masked to those), read as +-2^(e - 127) * 1.m (a subnormal when
+// e = 0); times 2^120 that is +-2^(e - 7) * 1.m (and m/8 * 2^-6 for e = 0): exactly e4m3's value.
+// The NaN codes (the byte's low 7 bits all set: shifted up by 25, 0xFE000000) become all-ones
+// lanes, a NaN. The sign extension carries the sign, so it is never masked and moved on its own.
 template <>
 inline vf vload_as_f32<c10::Float8_e4m3fn>(const c10::Float8_e4m3fn* p) {
 #if defined(__AVX512F__)
-  const vi b = (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const vu b = (vu)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 #elif defined(__AVX2__)
-  const vi b = (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const vu b = (vu)_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 #else
-  vi b;
-  for (int64_t i = 0; i < VL; ++i) b[i] = reinterpret_cast<const uint8_t*>(p)[i];
+  vu b;
+  for (int64_t i = 0; i < VL; ++i) b[i] = static_cast<uint32_t>(reinterpret_cast<const int8_t*>(p)[i]);
 #endif
-  const vi mag = b & 0x7F;
-  const vi bits = mag << 20;
+  const vu bits = (b << 20) & 0x87F00000u;
   const vf f = reinterpret_cast<const vf&>(bits) * 0x1p120f;
-  const vi signed_bits = reinterpret_cast<const vi&>(f) | ((b & 0x80) << 24);
-  const vf out = reinterpret_cast<const vf&>(signed_bits);
-  return mag == 0x7F ? vsplat(std::numeric_limits<float>::quiet_NaN()) : out;
+  const vu out = reinterpret_cast<const vu&>(f) | (vu)((b << 25) == 0xFE000000u);
+  return reinterpret_cast<const vf&>(out);
 }
 template <typename T>
 constexpr bool kQuantized = std::is_same<T, int8_t>::value || std::is_same<T, c10::Float8_e4m3fn>::value;
