@@ -116,6 +116,17 @@ def test_run_kv_prints_the_table(capsys):
     assert "4096 tokens" in out and "fp32" in out and "| deepseek-v3 |" in out and "2,304" in out  # 576 * 4
 
 
+def test_kv_option_errors_say_what_is_wrong(capsys):
+    """argparse turns a type's ValueError into "invalid parse_dtype value"; the options keep ours."""
+    p = add_kv_arguments(argparse.ArgumentParser())
+    for argv, text in ((["--dtype", "int4"], "unknown dtype 'int4'; use one of"),
+                       (["--context", "12q"], "context must be a token count")):
+        with pytest.raises(SystemExit):
+            p.parse_args(argv)
+        err = capsys.readouterr().err
+        assert text in err and "invalid" not in err, err
+
+
 @pytest.mark.parametrize("call,exc,text", [
     (lambda: parse_spec("mla:heads=128,rank=512"), ValueError, "missing"),
     (lambda: parse_spec("mla:heads=128,rank=512,rope=63,nope=128,v=128"), ValueError, r"qk_rope_head_dim \(63\)"),

@@ -381,13 +381,24 @@ def parse_spec(text: str) -> tuple[str, Spec, int | None]:
     return text, spec, layers
 
 
+def _argument(parse):
+    """``parse`` as an argparse ``type=``: its ValueError's message becomes argparse's error (argparse
+    would otherwise print only "invalid parse_dtype value")."""
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return convert
+
+
 def add_kv_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The ``attnkit kv`` options: specs, ``--context``, ``--dtype``, ``--batch``, ``--layers``."""
     parser.add_argument("specs", nargs="*", metavar="SPEC",
                         help=f"preset ({', '.join(PRESETS)}) or mla:heads=..,rank=..,rope=..,nope=..,v=.. "
                              f"or mha/gqa/mqa:heads=..,kv_heads=..,head_dim=.. (default: every preset)")
-    parser.add_argument("--context", type=parse_context, default=4096, help="tokens per sequence (4096, 128k)")
-    parser.add_argument("--dtype", type=parse_dtype, default=torch.bfloat16,
+    parser.add_argument("--context", type=_argument(parse_context), default=4096, help="tokens per sequence (4096, 128k)")
+    parser.add_argument("--dtype", type=_argument(parse_dtype), default=torch.bfloat16,
                         help="cache dtype (bf16, fp16, fp32; int8 / fp8: quantized, fp32 scale per row counted)")
     parser.add_argument("--batch", type=int, default=1, help="sequences")
     parser.add_argument("--layers", type=int, default=None, help="override every model's layer count")
