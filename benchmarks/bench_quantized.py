@@ -8,6 +8,9 @@ attnkit's split-K engine; beside them the peer a user of transformers' ``Quantiz
 (the machine's read bandwidth), all interleaved in one run; with every core, then with one core
 at the longest context (a decode stream per core, as a server runs them).
 
+Cache write: what quantizing a step's K and V costs a layer, the compiled one-pass quantizer
+against the torch ops it replaces.
+
 Quality: the attention output's error against fp64 attention over the unquantized K/V, relative
 to the output's RMS, for Gaussian K/V and for K with outlier channels (a few channels 20x larger,
 as in trained models' keys), with per-token scales, alone and with the fixed per-channel K scales
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -155,9 +159,48 @@ def _quality(quick: bool) -> list[dict]:
     return rows
 
 
+def _write(quick: bool) -> list[dict]:
+    """What a quantized cache adds to each layer's write: quantizing the step's K and V rows
+    (bf16, Hkv 8, D 128), by the compiled one-pass quantizer and by the torch ops (the same
+    arithmetic and bits; what runs under torch.compile, without the native library, and for more
+    than ``NATIVE_MAX_ROWS`` rows), and which one ``quantize`` takes at that size."""
+    from attnkit import kvquant, native
+
+    ops = native.load()
+    torch_ops = kvquant._native_applies
+    rows = []
+    for S in (1, 32, 512):
+        x = torch.randn(1, 8, S, 128, dtype=torch.bfloat16)
+        for name, dt in KV_DTYPES:
+            kind = 0 if dt == torch.int8 else 1
+
+            def compiled(x=x, kind=kind):
+                t0 = time.perf_counter()
+                ops.quantize_kv_rows(x, kind)  # K
+                ops.quantize_kv_rows(x, kind)  # V
+                return time.perf_counter() - t0
+
+            def torch_path(x=x, dt=dt):
+                kvquant._native_applies = lambda t: False
+                try:
+                    t0 = time.perf_counter()
+                    quantize(x, dt)
+                    quantize(x, dt)
+                    return time.perf_counter() - t0
+                finally:
+                    kvquant._native_applies = torch_ops
+
+            fns = {"torch": torch_path} if ops is None else {"native": compiled, "torch": torch_path}
+            t = interleaved_medians(fns, reps=50 if quick else 300, warmup=5)
+            rows.append({"tokens": S, "rows": 8 * S, "kv": name, "native_us": t.get("native", float("nan")) * 1e6,
+                         "torch_us": t["torch"] * 1e6, "takes": "native" if torch_ops(x) else "torch"})
+    return rows
+
+
 def run(quick: bool) -> dict:
     torch.manual_seed(0)
-    return {"machine": machine(), "quick": quick, "speed": _speed(quick), "quality": _quality(quick)}
+    return {"machine": machine(), "quick": quick, "speed": _speed(quick), "write": _write(quick),
+            "quality": _quality(quick)}
 
 
 def to_markdown(res: dict) -> str:
@@ -179,6 +222,19 @@ def to_markdown(res: dict) -> str:
                      f"{r['backend']} | {r['ms']:.2f} | "
                      f"{r['kv_bytes'] / 2**20:.1f} MiB | {r['GBps']:.1f} | {r['read_GBps']:.1f} | "
                      f"{100 * r['GBps'] / r['read_GBps']:.0f}% | {r['vs_bf16']:.2f}x |")
+    lines += [
+        "",
+        "**Cache write**: quantizing one layer's new K and V rows (bf16, Hkv 8, D 128; a decode token, or a "
+        "prompt) as a quantized cache's step does, by the compiled one-pass quantizer (`native/kvquant.cpp`) "
+        "and by the torch ops (the same bits; what runs under torch.compile). `quantize` takes the compiled "
+        "one up to `NATIVE_MAX_ROWS` rows. Medians of interleaved runs, microseconds for K and V together.",
+        "",
+        "| tokens | rows | K/V | compiled one pass (us) | torch ops (us) | torch / compiled | quantize takes |",
+        "|---:|---:|---|---:|---:|---:|---|",
+    ]
+    for r in res.get("write", []):
+        lines.append(f"| {r['tokens']} | {r['rows']} | {r['kv']} | {r['native_us']:.1f} | {r['torch_us']:.1f} | "
+                     f"{r['torch_us'] / r['native_us']:.2f}x | {r['takes']} |")
     lines += [
         "",
         "**Attention-output error** of a quantized cache: max |out - out_exact| / RMS(out_exact) over 16 causal "

@@ -59,6 +59,74 @@ def test_quantize_zero_nan_and_inf_rows():
     assert torch.isfinite(deq[3]).all()
 
 
+def _special_rows(dtype):
+    """Rows (..., 48) that exercise every branch of the quantizer: random scales, zero rows, NaN,
+    +-inf, subnormal and huge values, exact halves (round-half-even ties), signed zeros."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 7, 48, generator=g) * torch.logspace(-4, 4, 7)[:, None]
+    x[0, 0] = 0
+    x[0, 1] = -0.0
+    x[0, 2, 5] = float("nan")
+    x[0, 3, 7] = float("inf")
+    x[0, 4, 9] = -float("inf")
+    x[0, 5] = torch.arange(48) - 23.5  # absmax 24.5 -> steps of 24.5 / 127: no ties
+    x[0, 6] = torch.arange(-24, 24) + 0.5  # with absmax 127 (int8's scale 1): exact halves, ties
+    x[0, 6, 0] = 127
+    x[1, 0] = torch.finfo(torch.float32).tiny * torch.arange(48)  # subnormal scale and values
+    x[1, 1] = torch.finfo(dtype).max * torch.linspace(-1, 1, 48)
+    x[1, 2, 0] = torch.finfo(dtype).max
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kv", list(KV_DTYPES))
+def test_native_quantizer_writes_the_torch_paths_bits(kv, dtype, monkeypatch):
+    """Caches quantize each step's K/V through the compiled one-pass quantizer
+    (``native/kvquant.cpp``) where it is built: the same data and scales, bit for bit, as the
+    torch ops, for every branch (zero, NaN, inf, subnormal, huge rows, ties), any layout, at 1 and
+    2 threads (rows split over threads)."""
+    from attnkit import kvquant, native
+
+    if KV_DTYPES[kv] is None:
+        pytest.skip("this torch has no float8_e4m3fn")
+    if native.status() != "native":
+        pytest.skip(f"no native kernel here: {native.status()}")
+    x = _special_rows(dtype)
+    big = torch.randn(64, 8, 130, dtype=dtype) * 3  # 512 rows: past NATIVE_MAX_ROWS, the torch ops
+    with monkeypatch.context() as m:
+        m.setattr(kvquant, "_native_applies", lambda x: False)
+        want = quantize(big, kv)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):  # the op itself on them: several threads' share of rows
+            torch.set_num_threads(n)
+            got = native.load().quantize_kv_rows(big, 0 if kv == "int8" else 1)
+            assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
+    finally:
+        torch.set_num_threads(threads)
+    assert not kvquant._native_applies(big) and kvquant._native_applies(big[:32])
+    for t in (x, x.transpose(0, 1), x[:1, :1, :1]):
+        calls = []
+        monkeypatch.setattr(native.load(), "quantize_kv_rows",
+                            lambda *a, f=native.load().quantize_kv_rows: calls.append(1) or f(*a), raising=False)
+        threads = torch.get_num_threads()
+        try:
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                data, scale = quantize(t, kv)
+                with monkeypatch.context() as m:
+                    m.setattr(kvquant, "_native_applies", lambda x: False)
+                    want_data, want_scale = quantize(t, kv)
+                assert data.dtype == want_data.dtype and data.shape == want_data.shape
+                assert torch.equal(data.view(torch.uint8), want_data.view(torch.uint8)), (data, want_data)
+                # every bit but a NaN's payload (bf16's NaN widened keeps its own)
+                torch.testing.assert_close(scale, want_scale, rtol=0, atol=0, equal_nan=True)
+        finally:
+            torch.set_num_threads(threads)
+            monkeypatch.undo()
+        assert calls, "the native quantizer did not run"
+
+
 def test_kv_dtype_spellings():
     assert kv_storage_dtype(None) is None
     assert kv_storage_dtype("int8") == torch.int8 == kv_storage_dtype(torch.int8)

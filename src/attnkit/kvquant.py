@@ -41,6 +41,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import native
+
 __all__ = ["QUANTIZED_DTYPES", "kv_storage_dtype", "quantize", "dequantize", "finite_or_nan", "channel_scale",
            "dtype_name"]
 
@@ -86,6 +88,8 @@ def quantize(x: Tensor, dtype: torch.dtype = torch.int8) -> tuple[Tensor, Tensor
     if not isinstance(x, Tensor) or not x.is_floating_point() or x.dim() < 1:
         raise TypeError(f"quantize: x must be a floating tensor with a last dim to quantize over, got "
                         f"{getattr(x, 'dtype', type(x).__name__)} of shape {tuple(getattr(x, 'shape', ()))}")
+    if _native_applies(x):
+        return native.load().quantize_kv_rows(x.detach().contiguous(), 0 if dtype == torch.int8 else 1)
     qmax = _QMAX[dtype]
     xf = x.detach().float()
     # amax propagates NaN: a row with NaN gets a NaN scale (and inf a scale of inf).
@@ -96,6 +100,24 @@ def quantize(x: Tensor, dtype: torch.dtype = torch.int8) -> tuple[Tensor, Tensor
     y = torch.nan_to_num(y, nan=0.0)  # the NaN lives in the scale; int8 has no NaN
     data = y.round().to(dtype) if dtype == torch.int8 else y.to(dtype)
     return data, scale
+
+
+_NATIVE_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
+#: The most rows the compiled quantizer takes: a decode step's (batch x KV heads x new tokens),
+#: whose cost is the torch ops' dispatch. A prompt's thousands of rows go to torch's vectorized
+#: ops, which the compiled loop (scalar; fp8's conversion element by element) does not beat
+#: (``benchmarks/results/quantized.md``, cache write).
+NATIVE_MAX_ROWS = 256
+
+
+def _native_applies(x: Tensor) -> bool:
+    """The compiled one-pass quantizer (``native/kvquant.cpp``: the same arithmetic, the same bits)
+    takes x: a CPU fp32 / bf16 / fp16 tensor of 1 to NATIVE_MAX_ROWS non-empty rows, outside
+    torch.compile (which traces the torch ops), the native library built here. A cache step's
+    write calls this for K and for V of every layer."""
+    n, D = x.numel(), x.shape[-1]
+    return (x.is_cpu and x.dtype in _NATIVE_INPUTS and 0 < n <= NATIVE_MAX_ROWS * D
+            and not torch.compiler.is_compiling() and native.load() is not None)
 
 
 def finite_or_nan(scale: Tensor) -> Tensor:

@@ -1,7 +1,8 @@
 """The native CPU kernels, compiled on first use for the machine it runs on: ``splitk.cpp`` (the
 split-K attention engine), ``rope.cpp`` (the one-pass rotary embedding of inference calls),
-``norm.cpp`` (the one-pass RMSNorm of inference calls) and ``linear.cpp`` (the weight-streaming
-linear layer of decode steps: a few rows of x against a weight matrix).
+``norm.cpp`` (the one-pass RMSNorm of inference calls), ``linear.cpp`` (the weight-streaming
+linear layer of decode steps: a few rows of x against a weight matrix) and ``kvquant.cpp`` (a
+quantized KV cache's one-pass quantize-on-write).
 
 ``load()`` compiles them into one library against the installed torch with the system C++ compiler
 (``$CXX``, else ``c++`` / ``g++`` / ``clang++``) and ``-march=native`` (the kernel is built for
@@ -9,7 +10,7 @@ the instruction set of the CPU that runs it: AVX2, AVX-512, ... decided by the c
 us), caches the shared library under :func:`cache_dir` (``$ATTNKIT_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/attnkit``, else ``~/.cache/attnkit``) keyed by the sources, the torch version,
 the compiler and the CPU, and loads it as the torch ops ``torch.ops.attnkit_cpu.splitk_attention``,
-``.rope_rotate``, ``.rms_norm`` and ``.linear_rows``. The sources are compiled as one translation
+``.rope_rotate``, ``.rms_norm``, ``.linear_rows`` and ``.quantize_kv_rows``. The sources are compiled as one translation
 unit: the torch headers they share, not the kernels, are most of the compile time.
 
 The build is announced: one line on the ``attnkit.native`` logger when it starts (what, where the
@@ -57,9 +58,9 @@ from .._sysinfo import cpu_flags, cpu_isa, cpu_name
 
 __all__ = ["load", "status", "engine", "report", "library_path", "cache_dir", "cpu_description"]
 
-_SOURCES = tuple(Path(__file__).with_name(f) for f in ("splitk.cpp", "rope.cpp", "norm.cpp", "linear.cpp"))
+_SOURCES = tuple(Path(__file__).with_name(f) for f in ("splitk.cpp", "rope.cpp", "norm.cpp", "linear.cpp", "kvquant.cpp"))
 #: The ops the sources register (their TORCH_LIBRARY blocks); a loaded library must have them all.
-_OPS = ("splitk_attention", "rope_rotate", "rms_norm", "linear_rows")
+_OPS = ("splitk_attention", "rope_rotate", "rms_norm", "linear_rows", "quantize_kv_rows")
 _NAMESPACE = "attnkit_cpu"
 #: Part of the cache key: a change to what a cached entry is (file layout, the hash record, one
 #: translation unit) must not reuse entries written under the old rules.
@@ -350,7 +351,7 @@ def _build_and_load(cxx: str, target: Path, record: Path, stem: str):
     shutil.rmtree(build, ignore_errors=True)
     build.mkdir()
     try:
-        _log.warning("attnkit: compiling the native CPU kernel (split-K attention, RoPE, RMSNorm, linear) for this machine "
+        _log.warning("attnkit: compiling the native CPU kernel (split-K attention, RoPE, RMSNorm, linear, KV quantizer) for this machine "
                      "with %s; this happens once, the library is cached in %s", cxx, root)
         t0 = time.perf_counter()
         try:
