@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -62,7 +63,7 @@ void quantize_row(const T* x, int64_t D, float qmax, float* buf, Q* data, float*
     float y = buf[k] * inv;
     y = y != y ? 0.0f : std::min(std::max(y, -qmax), qmax);
     if constexpr (std::is_same<Q, int8_t>::value)
-      data[k] = static_cast<int8_t>(__builtin_roundevenf(y));  // as torch.round, whatever the FP mode
+      data[k] = static_cast<int8_t>(std::nearbyint(y));  // half to even in the default FP mode, as torch.round
     else
       data[k] = static_cast<Q>(y);
   }
