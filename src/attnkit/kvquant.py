@@ -105,8 +105,8 @@ def quantize(x: Tensor, dtype: torch.dtype = torch.int8) -> tuple[Tensor, Tensor
 _NATIVE_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
 #: The most rows the compiled quantizer takes: a decode step's (batch x KV heads x new tokens),
 #: whose cost is the torch ops' dispatch. A prompt's thousands of rows go to torch's vectorized
-#: ops, which the compiled loop (scalar; fp8's conversion element by element) does not beat
-#: (``benchmarks/results/quantized.md``, cache write).
+#: ops, which the compiled loop does not always beat there (it converts to fp8 element by element:
+#: ``benchmarks/results/quantized.md``, cache write).
 NATIVE_MAX_ROWS = 256
 
 

@@ -24,29 +24,27 @@
 #include <limits>
 #include <tuple>
 #include <type_traits>
-#include <vector>
 
 namespace {
 
 constexpr int64_t kLanes = 16;  // independent running maxima: no single dependency chain through the row
 
-// One row: widened to fp32 in ``buf`` (D), its absmax (NaN when it holds NaN, as torch's amax),
-// then each element scaled, clamped and rounded. One pass over the row and no temporaries, where
-// the torch ops write five tensors of its size: measured in benchmarks/results/quantized.md.
+// One row: its absmax (NaN when it holds NaN, as torch's amax), then each element scaled,
+// clamped and rounded. Two reads of the row and no temporaries, where the torch ops write five
+// tensors of its size: measured in benchmarks/results/quantized.md.
 template <typename T, typename Q>
-void quantize_row(const T* x, int64_t D, float qmax, float* buf, Q* data, float* scale_out) {
-  for (int64_t i = 0; i < D; ++i) buf[i] = static_cast<float>(x[i]);
+void quantize_row(const T* x, int64_t D, float qmax, Q* data, float* scale_out) {
   float acc[kLanes] = {};
   bool nan[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= D; i += kLanes)
     for (int64_t j = 0; j < kLanes; ++j) {
-      const float a = std::fabs(buf[i + j]);
+      const float a = std::fabs(static_cast<float>(x[i + j]));
       acc[j] = a > acc[j] ? a : acc[j];
       nan[j] |= a != a;
     }
   for (int64_t j = 0; i < D; ++i, ++j) {
-    const float a = std::fabs(buf[i]);
+    const float a = std::fabs(static_cast<float>(x[i]));
     acc[j] = a > acc[j] ? a : acc[j];
     nan[j] |= a != a;
   }
@@ -60,7 +58,7 @@ void quantize_row(const T* x, int64_t D, float qmax, float* buf, Q* data, float*
   const float scale = m / qmax;
   const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
   for (int64_t k = 0; k < D; ++k) {
-    float y = buf[k] * inv;
+    float y = static_cast<float>(x[k]) * inv;
     y = y != y ? 0.0f : std::min(std::max(y, -qmax), qmax);
     if constexpr (std::is_same<Q, int8_t>::value)
       data[k] = static_cast<int8_t>(std::nearbyint(y));  // half to even in the default FP mode, as torch.round
@@ -72,13 +70,10 @@ void quantize_row(const T* x, int64_t D, float qmax, float* buf, Q* data, float*
 
 template <typename T, typename Q>
 void quantize_rows(const T* x, int64_t rows, int64_t D, float qmax, Q* data, float* scale) {
-  // A decode step's handful of rows runs inline; a prompt's thousands in parallel.
+  // A decode step's handful of rows runs inline; more in parallel. Workers share nothing.
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(D, 1));
-  // Each thread's fp32 row, allocated here: workers never allocate (or throw).
-  std::vector<float> bufs(static_cast<size_t>(std::max(1, at::get_num_threads()) * D));
   at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
-    float* buf = bufs.data() + at::get_thread_num() * D;
-    for (int64_t r = r0; r < r1; ++r) quantize_row(x + r * D, D, qmax, buf, data + r * D, scale + r);
+    for (int64_t r = r0; r < r1; ++r) quantize_row(x + r * D, D, qmax, data + r * D, scale + r);
   });
 }
 
