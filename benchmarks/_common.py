@@ -45,8 +45,8 @@ def timed(fn: Callable[[], object]) -> Callable[[], float]:
     return run
 
 
-def interleaved_medians(fns: dict[str, Callable[[], float]], reps: int, warmup: int = 0) -> dict[str, float]:
-    """Median of each contender's seconds. Each repetition runs every contender once, in
+def interleaved_samples(fns: dict[str, Callable[[], float]], reps: int, warmup: int = 0) -> dict[str, list[float]]:
+    """Each contender's seconds, one per repetition. Each repetition runs every contender once, in
     alternating order (whoever runs right after a memory-hungry peer pays for it). Contenders
     return their own seconds (see :func:`timed`), so one may time only part of its work."""
     for _ in range(warmup):
@@ -56,7 +56,20 @@ def interleaved_medians(fns: dict[str, Callable[[], float]], reps: int, warmup: 
     for rep in range(reps):
         for name, fn in (list(fns.items()) if rep % 2 == 0 else list(fns.items())[::-1]):
             samples[name].append(fn())
-    return {name: statistics.median(s) for name, s in samples.items()}
+    return samples
+
+
+def interleaved_medians(fns: dict[str, Callable[[], float]], reps: int, warmup: int = 0) -> dict[str, float]:
+    """Median of each contender's seconds over :func:`interleaved_samples`."""
+    return {name: statistics.median(s) for name, s in interleaved_samples(fns, reps, warmup).items()}
+
+
+def paired_speedup(samples: dict[str, list[float]], base: str, name: str) -> float:
+    """How many times faster ``name`` runs than ``base``: the median over repetitions of their
+    ratio within the repetition. Calls of one repetition run back to back, so a machine whose
+    speed drifts (a shared VM) moves both and the ratio keeps still where a ratio of the two
+    medians would not."""
+    return statistics.median(b / x for b, x in zip(samples[base], samples[name]))
 
 
 def read_probe(nbytes: int) -> Callable[[], object]:

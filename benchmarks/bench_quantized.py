@@ -25,6 +25,7 @@ model's own K/V when ``--model`` names a checkpoint folder.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import sys
 import time
 
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 import attnkit
 from attnkit import QuantizedKV
 from attnkit.kvquant import QUANTIZED_DTYPES, channel_scale, dequantize, quantize
-from _common import bench_main, interleaved_medians, machine, timed, torch_threads
+from _common import bench_main, interleaved_medians, interleaved_samples, machine, paired_speedup, timed, torch_threads
 
 KV_DTYPES = [("int8", torch.int8)] + [("fp8", d) for d in QUANTIZED_DTYPES if d != torch.int8]
 
@@ -106,20 +107,21 @@ def _speed_rows(ctx: int, threads: int, quick: bool, g: torch.Generator, peer: b
         read = torch.ones(nbytes["bf16"] // 4)
         fns["read"] = timed(lambda: read.sum())
         with torch.inference_mode():
-            t = interleaved_medians(fns, 5 if quick else (41 if ctx <= 4096 else 11), warmup=2)
+            samples = interleaved_samples(fns, 5 if quick else (41 if ctx <= 4096 else 21), warmup=2)
+        t = {name: statistics.median(s) for name, s in samples.items()}
         read_bw = nbytes["bf16"] / t["read"] / 1e9
         calls = {name: attnkit.describe_call(*a, detail=True) for name, a in calls.items()}  # after the runs
         for name in nbytes:
             rows.append({"ctx": ctx, "threads": threads, "layout": layout, "kv": name, "backend": calls[name],
                          "ms": t[name] * 1e3, "kv_bytes": nbytes[name],
                          "GBps": nbytes[name] / t[name] / 1e9, "read_GBps": read_bw,
-                         "vs_bf16": t["bf16"] / t[name]})
+                         "vs_bf16": paired_speedup(samples, "bf16", name)})
         if "int8 dequantize+SDPA" in t:
             rows.append({"ctx": ctx, "threads": threads, "layout": layout,
                          "kv": "int8 dequantize+SDPA (QuantizedCache-style)",
                          "backend": "torch SDPA", "ms": t["int8 dequantize+SDPA"] * 1e3,
                          "kv_bytes": nbytes["int8"], "GBps": nbytes["int8"] / t["int8 dequantize+SDPA"] / 1e9,
-                         "read_GBps": read_bw, "vs_bf16": t["bf16"] / t["int8 dequantize+SDPA"]})
+                         "read_GBps": read_bw, "vs_bf16": paired_speedup(samples, "bf16", "int8 dequantize+SDPA")})
     return rows
 
 
@@ -211,7 +213,8 @@ def to_markdown(res: dict) -> str:
         "",
         "**Decode speed** (B 1, Hq 32 / Hkv 8, D 128, one query; q in fp32 for the fp32 cache, else bf16). "
         "K/V bytes include the fp32 row scales. Machine read GB/s: a plain sum over the bf16 cache's bytes, "
-        "interleaved with the contenders. Medians of interleaved runs.",
+        "interleaved with the contenders. Medians of interleaved runs; speed vs bf16: the median over runs of "
+        "bf16's time / this one's in the same run (a drifting machine moves both).",
         "",
         "| context | threads | layout | K/V | attnkit backend | ms | K/V bytes | read GB/s | machine read GB/s | "
         "share | speed vs bf16 |",
