@@ -67,8 +67,8 @@ def interleaved_medians(fns: dict[str, Callable[[], float]], reps: int, warmup: 
 def paired_speedup(samples: dict[str, list[float]], base: str, name: str) -> float:
     """How many times faster ``name`` runs than ``base``: the median over repetitions of their
     ratio within the repetition. Calls of one repetition run back to back, so a machine whose
-    speed drifts (a shared VM) moves both and the ratio keeps still where a ratio of the two
-    medians would not."""
+    speed drifts during the run (a shared VM) moves both; the ratio still moves between runs
+    where the drift is slower than one (benchmarks/README.md)."""
     return statistics.median(b / x for b, x in zip(samples[base], samples[name]))
 
 
