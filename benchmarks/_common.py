@@ -59,9 +59,14 @@ def interleaved_samples(fns: dict[str, Callable[[], float]], reps: int, warmup: 
     return samples
 
 
+def medians(samples: dict[str, list[float]]) -> dict[str, float]:
+    """Each contender's median of :func:`interleaved_samples`."""
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
 def interleaved_medians(fns: dict[str, Callable[[], float]], reps: int, warmup: int = 0) -> dict[str, float]:
     """Median of each contender's seconds over :func:`interleaved_samples`."""
-    return {name: statistics.median(s) for name, s in interleaved_samples(fns, reps, warmup).items()}
+    return medians(interleaved_samples(fns, reps, warmup))
 
 
 def paired_speedup(samples: dict[str, list[float]], base: str, name: str) -> float:

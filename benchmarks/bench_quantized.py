@@ -25,7 +25,6 @@ model's own K/V when ``--model`` names a checkpoint folder.
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import sys
 import time
 
@@ -35,7 +34,8 @@ import torch.nn.functional as F
 import attnkit
 from attnkit import QuantizedKV
 from attnkit.kvquant import QUANTIZED_DTYPES, channel_scale, dequantize, quantize
-from _common import bench_main, interleaved_medians, interleaved_samples, machine, paired_speedup, timed, torch_threads
+from _common import (bench_main, interleaved_medians, interleaved_samples, machine, medians, paired_speedup, timed,
+                     torch_threads)
 
 KV_DTYPES = [("int8", torch.int8)] + [("fp8", d) for d in QUANTIZED_DTYPES if d != torch.int8]
 
@@ -108,7 +108,7 @@ def _speed_rows(ctx: int, threads: int, quick: bool, g: torch.Generator, peer: b
         fns["read"] = timed(lambda: read.sum())
         with torch.inference_mode():
             samples = interleaved_samples(fns, 5 if quick else (41 if ctx <= 4096 else 21), warmup=2)
-        t = {name: statistics.median(s) for name, s in samples.items()}
+        t = medians(samples)
         read_bw = nbytes["bf16"] / t["read"] / 1e9
         calls = {name: attnkit.describe_call(*a, detail=True) for name, a in calls.items()}  # after the runs
         for name in nbytes:
