@@ -8,6 +8,11 @@ attnkit's split-K engine; beside them the peer a user of transformers' ``Quantiz
 (the machine's read bandwidth), all interleaved in one run; with every core, then with one core
 at the longest context (a decode stream per core, as a server runs them).
 
+Where the time goes: one core's nanoseconds per key and KV head with the cache read from memory
+(32k keys) and with it sitting in the last-level cache (2k keys), net of the call's fixed cost
+(16 keys): where the two are close, the step is bound by its arithmetic, not by the reads that
+int8 halves.
+
 Cache write: what quantizing a step's K and V costs a layer, the compiled one-pass quantizer
 against the torch ops it replaces.
 
@@ -125,6 +130,38 @@ def _speed_rows(ctx: int, threads: int, quick: bool, g: torch.Generator, peer: b
     return rows
 
 
+def _arithmetic(quick: bool) -> list[dict]:
+    """One core, int8 and bf16 (dense, the speed table's shape): the fixed cost of a call (16 keys),
+    then a cache-resident context's and a long one's step net of it, per key and KV head. Short
+    contexts repeat the call so that every timing covers about as many keys as the longest."""
+    g = torch.Generator().manual_seed(2)
+    ctxs = [16, 512, 4096] if quick else [16, 2048, 32768]
+    fns, nbytes = {}, {}
+    for ctx in ctxs:
+        k, v = torch.randn(1, 8, ctx, 128, generator=g), torch.randn(1, 8, ctx, 128, generator=g)
+        q = torch.randn(1, 32, 1, 128, generator=g).bfloat16()
+        kv = QuantizedKV.quantize(k, v, torch.int8)
+        nbytes[(ctx, "bf16")] = 2 * k.numel() * 2
+        nbytes[(ctx, "int8")] = 2 * (kv.k.numel() + 4 * kv.k_scale.numel())
+        for name, args in (("bf16", (q, k.bfloat16(), v.bfloat16())), ("int8", (q, kv, None))):
+            def calls(a=args, n=max(1, ctxs[-1] // ctx)) -> float:
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    attnkit.attention(*a)
+                return (time.perf_counter() - t0) / n
+            fns[(ctx, name)] = calls
+    with torch_threads(1), torch.inference_mode():
+        t = medians(interleaved_samples(fns, 5 if quick else 15, warmup=2))
+    fixed, cached, memory = ctxs
+    rows = []
+    for name in ("bf16", "int8"):
+        ns = {ctx: (t[(ctx, name)] - t[(fixed, name)]) * 1e9 / ((ctx - fixed) * 8) for ctx in (cached, memory)}
+        rows.append({"kv": name, "fixed_us": t[(fixed, name)] * 1e6, "cached_ctx": cached, "memory_ctx": memory,
+                     "cached_bytes": nbytes[(cached, name)], "memory_bytes": nbytes[(memory, name)],
+                     "cached_ns": ns[cached], "memory_ns": ns[memory]})
+    return rows
+
+
 def per_channel_k(k: torch.Tensor, dt) -> torch.Tensor:
     """K quantized with one scale per (KV head, channel) over the tokens (KIVI), dequantized."""
     data, scale = quantize(k.transpose(-1, -2), dt)  # rows = channels
@@ -201,7 +238,7 @@ def _write(quick: bool) -> list[dict]:
 
 def run(quick: bool) -> dict:
     torch.manual_seed(0)
-    return {"machine": machine(), "quick": quick, "speed": _speed(quick), "write": _write(quick),
+    return {"machine": machine(), "quick": quick, "speed": _speed(quick), "arithmetic": _arithmetic(quick), "write": _write(quick),
             "quality": _quality(quick)}
 
 
@@ -225,6 +262,24 @@ def to_markdown(res: dict) -> str:
                      f"{r['backend']} | {r['ms']:.2f} | "
                      f"{r['kv_bytes'] / 2**20:.1f} MiB | {r['GBps']:.1f} | {r['read_GBps']:.1f} | "
                      f"{100 * r['GBps'] / r['read_GBps']:.0f}% | {r['vs_bf16']:.2f}x |")
+    if res.get("arithmetic"):
+        a0 = res["arithmetic"][0]
+        lines += [
+            "",
+            f"**Where the time goes** (one core, dense, the shape above): nanoseconds per key and KV head of a "
+            f"decode step net of the call's fixed cost (a 16-key call), with the cache at {a0['cached_ctx']} keys "
+            f"(it sits in the last-level cache) and at {a0['memory_ctx']} keys (read from memory, where it is "
+            "larger than that cache). Arithmetic share: the first over the second; near 100% the step is bound by "
+            "its arithmetic, and halving the bytes it reads cannot halve its time.",
+            "",
+            f"| K/V | fixed cost (us) | bytes at {a0['cached_ctx']} / {a0['memory_ctx']} keys | "
+            f"ns per key-head at {a0['cached_ctx']} | at {a0['memory_ctx']} | arithmetic share |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for r in res["arithmetic"]:
+            lines.append(f"| {r['kv']} | {r['fixed_us']:.0f} | {r['cached_bytes'] / 2**20:.1f} / "
+                         f"{r['memory_bytes'] / 2**20:.0f} MiB | {r['cached_ns']:.1f} | {r['memory_ns']:.1f} | "
+                         f"{100 * r['cached_ns'] / r['memory_ns']:.0f}% |")
     lines += [
         "",
         "**Cache write**: quantizing one layer's new K and V rows (bf16, Hkv 8, D 128; a decode token, or a "
