@@ -877,13 +877,15 @@ __attribute__((always_inline)) inline void modify_scores(const Args& a, int64_t 
   }
 }
 
-// The online softmax over one row's TILE scores ``s`` (masked ones -inf): s becomes p =
-// exp(s - m_new), and the row's running max m, sum l and accumulator ``ar`` (Dvp) are rescaled
-// to m_new. False, with s zeroed, while every visible score so far is -inf (masked by the bias).
-__attribute__((always_inline)) inline bool online_softmax_row(float* s, int64_t n, int64_t TILE, float& m, float& l,
-                                                              float* ar, int64_t Dvp) {
+// The online softmax over one row's scores ``s``, nv of them (a whole number of vectors: the
+// tile's n keys, then -inf; masked ones -inf too): s becomes p = exp(s - m_new), and the row's
+// running max m, sum l and accumulator ``ar`` (Dvp) are rescaled to m_new. False, with s zeroed,
+// while every visible score so far is -inf (masked by the bias). nv, not the tile's capacity: a
+// short context's or the last tile's few keys pay for their own exponentials only.
+__attribute__((always_inline)) inline bool online_softmax_row(float* s, int64_t nv, float& m, float& l, float* ar,
+                                                              int64_t Dvp) {
   vf vmax = vsplat(kNegInf);
-  for (int64_t jj = 0; jj < TILE; jj += VL) {
+  for (int64_t jj = 0; jj < nv; jj += VL) {
     const vf x = vload(s + jj);
     vmax = (x != x || x > vmax) ? x : vmax;  // NaN-propagating
   }
@@ -891,14 +893,14 @@ __attribute__((always_inline)) inline bool online_softmax_row(float* s, int64_t 
   for (int64_t k = 0; k < VL; ++k) mt = nan_max(vmax[k], mt);
   const float m_new = nan_max(mt, m);
   if (m_new == kNegInf) {
-    std::fill(s, s + n, 0.0f);
+    std::fill(s, s + nv, 0.0f);
     return false;
   }
   // 0 while m is -inf; NaN poisons the row; 1 (exp(0)) when the max stayed, as most tiles' does
   const float alpha = m_new == m ? 1.0f : exp_f32(m - m_new);
   vf vsum = {};
   const vf mv = vsplat(m_new);
-  for (int64_t jj = 0; jj < TILE; jj += VL) {
+  for (int64_t jj = 0; jj < nv; jj += VL) {
     const vf p = vexp(vload(s + jj) - mv);
     vstore(s + jj, p);
     vsum += p;
@@ -925,6 +927,7 @@ __attribute__((always_inline)) inline void softmax_tile(const Args& a, const Uni
                                                         int64_t& vis_lo, int64_t& vis_hi) {
   vis_lo = n;
   vis_hi = 0;
+  const int64_t nv = (n + VL - 1) / VL * VL;  // <= TILE, a multiple of VL
   for (int64_t r = 0; r < M; ++r) {
     float* s = sbuf + r * TILE;
     const int64_t jlo = std::max<int64_t>(0, rlo[r] - t0), jhi = std::min<int64_t>(n, rhi[r] - t0);
@@ -937,8 +940,8 @@ __attribute__((always_inline)) inline void softmax_tile(const Args& a, const Uni
       for (int64_t jj = jlo; jj < jhi; ++jj) s[jj] *= ksh[jj];
     modify_scores(a, u.b, hq, i, t0, n, s);
     for (int64_t jj = 0; jj < jlo; ++jj) s[jj] = kNegInf;
-    for (int64_t jj = jhi; jj < TILE; ++jj) s[jj] = kNegInf;  // also the padding past n
-    if (!online_softmax_row(s, n, TILE, mh[r], lh[r], ach + r * Dvp, Dvp)) continue;
+    for (int64_t jj = jhi; jj < nv; ++jj) s[jj] = kNegInf;  // also the padding past n
+    if (!online_softmax_row(s, nv, mh[r], lh[r], ach + r * Dvp, Dvp)) continue;
     if (vsh != nullptr)
       for (int64_t jj = jlo; jj < jhi; ++jj) s[jj] *= vsh[jj];
     vis_lo = std::min(vis_lo, jlo);
