@@ -238,8 +238,8 @@ def _write(quick: bool) -> list[dict]:
 
 def run(quick: bool) -> dict:
     torch.manual_seed(0)
-    return {"machine": machine(), "quick": quick, "speed": _speed(quick), "arithmetic": _arithmetic(quick), "write": _write(quick),
-            "quality": _quality(quick)}
+    return {"machine": machine(), "quick": quick, "speed": _speed(quick), "arithmetic": _arithmetic(quick),
+            "write": _write(quick), "quality": _quality(quick)}
 
 
 def to_markdown(res: dict) -> str:

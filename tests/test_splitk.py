@@ -118,6 +118,21 @@ def test_nan_in_a_visible_row_gives_nan_there_only(engine):
     assert torch.isnan(out[0, 2:]).all() and torch.isfinite(out[0, 0]).all()
 
 
+@pytest.mark.parametrize("Sk", [1, 5, 13, 17, 31])
+def test_a_short_call_after_a_long_one_reads_only_its_own_keys(engine, Sk):
+    """A tile's softmax reads its n keys rounded up to whole vectors, not the tile's capacity: the
+    scratch a long call left (probabilities past n) must not reach a short call, and a NaN in its
+    last key still poisons the heads that see it."""
+    q, k, v = make_qkv(1, 8, 2, 1, 3000, 16, seed=5)
+    attnkit.attention(q, k, v, backend="decode")  # fills the thread's scratch with whole tiles
+    q, k, v = make_qkv(1, 8, 2, 1, Sk, 16, seed=6 + Sk)
+    out = attnkit.attention(q, k, v, backend="decode")
+    rule_r(out, base_attention(q, k, v), attnkit.attention_reference(q, k, v), n_terms=16)
+    k[0, 1, Sk - 1, 0] = float("nan")  # KV head 1's last key: query heads 4-7
+    out = attnkit.attention(q, k, v, backend="decode")
+    assert torch.isnan(out[0, 4:]).all() and torch.isfinite(out[0, :4]).all()
+
+
 def test_softcap_sinks_and_lse_against_an_fp64_reference(engine):
     g = torch.Generator().manual_seed(2)
     B, Hkv, G, Sq, Sk, D = 2, 2, 3, 2, 70, 16
