@@ -39,7 +39,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from _common import bench_main, machine, skip  # noqa: E402
 import attnkit  # noqa: E402
-from attnkit.backends.triton_splitk import kernel as triton_decode  # noqa: E402
+from attnkit.backends.triton import kernel as triton_kernel, ops as triton_decode  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -210,7 +210,7 @@ def windowed_decode(quick: bool, reps: int) -> list[dict]:
         kv = attnkit.PagedKV(kp, vp, table, torch.full((B,), ctx, device=DEV))
         q = torch.randn(B, Hq, 1, D, dtype=dtype, device=DEV)
         old = torch.full((B,), ctx - 1, device=DEV)
-        mask = M.Causal(offsets=old) & M.SlidingWindow(left, offsets=old)
+        mask = M.Causal(q_start=old) & M.SlidingWindow(left, q_start=old)
         kw = {"sinks": torch.randn(Hq, device=DEV)} if sinks else {}
         before = "math" if sinks else "sdpa"
         ours_fn = lambda: attnkit.attention(q, kv, None, mask, **kw)  # noqa: E731
@@ -231,7 +231,7 @@ def run(quick: bool) -> dict:
     # which has no kernel to launch without triton: skip, rather than fail inside it.
     why = triton_decode.available(DEV)
     if why:
-        skip("needs triton (pip install triton)" if triton_decode.triton is None else why)
+        skip("needs triton (pip install triton)" if triton_kernel.triton is None else why)
     torch.manual_seed(0)
     reps = 3 if quick else 30
     info = machine()

@@ -59,7 +59,7 @@ def run(quick: bool) -> dict:
             w = (torch.randn(N, K) / K ** 0.5).to(dt)
             nbytes = w.numel() * w.element_size()
             probe = read_probe(nbytes)
-            # Short calls get more repetitions (a 20 us call's median needs many on a shared VM).
+            # Short calls get more repetitions (a short call's median needs many on a shared VM).
             reps = 7 if quick else max(15, min(301, int(3e8 / max(nbytes, 1))))
             for M in rows_list:
                 x = torch.randn(M, K).to(dt)

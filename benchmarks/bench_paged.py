@@ -32,7 +32,7 @@ import sys
 import torch
 
 from _common import bench_main, interleaved_medians, machine, timed
-from attnkit.backends.cpu_splitk import engine as splitk
+from attnkit.backends.decode import splitk
 from attnkit.caches import BlockAllocator, DynamicCache, PagedKVCache
 from attnkit.caches import memory as cache_memory
 from attnkit.masks import KeyPadding
@@ -101,7 +101,7 @@ def decode_row(dtype, batch: int, ctx: int, block_size: int, steps: int, seed: i
         torch.testing.assert_close(outs["paged"][i], outs["contiguous"][i], **tol)
         torch.testing.assert_close(outs["scattered"][i], outs["contiguous"][i], **tol)
     return {"dtype": str(dtype).replace("torch.", ""), "batch": batch, "context": ctx, "block_size": block_size,
-            "steps": steps, "engine": splitk.engine_name(),
+            "steps": steps, "engine": splitk.implementation(),
             **{f"{k}_ms": v * 1e3 for k, v in t.items()}}
 
 

@@ -128,7 +128,7 @@ def sweep_cases(B: int, H: int, Sq: int, Sk: int) -> dict:
         "documents": (M.Causal() & M.Document(torch.tensor([Sq // 4, Sq // 2, Sq - Sq // 4 - Sq // 2]),
                                               torch.tensor([Sk // 4, Sk // 2, Sk - Sk // 4 - Sk // 2])), {}),
         "prefix-lm": (M.PrefixLM(torch.tensor([Sk // 3, 0])[:B]), {}),
-        "ragged-causal": (M.Causal(offsets=torch.tensor([Sk - Sq, max(0, Sk - Sq - 5)])[:B]), {}),
+        "ragged-causal": (M.Causal(q_start=torch.tensor([Sk - Sq, max(0, Sk - Sq - 5)])[:B]), {}),
         "dense": (M.Dense(torch.rand(B, 1, Sq, Sk, generator=g) > 0.3), {}),
         "additive": (M.Additive(torch.randn(B, 1, Sq, Sk, generator=g)) & M.Causal(), {}),
         "alibi": (M.ALiBi(slopes), {}),

@@ -1,4 +1,4 @@
-"""Shared test helpers: the tolerance rule R of TESTING.md, the eager baseline, and input makers."""
+"""Shared test helpers: the tolerance rule R (docs/testing.md), the eager baseline, and input makers."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 # Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors. It is read when a
-# kernel is defined, so it must be set before anything imports attnkit.backends.triton_splitk.kernel.
+# kernel is defined, so it must be set before anything imports attnkit.backends.triton.kernel.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -56,7 +56,7 @@ def _err(x, gold):
 
 
 def rule_r(ours, base, gold, *, factor=2.0, what="out", n_terms=1):
-    """Assert TESTING.md's rule R: E(ours) <= factor * E(base) + floor; no NaN/Inf.
+    """Assert rule R (docs/testing.md): E(ours) <= factor * E(base) + floor; no NaN/Inf.
 
     floor = the larger of (a) twice the rounding of ``(gold + 0.3) - 0.3`` in the target dtype
     and (b) the honest accumulation noise of a sum of ``n_terms`` terms in that dtype,

@@ -42,7 +42,7 @@ def mask_kinds(B, Sq, Sk, g: torch.Generator):
         "query_padding": (M.QueryPadding(qlens), False),
         "document_causal": (M.Document(docs, kdocs), True),
         "prefix_lm": (M.PrefixLM(torch.randint(0, Sk + 1, (B,), generator=g)), False),
-        "ragged_offsets": (M.Causal(offsets=offs), False),
+        "ragged_offsets": (M.Causal(q_start=offs), False),
         "dense_bool": (dense, False),
         "additive": (add, True),
         "composed_or": ((M.SlidingWindow(1) | M.PrefixLM(2)) & M.KeyPadding(lens), False),
@@ -142,7 +142,7 @@ def test_auto_never_copies_kv_per_head_and_picks_expected_backend():
 
     q, k, v = make_qkv(1, 8, 2, 1, 20000, 16, dtype=torch.bfloat16)  # above the engine's size floor
     # Without the compiled kernel, auto leaves every call SDPA can run to SDPA.
-    want = "sdpa" if native.engine(build=False) == "torch" else "decode"
+    want = "sdpa" if native.implementation(build=False) == "torch" else "decode"
     assert attnkit.describe_call(q, k, v, causal=True) == want
     assert attnkit.describe_call(q.float(), k.float(), v.float(), causal=True) == want
     tiny = make_qkv(1, 8, 2, 1, 17, 16)  # a tiny cache: SDPA's one fused call costs less

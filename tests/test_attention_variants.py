@@ -1,7 +1,7 @@
-"""The attention of today's open models as MultiHeadAttention parameters (issue 14, section 2):
-sliding windows with every cache, QK-norm per head and over the whole width, the query scale,
-and parity with transformers' attention layers (weights loaded with strict=True): Mistral, Qwen3,
-Gemma 3 (local and global layers), OLMo 2, Phi-3 (fused qkv_proj)."""
+"""The attention of today's open models as MultiHeadAttention parameters: sliding windows with
+every cache, QK-norm per head and over the whole width, the query scale, and parity with
+transformers' attention layers (weights loaded with strict=True): Mistral, Qwen3, Gemma 3 (local
+and global layers), OLMo 2, Phi-3 (fused qkv_proj)."""
 
 from __future__ import annotations
 

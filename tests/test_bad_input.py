@@ -1,4 +1,4 @@
-"""The bad-input table (TESTING.md): every row is a call of ``attnkit.attention`` (and of
+"""The bad-input table (docs/testing.md): every row is a call of ``attnkit.attention`` (and of
 ``attnkit.describe_call``, which validates the same way) that must raise ``ValueError`` or
 ``TypeError`` with a message naming the offending argument and, where shapes are involved, the
 offending shape exactly as ``tuple(t.shape)`` prints it.
@@ -133,11 +133,11 @@ def _rows() -> list[Row]:
             lambda: call(mask=M.KeyPadding(valid=torch.ones(B, 6, dtype=torch.bool)))),
         Row("query_padding_lengths_batch", VE, ["lengths", "(4,)"],
             lambda: call(mask=M.QueryPadding(torch.tensor([1, 2, 3, 1])))),
-        Row("causal_offsets_batch", VE, ["offsets", "(3,)"],
-            lambda: call(mask=M.Causal(offsets=torch.tensor([0, 1, 2])))),
-        Row("window_offsets_batch_in_and", VE, ["offsets", "(5,)"],
+        Row("causal_q_start_batch", VE, ["q_start", "(3,)"],
+            lambda: call(mask=M.Causal(q_start=torch.tensor([0, 1, 2])))),
+        Row("window_q_start_batch_in_and", VE, ["q_start", "(5,)"],
             lambda: call(mask=M.KeyPadding(torch.tensor([5, 5]))
-                         & M.SlidingWindow(2, offsets=torch.zeros(5, dtype=torch.long)))),
+                         & M.SlidingWindow(2, q_start=torch.zeros(5, dtype=torch.long)))),
         Row("prefix_lengths_batch", VE, ["prefix_lengths", "(3,)"],
             lambda: call(mask=M.PrefixLM(torch.tensor([1, 1, 1])))),
         Row("document_lengths_past_sq", VE, ["lengths", "4", "3"],

@@ -113,3 +113,27 @@ def test_every_cache_kind_allocates_from_it(kv_dtype):
         outs[name] = cache.attend(q, k[:, :, 4:], v[:, :, 4:])
     torch.testing.assert_close(outs["paged"], outs["static"])
     torch.testing.assert_close(outs["sliding"], outs["static"])
+
+
+@needs_thp
+@pytest.mark.parametrize("nbytes", [PAGE, 4 * PAGE, 3 * PAGE + 4096 + 12], ids=["one page", "four pages", "odd"])
+def test_a_buffer_storage_is_its_tensor_bytes(nbytes, tmp_path):
+    """A huge-page buffer's storage is exactly the tensor's bytes (alignment kept inside the
+    mapping), so torch.save, pickle and deepcopy of a cache write and copy the buffer, not an
+    extra huge page per buffer."""
+    import copy
+    import pickle
+
+    x = memory.zeros((nbytes,), dtype=torch.int8)
+    assert x.data_ptr() % PAGE == 0 and "hg" in vm_flags(x.data_ptr())
+    assert x.untyped_storage().nbytes() == x.nbytes == nbytes
+    assert x.untyped_storage().data_ptr() == x.data_ptr()
+    torch.save(x, tmp_path / "x.pt")
+    assert (tmp_path / "x.pt").stat().st_size < nbytes + 64 * 1024
+    assert len(pickle.dumps(x)) < nbytes + 64 * 1024
+    assert copy.deepcopy(x).untyped_storage().nbytes() == nbytes
+    cache = StaticCache(8, 128, max_batch=2, max_len=2048, kv_dtype="int8")  # 4 MiB int8 buffers
+    bufs = [b for b in cache.buffers() if b.numel() * b.element_size() >= PAGE]
+    assert bufs and all(b.untyped_storage().nbytes() == b.nbytes for b in bufs)
+    twin = copy.deepcopy(cache)
+    assert sum(b.untyped_storage().nbytes() for b in twin.buffers()) == cache.nbytes

@@ -178,7 +178,7 @@ def test_static_cache_keeps_shapes_and_buffer_identity():
 def test_static_cache_one_token_step_with_idle_rows():
     """A static cache's one-token step is masked by the rows' lengths alone (KeyPadding(new)):
     a row that gains no token (num_new 0) sees its old keys and never the step's padding token,
-    exactly as the full Causal(offsets=old) & KeyPadding(new) mask of longer steps says."""
+    exactly as the full Causal(q_start=q_start) & KeyPadding(new) mask of longer steps says."""
     q, k, v = make_qkv(2, 4, 2, 6, 6, 8, seed=3)
     cache = StaticCache(2, 8, max_batch=2, max_len=16)
     cache.update(k[:, :, :5], v[:, :, :5], num_new=torch.tensor([5, 3]))
@@ -186,7 +186,7 @@ def test_static_cache_one_token_step_with_idle_rows():
     assert isinstance(mask, attnkit.masks.KeyPadding) and cache.lengths.tolist() == [6, 3]
     out = attnkit.attention(q[:, :, 5:], k_all, v_all, mask)
     want = attnkit.attention_reference(q[:, :, 5:], k_all, v_all,
-                                       attnkit.masks.Causal(offsets=torch.tensor([5, 3]))
+                                       attnkit.masks.Causal(q_start=torch.tensor([5, 3]))
                                        & attnkit.masks.KeyPadding(torch.tensor([6, 3])))
     torch.testing.assert_close(out.double(), want, atol=1e-6, rtol=1e-6)
     alone = attnkit.attention_reference(q[1:, :, 5:], k[1:, :, :3], v[1:, :, :3])  # row 1: its 3 old keys
@@ -425,10 +425,10 @@ def _ragged_cache(kind):
 
 @pytest.mark.parametrize("kind", ["dynamic", "static", "sliding", "paged"])
 def test_an_aborted_step_leaves_no_rows_that_a_backend_could_read_as_nan(kind):
-    """Issue 29.10: an aborted step left its K/V rows past the committed lengths; rows holding NaN
-    made the next valid call NaN on sdpa and math (which multiply masked V rows by probability
-    0) while the decode kernel skipped them. Rows an aborted step wrote are zeroed, a ragged
-    step's padding tokens are stored as zeros, and every backend agrees with an untouched twin."""
+    """Rows an aborted step wrote are zeroed and a ragged step's padding tokens are stored as
+    zeros, so no row past the committed lengths holds NaN that sdpa or math (which multiply
+    masked V rows by probability 0) would turn into a NaN output: every backend agrees with an
+    untouched twin."""
     cache, twin = _ragged_cache(kind), _ragged_cache(kind)
     q, k, v = make_qkv(2, 4, 2, 3, 3, 8, seed=4)
     k.fill_(float("nan"))
@@ -441,7 +441,7 @@ def test_an_aborted_step_leaves_no_rows_that_a_backend_could_read_as_nan(kind):
         with c.transaction(2, 1) as bound:
             k_all, v_all, mask = bound.update(k1, v1)
             outs.append({b: attnkit.attention(q1, k_all, v_all, mask, backend=b) for b in ("sdpa", "math", "decode")})
-            if kind == "paged":  # the pages as attention reads them in place
+            if kind == "paged":  # the blocks as attention reads them in place
                 kv, _, m = bound.cache.view(bound.step)
                 outs[-1]["paged"] = attnkit.attention(q1, kv, None, m, backend="paged")
     for name, out in outs[0].items():
@@ -452,8 +452,8 @@ def test_an_aborted_step_leaves_no_rows_that_a_backend_could_read_as_nan(kind):
 
 @pytest.mark.parametrize("kind", ["dynamic", "static", "sliding", "paged"])
 def test_a_failed_first_step_leaves_the_cache_empty(kind):
-    """Issue 29.10: a failed first step set a StaticCache's lengths from [] to [0, 0] and grew a
-    DynamicCache from 0 bytes to its first capacity."""
+    """A failed first step leaves an empty cache empty: a StaticCache's lengths stay [] (not
+    [0, 0]) and a DynamicCache keeps 0 bytes (no first capacity)."""
     cache, twin = _all_kinds()[kind](), _all_kinds()[kind]()
     before = (cache.lengths.tolist(), cache.nbytes)
     q, k, v = make_qkv(2, 4, 2, 5, 5, 8, seed=6)
@@ -477,3 +477,159 @@ def test_a_transaction_commits_on_success_and_aborts_on_error():
         k_all, v_all, mask = c.update(k, v)
     assert cache.lengths.tolist() == [3, 3]
     torch.testing.assert_close(attnkit.attention(q, k_all, v_all, mask), attnkit.attention(q, k, v, causal=True))
+
+
+CROP_KINDS = {  # (cache maker(kv_dtype), backends that read this cache's view)
+    "dynamic": lambda kvd: DynamicCache(2, 8, kv_dtype=kvd),
+    "static": lambda kvd: StaticCache(2, 8, max_batch=2, max_len=16, kv_dtype=kvd),
+    "sliding": lambda kvd: SlidingWindowCache(2, 8, window=4, max_batch=2, max_rollback=3, kv_dtype=kvd),
+    "paged": lambda kvd: PagedKVCache(2, 8, num_blocks=8, block_size=4, kv_dtype=kvd),
+    "latent-dynamic": lambda kvd: DynamicCache(1, 8, 6, value_from_key=True, kv_dtype=kvd),
+    "latent-static": lambda kvd: StaticCache(1, 8, 6, value_from_key=True, max_batch=2, max_len=16, kv_dtype=kvd),
+    "latent-paged": lambda kvd: PagedKVCache(1, 8, 6, value_from_key=True, num_blocks=8, block_size=4, kv_dtype=kvd),
+}
+
+
+def _spec_step(cache, prompt, draft, keep):
+    """Prefill ``prompt`` (q, k, v), then append ``draft`` as one 3-token verification step and
+    crop it back to ``keep`` (an int or per-row tensor, as ``crop`` takes it)."""
+    for q, k, v in (prompt, draft):
+        cache.attend(q, k, None if cache.value_from_key else v)
+    cache.crop(keep)
+
+
+@pytest.mark.parametrize("tokens", [1, 2], ids=["decode", "two-token step"])
+@pytest.mark.parametrize("keep", ["int", "per-row"])
+@pytest.mark.parametrize("kv_dtype", [None, "int8", "fp8_e4m3"], ids=["float", "int8", "fp8"])
+@pytest.mark.parametrize("kind", list(CROP_KINDS))
+def test_a_cropped_cache_leaves_no_rows_that_a_backend_could_read_as_nan(kind, kv_dtype, keep, tokens):
+    """``crop`` (rolling back rejected speculative tokens) zeroes the dropped rows, data and
+    scales, as ``write`` and ``abort`` do: rejected K/V holding NaN / inf never reach a backend
+    that multiplies masked rows by probability 0. Every backend over the cropped cache gives
+    the oracle over the kept keys: a twin that never held the rejected tokens."""
+    make = CROP_KINDS[kind]
+    cache, twin = make(kv_dtype), make(kv_dtype)
+    Hkv, D = cache.num_kv_heads, cache.head_dim
+    Dv = cache.v_head_dim
+    g = torch.Generator().manual_seed(stable_seed(kind, str(kv_dtype), keep, tokens))
+    rnd = lambda S, H, d: torch.randn(2, H, S, d, generator=g)
+    prompt = (rnd(5, 4, D), rnd(5, Hkv, D), rnd(5, Hkv, Dv))
+    draft = [rnd(3, 4, D), rnd(3, Hkv, D), rnd(3, Hkv, Dv)]
+    kept = torch.tensor([7, 6]) if keep == "per-row" else torch.tensor([6, 6])  # of the 8 tokens
+    rejected = torch.arange(5, 8)[None] >= kept[:, None]  # (B, 3) draft tokens rolled back
+    clean = [t.clone() for t in draft]
+    for t, bad in zip(draft[1:], (float("nan"), float("inf"))):  # K NaN, V inf where rejected
+        t[rejected[:, None, :, None].expand_as(t)] = bad
+    if kind.startswith("latent"):  # V is read from K: put inf in K's V channels, NaN in the rest
+        draft[1][..., :Dv] = torch.where(rejected[:, None, :, None], float("inf"), draft[1][..., :Dv])
+    _spec_step(cache, prompt, draft, -2 if keep == "int" else kept)
+    for q, k, v in (prompt, clean):
+        twin.attend(q, k, None if twin.value_from_key else v, num_new=None if q is prompt[0] else kept - 5)
+    assert cache.lengths.tolist() == twin.lengths.tolist() == kept.tolist()
+    q1, k1, v1 = rnd(tokens, 4, D), rnd(tokens, Hkv, D), rnd(tokens, Hkv, Dv)
+    v1 = None if cache.value_from_key else v1
+    backends = ["auto", "sdpa", "math", "decode"] + (["paged"] if "paged" in kind else [])
+    with twin.transaction(2, tokens) as bound:
+        k_all, v_all, mask = bound.update(k1, v1)
+        gold = attnkit.attention_reference(q1.double(), k_all.double(), v_all.double(), mask)
+    with cache.transaction(2, tokens) as bound:
+        bound.cache.write(bound.step, k1, v1)
+        kv, v_view, mask = bound.cache.view(bound.step)
+        k_dense, v_dense, dense_mask = bound.cache.view(bound.step, dense=True)
+        for b in backends:
+            out = attnkit.attention(q1, kv, v_view, mask, backend=b)
+            assert torch.isfinite(out).all(), b
+            torch.testing.assert_close(out.double(), gold, atol=1e-5, rtol=1e-5, msg=lambda m: f"{b}: {m}")
+            if b != "paged":  # the dense view (what update() returns), on the same backend
+                out = attnkit.attention(q1, k_dense, v_dense, dense_mask, backend=b)
+                assert torch.isfinite(out).all(), f"{b} (dense view)"
+                torch.testing.assert_close(out.double(), gold, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8"], ids=["float", "int8"])
+@pytest.mark.parametrize("kind", list(CROP_KINDS))
+def test_a_reset_cache_leaves_no_rows_of_the_last_sequences(kind, kv_dtype):
+    """``reset`` zeroes the rows its sequences held (buffers are reused): a later, shorter ragged
+    batch never has the last conversation's K/V (inf here) in a masked row, and every backend
+    equals a fresh cache's result."""
+    make = CROP_KINDS[kind]
+    cache, fresh = make(kv_dtype), make(kv_dtype)
+    Hkv, D, Dv = cache.num_kv_heads, cache.head_dim, cache.v_head_dim
+    g = torch.Generator().manual_seed(stable_seed(kind, str(kv_dtype)))
+    rnd = lambda S, H, d: torch.randn(2, H, S, d, generator=g)
+    k_old, v_old = rnd(8, Hkv, D), rnd(8, Hkv, Dv)
+    k_old[:, :, 2:, :Dv] = float("inf")  # V (or the V channels of a latent K): inf past position 2
+    v_old[:, :, 2:] = float("inf")
+    cache.attend(rnd(8, 4, D), k_old, None if cache.value_from_key else v_old)
+    cache.reset()
+    prompt = (rnd(3, 4, D), rnd(3, Hkv, D), rnd(3, Hkv, Dv))
+    q1, k1, v1 = rnd(1, 4, D), rnd(1, Hkv, D), rnd(1, Hkv, Dv)
+    outs = []
+    for c in (cache, fresh):
+        q, k, v = prompt
+        c.attend(q, k, None if c.value_from_key else v, num_new=torch.tensor([3, 1]))
+        with c.transaction(2, 1) as bound:
+            bound.cache.write(bound.step, k1, None if c.value_from_key else v1)
+            kv, v_view, mask = bound.cache.view(bound.step)
+            outs.append({b: attnkit.attention(q1, kv, v_view, mask, backend=b) for b in ("auto", "sdpa", "math")})
+    for b, out in outs[0].items():
+        assert torch.isfinite(out).all(), b
+        torch.testing.assert_close(out, outs[1][b], rtol=0, atol=0)
+
+
+def test_a_sliding_step_holds_no_padding_tokens_in_its_own_view():
+    """A ragged multi-token step over a sliding cache attends over the ring and the step's own
+    tokens: its padding tokens (NaN / inf here) are stored as 0 there too, as the contiguous
+    caches store them, so the valid queries of a short row stay finite on every backend."""
+    q, k, v = make_qkv(2, 4, 2, 5, 5, 8, seed=8)
+    k[1, :, 2:] = float("nan")
+    v[1, :, 2:] = float("inf")
+    for b in ("auto", "sdpa", "math", "decode"):
+        cache = SlidingWindowCache(2, 8, window=4, max_batch=2)
+        out = cache.attend(q, k, v, num_new=torch.tensor([5, 2]), backend=b)
+        want = attnkit.attention_reference(q[1:, :, :2], k[1:, :, :2], v[1:, :, :2], causal=True)
+        assert torch.isfinite(out[:, :, :2]).all(), b
+        torch.testing.assert_close(out[1:, :, :2].double(), want.double(), atol=1e-5, rtol=1e-5)
+
+
+def test_old_spellings_still_work_with_a_deprecation_warning():
+    """Renamed arguments and attributes: ``kv_heads`` -> ``num_kv_heads`` (cache constructors and
+    properties, PagedKV / QuantizedKV), ``context_lengths`` -> ``lengths`` (BlockAllocator),
+    ``CacheStep.old`` -> ``q_start``, ``QuantizedKV.pages()`` -> ``paged_kv()``,
+    ``cache_offsets`` -> ``cache_q_start`` (modules.options), the ``attnkit.caches.base`` import
+    path."""
+    import importlib
+
+    for make in (lambda **kw: DynamicCache(head_dim=8, **kw), lambda **kw: StaticCache(head_dim=8, max_batch=1,
+                 max_len=4, **kw), lambda **kw: SlidingWindowCache(head_dim=8, window=2, max_batch=1, **kw),
+                 lambda **kw: PagedKVCache(head_dim=8, num_blocks=2, **kw)):
+        with pytest.warns(DeprecationWarning, match="num_kv_heads"):
+            cache = make(kv_heads=2)
+        assert cache.num_kv_heads == 2
+        with pytest.warns(DeprecationWarning, match="num_kv_heads"):
+            assert cache.kv_heads == 2
+        with pytest.raises(TypeError, match="both"):
+            make(kv_heads=2, num_kv_heads=2)
+    cache = PagedKVCache(2, 8, num_blocks=4, block_size=2)
+    cache.attend(*make_qkv(1, 4, 2, 3, 3, 8))
+    with pytest.warns(DeprecationWarning, match="lengths"):
+        assert cache.allocator.context_lengths().tolist() == [3]
+    kv = cache.view(cache.begin(1, 1))[0]
+    cache.abort(cache.allocator.open_step)
+    with pytest.warns(DeprecationWarning, match="num_kv_heads"):
+        assert kv.kv_heads == 2
+    qkv = attnkit.QuantizedKV.quantize(cache.k_pool, cache.v_pool, block_table=kv.block_table, lengths=kv.lengths)
+    with pytest.warns(DeprecationWarning, match="paged_kv"):
+        assert qkv.pages().num_kv_heads == 2
+    step = DynamicCache(2, 8).begin(2, 1)
+    with pytest.warns(DeprecationWarning, match="q_start"):
+        assert step.old.tolist() == [0, 0]
+    base = importlib.import_module("attnkit.caches.base")
+    with pytest.warns(DeprecationWarning, match="attnkit.caches.contiguous"):
+        assert base.StaticCache is StaticCache
+    from attnkit.modules.options import cache_offsets, cache_q_start
+
+    dyn = DynamicCache(2, 8)
+    dyn.update(*make_qkv(2, 4, 2, 3, 3, 8)[1:])
+    with pytest.warns(DeprecationWarning, match="cache_q_start"):
+        assert cache_offsets(dyn, 2, "cpu").tolist() == cache_q_start(dyn, 2, "cpu").tolist() == [3, 3]

@@ -55,7 +55,7 @@ def test_viz_without_what_prints_help(capsys):
 
 
 def test_kv_prints_bytes_per_token(capsys):
-    assert main(["kv", "deepseek-v3", "gqa:heads=32,kv_heads=8,head_dim=128,layers=32", "--context", "1k"]) == 0
+    assert main(["kv", "deepseek-v3", "gqa:heads=32,num_kv_heads=8,head_dim=128,layers=32", "--context", "1k"]) == 0
     out = capsys.readouterr().out
     assert "1,152" in out  # DeepSeek-V3: (512 + 64) values x 2 bytes per token per layer
     assert "| 4,096 |" in out  # the GQA spec: 8 heads x (128 + 128) x 2 bytes
@@ -234,3 +234,43 @@ def test_generate_subcommand_help(capsys):
     out = capsys.readouterr().out
     for opt in ("--prompt", "--max-new-tokens", "--temperature", "--top-p", "--top-k", "--cache", "--seed", "--chat"):
         assert opt in out
+
+
+def test_generate_on_a_missing_folder_says_it_does_not_exist(tmp_path, capsys):
+    missing = tmp_path / "no-such-model"
+    assert main(["generate", str(missing), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert f"attnkit generate: error: {missing} does not exist" in err and "tokenizer:" not in err
+    (tmp_path / "a-file").write_text("")
+    assert main(["generate", str(tmp_path / "a-file"), "--prompt", "x"]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+
+
+def test_generate_kv_dtype_lists_what_a_user_types(capsys):
+    """A wrong --kv-dtype lists the spellings the option takes, not Python values; "none" is one."""
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "folder", "--prompt", "x", "--kv-dtype", "int4"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--kv-dtype: expected one of none, int8" in err and "'int4'" in err
+    assert "torch." not in err and "None" not in err
+    from attnkit.cli import build_parser
+    for text, want in (("none", None), ("int8", "int8"), ("INT8", "int8")):
+        assert build_parser().parse_args(["generate", "f", "--prompt", "x", "--kv-dtype", text]).kv_dtype == want
+
+
+def test_info_says_on_which_devices_auto_picks_a_backend(capsys, monkeypatch):
+    """flex is picked by auto on CUDA only: info says so instead of "(auto)" on a CPU machine;
+    backends auto considers everywhere stay "(auto)", and the forced-only ones "(forced only)"."""
+    import torch
+
+    from attnkit.backends import get_backend
+    from attnkit.cli import _auto_note
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["info", "--no-build"]) == 0
+    out = capsys.readouterr().out
+    assert "  flex    available (forced only on CPU)" in out
+    assert "  sdpa    available (auto)" in out and "  math    available (auto)" in out
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert _auto_note("flex", get_backend("flex"), True) == "auto on CUDA; forced only on CPU"
+    assert _auto_note("sdpa", get_backend("sdpa"), True) == "auto"

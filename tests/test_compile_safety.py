@@ -1,10 +1,10 @@
 """Decisions that run inside code torch.compile traces: availability and capability probes are
 resolved once, eagerly, never inside the trace, and the CUDA policies are checked on CPU.
 
-A ``find_spec`` in the Triton backend's availability check ran inside the compiled decode step of
-``generate(compile=True)`` on CUDA and crashed it (dynamo refuses ``importlib.util.find_spec`` on
-torch 2.11 and silently answers None on 2.13). On CPU ``auto`` never asks the CUDA backends, so
-these tests ask for a CUDA call's decision explicitly."""
+A ``find_spec`` in a backend's availability check must not run inside the compiled decode step of
+``generate(compile=True)``: dynamo refuses ``importlib.util.find_spec`` on torch 2.11 and silently
+answers None on 2.13. On CPU ``auto`` never asks the CUDA backends, so these tests ask for a CUDA
+call's decision explicitly."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def test_auto_decision_for_a_cuda_call_is_the_same_under_compile(call):
 @pytest.mark.parametrize("q_len", [1, 4])
 def test_auto_decision_for_a_cpu_decode_call_is_the_same_under_compile(q_len):
     """A CPU decode call: with the native library loaded, ``auto`` picks the split-K engine inside
-    a fullgraph trace as it does eagerly (before this, traced calls went to SDPA)."""
+    a fullgraph trace as it does eagerly (not SDPA)."""
     from attnkit import native
 
     if native.load() is None:
@@ -138,7 +138,7 @@ def test_v_from_k_check_traces_under_fullgraph_compile():
     """MLA's V is a prefix view of K's rows; eagerly the decode kernels read it once, through K.
     Under a trace tensors have no addresses (torch 2.11's dynamo failed compiled MLA decode on CUDA
     comparing data pointers), so the check answers False there and V is read through its own view."""
-    from attnkit.backends.cpu_splitk.engine import v_is_prefix_of_k
+    from attnkit.backends.common import v_is_prefix_of_k
 
     k = torch.randn(1, 1, 8, 12)
     assert v_is_prefix_of_k(k, k[..., :8]) and not v_is_prefix_of_k(k, k[..., :8].clone())

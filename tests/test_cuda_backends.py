@@ -166,7 +166,7 @@ def test_info_prints_the_sdpa_kernels(capsys):
     (M.Causal(), 12, 8, "cuda", 4, False),  # Sq > Sk: rows without keys keep the zero fix-up
     (M.Causal(), 8, 12, "cpu", 4, False),  # CPU unchanged
     (M.Causal() & M.KeyPadding(torch.tensor([5, 12])), 8, 12, "cuda", 4, False),
-    (M.Causal(offsets=torch.tensor([4, 4])), 8, 12, "cuda", 4, False),
+    (M.Causal(q_start=torch.tensor([4, 4])), 8, 12, "cuda", 4, False),
     (M.SlidingWindow(3), 8, 12, "cuda", 4, False),
     (M.Causal(), 8, 12, "cuda", 2, False),  # grouped: only when SDPA's flash takes it (CPU tensors: no)
 ], ids=["causal", "causal&causal", "sq>sk", "cpu", "padding", "offsets", "window", "gqa-no-flash"])
@@ -313,7 +313,7 @@ def test_info_on_cuda_lists_cuda_kernels(capsys):
 
 def test_set_debug_false_restores_the_logger():
     """set_debug(False) undoes set_debug(True): the attnkit logger gets back its level and loses
-    the stderr handler attnkit attached (it no longer stays at DEBUG)."""
+    the stderr handler attnkit attached (it does not stay at DEBUG)."""
     logger = logging.getLogger("attnkit")
     before_level, before_handlers = logger.level, list(logger.handlers)
     attnkit.set_debug(True)

@@ -78,7 +78,8 @@ class Case:
 
 def _grid(world: int, full: bool) -> list[Case]:
     """Every sharding x causal x mask kind; x every head layout (MHA, GQA, MQA) when ``full``,
-    else one head layout per mask, rotating (4 ranks on a 2-core machine cost 5x more per case)."""
+    else one head layout per mask, rotating (4 ranks share a machine's few cores, so each case is
+    several times dearer there)."""
     S = 8 * 2  # a multiple of 2P for P in (1, 2, 4)
     heads = ((4, 4), (4, 2), (4, 1))
     cases = []
@@ -541,7 +542,7 @@ def test_block_forward_bf16_meets_rule_r():
 MASKS_AT = {
     "causal": lambda S: M.Causal(),
     "causal_top_left_cross": lambda S: M.Causal("top_left"),
-    "causal_offsets": lambda S: M.Causal(offsets=torch.tensor([0, 3])),
+    "causal_offsets": lambda S: M.Causal(q_start=torch.tensor([0, 3])),
     "window2": lambda S: M.SlidingWindow(2, 1),
     "keypad_valid": lambda S: M.KeyPadding(valid=torch.rand(2, S + 3, generator=torch.Generator().manual_seed(0)) < .5),
     "keypad_left": lambda S: M.KeyPadding(torch.tensor([4, 9]), side="left"),

@@ -1,5 +1,5 @@
-"""Calls that used to crash or hang the process (a segfault, SIGFPE, an out-of-memory kill), each
-run in a subprocess so that a regression fails the test instead of killing the run.
+"""Calls that could crash or hang the process (a segfault, SIGFPE, an out-of-memory kill) raise
+instead. Each runs in a subprocess, so that a crash fails the test instead of killing the run.
 
 The split-K kernel sizes its tiles from the core's L2 and its work units from torch's thread
 count; ``ATTNKIT_SPLITK_TILE_BYTES`` forces the tile size (read once per process), so each tile
@@ -77,7 +77,7 @@ def lying_table_battery(thread_counts=(1, 2, 16)) -> list[str]:
     import attnkit
     from attnkit import masks as M
     from attnkit import native
-    from attnkit.backends.cpu_splitk import engine as splitk
+    from attnkit.backends.decode import splitk
     from conftest import base_attention, rule_r
 
     ops = native.load()
@@ -100,7 +100,7 @@ def lying_table_battery(thread_counts=(1, 2, 16)) -> list[str]:
                     pk, pv, table = _pages(k, v, lengths, bs, case)
                     n = torch.tensor(lengths)
                     where = f"threads={threads} {dtype} case={case}"
-                    for Sq, mask in ((1, None), (4, M.Causal(offsets=(n - 4).clamp(min=0)))):
+                    for Sq, mask in ((1, None), (4, M.Causal(q_start=(n - 4).clamp(min=0)))):
                         kv = attnkit.PagedKV(pk, pv, table, n, checked=True)
                         full = M.KeyPadding(n) if mask is None else mask & M.KeyPadding(n)
                         for backend in ("paged", "sdpa"):
@@ -110,7 +110,7 @@ def lying_table_battery(thread_counts=(1, 2, 16)) -> list[str]:
                                        attnkit.attention_reference(q[:, :, :Sq], k, v, full), n_terms=L)
                             except Exception as e:  # noqa: BLE001 - collected and reported
                                 failures.append(f"{where} Sq={Sq} {backend} valid call: {type(e).__name__}: {e}")
-                        # the same pages quantized (int8 rows, fp32 scales), read in place
+                        # the same blocks quantized (int8 rows, fp32 scales), read in place
                         qkv = replace(attnkit.QuantizedKV.quantize(pk, pv, "int8", block_table=table, lengths=n),
                                       checked=True)
                         kd, vd = qkv.gather(torch.float64)
@@ -173,11 +173,11 @@ def tile_probe() -> str:
 
 
 def test_lying_checked_tables_raise_at_every_thread_count_and_tile_size():
-    """Issue 28.5: a ``checked=True`` table that lies segfaulted a 16-core machine (the kernel
-    threw from OpenMP workers, at 16 threads from several at once). Now it raises, on every
-    path, before any worker runs, at 1, 2 and 16 threads, at the L2-sized, smallest and
-    largest tiles, and valid calls still match the oracle. The forced sizes do reach the
-    kernel: the smallest and largest tiles round a long walk differently."""
+    """A ``checked=True`` table that lies raises, on every path, before any worker runs (an
+    exception thrown from OpenMP workers, at 16 threads from several at once, kills the
+    process), at 1, 2 and 16 threads, at the L2-sized, smallest and largest tiles, and valid
+    calls still match the oracle. The forced sizes do reach the kernel: the smallest and
+    largest tiles round a long walk differently."""
     from attnkit import native
 
     probes = {}
@@ -196,8 +196,9 @@ def test_lying_checked_tables_raise_at_every_thread_count_and_tile_size():
 
 
 def test_zero_block_size_pools_raise_a_value_error():
-    """Issue 29.8: pools of block size 0 died of SIGFPE in the kernel's row seek (lengths 4) or
-    raised a bare ZeroDivisionError in the gather (lengths 0)."""
+    """Pools of block size 0 raise a ValueError naming ``k_pool`` on every backend, with
+    lengths 4 (no SIGFPE in the kernel's row seek) and 0 (no bare ZeroDivisionError in the
+    gather); the kernel, called directly, refuses them too."""
     out = run_child("""
         import torch, attnkit
         from attnkit import native
@@ -226,9 +227,9 @@ def test_zero_block_size_pools_raise_a_value_error():
 
 @pytest.mark.parametrize("length", [2 ** 62, 2 ** 40, 2 ** 63 - 1])
 def test_huge_lengths_raise_without_allocating(length):
-    """Issue 29.9: ``checked=True`` with lengths 2**62 overflowed the unit planner, which built
-    ~2**55 work units (an out-of-memory kill). The lengths are checked, and the kernel, called
-    directly, refuses bounds past the table without planning anything."""
+    """``checked=True`` with lengths near 2**62 raises without allocating: the lengths are
+    checked (an overflowing unit planner would build ~2**55 work units, an out-of-memory kill),
+    and the kernel, called directly, refuses bounds past the table without planning anything."""
     out = run_child(f"""
         import torch, attnkit
         from attnkit import native

@@ -1,5 +1,4 @@
-"""Decoder.from_pretrained on random small save_pretrained checkpoints of each family (issue 14,
-section 3): the same fp32 logits as transformers and the same greedy tokens (every cache kind),
+"""Decoder.from_pretrained on random small save_pretrained checkpoints of each family: the same fp32 logits as transformers and the same greedy tokens (every cache kind),
 with sliding windows long enough to evict during generation. Families are parameters of the one
 Decoder (norm kind and placement, MLP activation, embedding scale, soft-capping, QK-norm,
 per-layer windows and RoPE), never classes of their own."""

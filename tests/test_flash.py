@@ -131,8 +131,8 @@ def test_supported_call_has_no_reasons():
 @pytest.mark.parametrize("name,mask,Sq,Sk", [
     ("document", M.Document(torch.tensor([4, 4])), 8, 8),
     ("prefix_lm", M.PrefixLM(torch.tensor([2, 3])), 8, 8),
-    ("offsets", M.Causal(offsets=torch.tensor([1, 2])), 8, 12),
-    ("window_offsets", M.SlidingWindow(2, offsets=torch.tensor([0, 4])), 8, 12),
+    ("offsets", M.Causal(q_start=torch.tensor([1, 2])), 8, 12),
+    ("window_offsets", M.SlidingWindow(2, q_start=torch.tensor([0, 4])), 8, 12),
     ("top_left_non_square", M.Causal("top_left"), 8, 12),
     ("dense", M.Dense(torch.ones(8, 12, dtype=torch.bool)), 8, 12),
     ("additive", M.Additive(torch.zeros(8, 12)), 8, 12),
@@ -196,7 +196,7 @@ def test_flash_window_of_no_mask_and_of_masks_it_cannot_express():
     assert flash.flash_window(None, 3, 7) == (False, (-1, -1))
     assert flash.flash_window(M.SlidingWindow(None, None), 3, 7) == (False, (-1, -1))
     assert flash.flash_window(M.Causal(), 5, 5) == (True, (-1, 0))
-    for m in (M.KeyPadding(torch.tensor([3])), M.Causal(offsets=torch.tensor([2])), M.Causal("top_left"),
+    for m in (M.KeyPadding(torch.tensor([3])), M.Causal(q_start=torch.tensor([2])), M.Causal("top_left"),
               M.Causal() & M.KeyPadding(torch.tensor([3]))):
         assert flash.flash_window(m, 3, 7) is None, m
 

@@ -1,6 +1,8 @@
-"""FlexAttention backend on a handful of shapes (each compiles once, seconds on CPU)."""
+"""FlexAttention backend on a handful of shapes (each compiles once on CPU)."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -8,24 +10,47 @@ import torch
 import attnkit
 from attnkit import masks as M
 from attnkit.backends import BackendNotSupported, flex, get_backend
+from attnkit.backends.registry import AttentionCall
 
 from conftest import check_against_oracle, make_qkv
 
 pytestmark = pytest.mark.skipif(get_backend("flex").available() is not None,
                                 reason="torch without FlexAttention")
 
+#: Tests that run flex on CPU need a CPU whose compiled FlexAttention flex admits.
+needs_cpu_flex = pytest.mark.skipif(flex.cpu_vector_isa() == "avx2",
+                                    reason="flex refuses CPU calls without AVX-512 (flex.cpu_refusals)")
+
+
+def _cpu_call(D, Dv, device="cpu", Sq=8, Sk=8, dtype=torch.float32):
+    return AttentionCall(2, 2, 2, Sq, Sk, D, Dv, dtype, torch.device(device), None, 0.25, 0.0, False, False)
+
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype,mask_fn,Sq,Sk,heads", [
-    (torch.float32, lambda B: M.SlidingWindow(5) & M.KeyPadding(torch.tensor([40, 7])), 33, 47, (4, 2)),
-    (torch.bfloat16, lambda B: M.Causal() & M.Document(torch.tensor([10, 20, 3])), 33, 33, (4, 1)),
-    (torch.float32, lambda B: M.PrefixLM(torch.tensor([3, 0])) & M.QueryPadding(torch.tensor([20, 33])), 33, 33, (2, 2)),
+@pytest.mark.parametrize("dtype,mask_fn,Sq,Sk,heads,Dv", [
+    (torch.float32, lambda B: M.SlidingWindow(5) & M.KeyPadding(torch.tensor([40, 7])), 33, 47, (4, 2), 16),
+    (torch.bfloat16, lambda B: M.Causal() & M.Document(torch.tensor([10, 20, 3])), 33, 33, (4, 1), 16),
+    (torch.float32, lambda B: M.PrefixLM(torch.tensor([3, 0])) & M.QueryPadding(torch.tensor([20, 33])), 33, 33, (2, 2),
+     16),
     (torch.float32, lambda B: M.Additive(torch.randn(33, 33).masked_fill(torch.rand(33, 33) > 0.7, float("-inf")))
-     & M.Causal(), 33, 33, (4, 2)),
-], ids=["window+padding-gqa-fp32", "document-causal-mqa-bf16", "prefixlm+qpad-mha-fp32", "additive-causal-gqa-fp32"])
-def test_flex_matches_oracle(dtype, mask_fn, Sq, Sk, heads):
-    q, k, v = make_qkv(2, heads[0], heads[1], Sq, Sk, 16, dtype=dtype)
+     & M.Causal(), 33, 33, (4, 2), 16),
+    # V wider or narrower than K (D = 16)
+    (torch.float32, lambda B: None, 8, 8, (2, 2), 24),
+    (torch.float32, lambda B: M.Causal(), 33, 47, (2, 2), 8),
+    (torch.float32, lambda B: M.Causal(), 33, 47, (4, 2), 32),
+], ids=["window+padding-gqa-fp32", "document-causal-mqa-bf16", "prefixlm+qpad-mha-fp32", "additive-causal-gqa-fp32",
+        "dv24-nomask-mha-fp32", "dv8-causal-mha-fp32", "dv32-causal-gqa-fp32"])
+def test_flex_matches_oracle(dtype, mask_fn, Sq, Sk, heads, Dv):
+    """Rule R against the fp64 oracle. A call flex refuses on this CPU (:func:`flex.cpu_refusals`:
+    torch's compiled CPU kernel gets it wrong) must be refused with that reason, and is an
+    expected failure here until a torch that computes it right re-admits it."""
+    q, k, v = make_qkv(2, heads[0], heads[1], Sq, Sk, 16, Dv, dtype=dtype)
     mask = mask_fn(2)
+    refused = flex.cpu_refusals(_cpu_call(16, Dv, Sq=Sq, Sk=Sk, dtype=dtype))
+    if refused:
+        with pytest.raises(BackendNotSupported, match=re.escape(refused[0])):
+            attnkit.attention(q, k, v, mask, backend="flex")
+        pytest.xfail("flex refuses it on CPU: " + "; ".join(refused))
     out = check_against_oracle(q, k, v, mask, backend="flex", grad=False)
     # Fully masked rows (padded queries) are exactly zero, as on every backend.
     if isinstance(mask, M.And) and any(isinstance(m, M.QueryPadding) for m in mask.masks):
@@ -37,6 +62,7 @@ def test_flex_matches_oracle(dtype, mask_fn, Sq, Sk, heads):
     assert len(flex._BLOCK_MASKS) == n
 
 
+@needs_cpu_flex
 def test_block_mask_cache_sees_in_place_edits_of_mask_tensors():
     q, k, v = make_qkv(2, 2, 2, 16, 16, 16)
     lens = torch.tensor([16, 16])
@@ -68,7 +94,37 @@ def test_auto_never_picks_flex_on_cpu():
     assert attnkit.describe_call(q, k, v, M.SlidingWindow(4)) != "flex"
 
 
+def test_forced_flex_on_cpu_refuses_v_of_another_width_than_k():
+    """torch's compiled CPU FlexAttention returns wrong values when Dv != D: a forced flex call
+    raises, listing that reason (no compile is started); auto runs the call elsewhere."""
+    for Dv in (8, 24, 32):
+        q, k, v = make_qkv(1, 2, 2, 8, 8, 16, Dv)
+        with pytest.raises(BackendNotSupported, match=rf"flex: .*D=16 != Dv={Dv} on CPU"):
+            attnkit.attention(q, k, v, causal=True, backend="flex")
+        assert attnkit.describe_call(q, k, v, causal=True) != "flex"
+
+
+def test_cpu_refusals_are_a_function_of_the_call_and_the_vector_isa():
+    """Which CPU calls flex refuses, decided for every machine on any machine: all of them where
+    torch generates AVX2 code (x86 without AVX-512, or ATEN_CPU_CAPABILITY=avx2 / default), and
+    Dv != D everywhere; never a call on another device."""
+    assert flex.cpu_refusals(_cpu_call(16, 16), "avx512") == []
+    assert flex.cpu_refusals(_cpu_call(16, 16), "aarch64") == []
+    assert ["AVX-512" in r for r in flex.cpu_refusals(_cpu_call(16, 16), "avx2")] == [True]
+    assert ["Dv=24" in r for r in flex.cpu_refusals(_cpu_call(16, 24), "avx512")] == [True]
+    assert len(flex.cpu_refusals(_cpu_call(16, 24), "avx2")) == 2
+    assert flex.cpu_refusals(_cpu_call(16, 24, "cuda"), "avx2") == []
+    avx512 = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"})
+    assert flex.cpu_vector_isa(avx512, "", "x86_64") == "avx512"
+    assert flex.cpu_vector_isa(avx512, "avx512_vnni", "x86_64") == "avx512"
+    assert flex.cpu_vector_isa(avx512, "avx2", "x86_64") == "avx2"
+    assert flex.cpu_vector_isa(avx512, "DEFAULT", "x86_64") == "avx2"
+    assert flex.cpu_vector_isa(frozenset({"avx2", "fma"}), "", "x86_64") == "avx2"
+    assert flex.cpu_vector_isa(frozenset(), "", "aarch64") == "aarch64"
+
+
 @pytest.mark.slow
+@needs_cpu_flex
 def test_new_calls_of_the_same_shape_reuse_the_compiled_kernel():
     """`auto` sends CUDA prefill with modifiers to flex, so a call must not recompile: the score
     modifiers are closures built per call from the same code, over tensors whose values (ALiBi
@@ -92,6 +148,7 @@ def test_new_calls_of_the_same_shape_reuse_the_compiled_kernel():
     torch.testing.assert_close(again.double(), gold, atol=1e-5, rtol=1e-4)
 
 
+@needs_cpu_flex
 def test_flex_zeroes_rows_with_no_key():
     """Rows the mask leaves empty are exactly 0 on flex too (whatever the kernel leaves there)."""
     q, k, v = make_qkv(2, 2, 2, 8, 12, 16, seed=4)
@@ -100,13 +157,10 @@ def test_flex_zeroes_rows_with_no_key():
     assert (out[1] == 0).all() and (out[0] != 0).any()
 
 
-
 def test_empty_rows_come_from_the_lse_on_cuda_and_from_intervals_on_cpu():
     """The CUDA branch's decision, on CPU: CUDA calls ask the kernel for the log-sum-exp (its -inf
     rows are the empty ones, zeroed), CPU calls only for sinks; on CPU the empty rows of an
     interval mask come from its key intervals."""
-    from attnkit.backends.registry import AttentionCall
-
     def call(device, mask=None, sinks=None):
         return AttentionCall(2, 2, 2, 8, 12, 16, 16, torch.float32, torch.device(device), mask, 0.25, 0.0,
                              False, False, sinks=sinks)
@@ -136,11 +190,12 @@ def test_guard_signature_keeps_shapes_code_and_constants_not_tensor_values():
 
 
 @pytest.mark.slow
+@needs_cpu_flex
 def test_more_mask_kinds_than_dynamos_recompile_limit_all_run_compiled():
     """Dynamo keeps its compiled entries on a code object and, past its recompile limit, runs the
-    function uncompiled: FlexAttention then warns and materializes every score. On an H100 one
-    shared compiled function fell back after eight mask kinds; each guard signature now compiles
-    its own copy, so the call past the limit still runs the compiled kernel."""
+    function uncompiled: FlexAttention then warns and materializes every score. Each guard
+    signature compiles its own copy, so more mask kinds than the limit all run the compiled
+    kernel."""
     import warnings
 
     import torch._dynamo
@@ -158,10 +213,11 @@ def test_more_mask_kinds_than_dynamos_recompile_limit_all_run_compiled():
 
 
 def test_a_failed_compile_falls_back_under_auto_and_raises_when_forced(monkeypatch):
-    """On an H100 inductor found no kernel for one FlexAttention call (torch 2.11,
+    """Inductor can find no kernel for a FlexAttention call (torch 2.11 on an H100:
     NoValidChoicesError). Under ``auto`` such a call runs on the next backend, with a warning
     naming the error, and the failing signature is not compiled again; forced, it raises.
-    Simulated on CPU: auto is let take flex here, and the compile raises inductor's error."""
+    Simulated on CPU: auto is let take flex here (on any CPU: nothing compiles), and the compile
+    raises inductor's error."""
     import warnings
 
     InductorError = pytest.importorskip("torch._inductor.exc").__dict__.get("InductorError")
@@ -178,6 +234,7 @@ def test_a_failed_compile_falls_back_under_auto_and_raises_when_forced(monkeypat
     monkeypatch.setattr(flex, "compiled_for", failing)
     monkeypatch.setattr(flex.FlexBackend, "auto_skip_reason", lambda self, call: None)
     monkeypatch.setattr(flex.FlexBackend, "auto_devices", ("cpu", "cuda"))
+    monkeypatch.setattr(flex, "_CPU_VECTOR_ISA", "avx512")
     monkeypatch.setattr(flex, "_FAILED", type(flex._FAILED)())
     q, k, v = make_qkv(2, 4, 2, 40, 40, 16, seed=6)
     mask = M.Causal() & M.Document(torch.tensor([10, 30]))

@@ -88,7 +88,8 @@ def test_bias_bf16_and_unfused_cached_equals_recompute(kw):
 
 
 def test_partial_rotary_generates():
-    """Regression (issue 13): partial rotary crashed the old lean decode step."""
+    """A model with partial rotary (half of each head rotated) generates, with the same tokens as
+    recomputation."""
     torch.manual_seed(0)
     m = Decoder(DecoderConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=2,
                               rope_scaling={"rope_type": "default", "partial_rotary_factor": 0.5})).eval()
@@ -288,6 +289,80 @@ def test_compiled_steps_live_in_generation_and_go_with_the_model():
     assert alive() is None
 
 
+def test_compiled_generation_survives_more_configurations_than_dynamos_recompile_limit():
+    """Compiled generation for more (model, dtype, kv_dtype, capacity) configurations than dynamo's
+    per-function recompile limit, in one process: every configuration compiles its own step and
+    gives the eager tokens, none falls back to eager, and dynamo's limit is left as it was."""
+    import copy
+    import warnings
+
+    import torch._dynamo
+    limit = torch._dynamo.config.recompile_limit
+    torch.manual_seed(0)
+    fp32 = Decoder(DecoderConfig(**{**TINY, "num_layers": 1, **VARIANTS["gqa"], "attention": "gqa"}),
+                   init_std=0.2).eval()
+    models = [fp32, copy.deepcopy(fp32).to(torch.bfloat16)]
+    configs = [(m, kv, p) for p in (4, 70, 140) for m in models for kv in (None, "int8")][:limit + 1]
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a fallback to eager would warn
+        for m, kv, p in configs:
+            prompt = [[(7 * i) % 64 for i in range(p)]]
+            want = m.generate(prompt, 3, cache="static", kv_dtype=kv).tokens
+            assert m.generate(prompt, 3, cache="static", compile="eager", kv_dtype=kv).tokens == want, \
+                (m.dtype, kv, p)
+    assert torch._dynamo.config.recompile_limit == limit
+
+
+def test_a_step_compile_refuses_runs_eagerly_with_a_warning(monkeypatch):
+    """When torch.compile refuses the decode step (here: dynamo's recompile limit under
+    fullgraph=True), generation warns with the reason and finishes eagerly with the same tokens;
+    later calls of that configuration run eagerly without asking again."""
+    import torch._dynamo
+
+    calls = []
+
+    def refusing_compile(fn, **kwargs):
+        def compiled(*args):
+            calls.append(1)
+            raise torch._dynamo.exc.FailOnRecompileLimitHit("Hard failure due to fullgraph=True")
+        return compiled
+
+    m = tiny("gqa", seed=8)
+    want = m.generate(PROMPTS, 6, cache="static").tokens
+    monkeypatch.setattr(torch, "compile", refusing_compile)
+    with pytest.warns(RuntimeWarning, match="could not be compiled .FailOnRecompileLimitHit.*runs eagerly"):
+        assert m.generate(PROMPTS, 6, cache="static", compile=True).tokens == want
+    assert m.generate(PROMPTS, 6, cache="static", compile=True).tokens == want
+    assert len(calls) == 1
+
+
+def test_a_compiled_steps_own_errors_are_not_swallowed(monkeypatch):
+    """Only compilation's refusals fall back to eager: an error of the step itself propagates."""
+    def broken_compile(fn, **kwargs):
+        def compiled(*args):
+            raise RuntimeError("the step's own failure")
+        return compiled
+
+    m = tiny("gqa", seed=8)
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    with pytest.raises(RuntimeError, match="the step's own failure"):
+        m.generate(PROMPTS, 4, cache="static", compile=True)
+
+
+def test_compiled_steps_per_model_are_bounded(monkeypatch):
+    """A model keeps at most MAX_COMPILED_STEPS compiled configurations (and their static
+    caches), the least recently used dropped first."""
+    from attnkit.models import generation
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+    m = tiny("gqa", seed=9)
+    n = generation.MAX_COMPILED_STEPS
+    for b in range(1, n + 3):
+        m.generate([[1, 2, 3]] * b, 2, cache="static", compile=True)
+    kept = generation._COMPILED[m]
+    assert len(kept) == n and sorted(key[0] for key in kept) == list(range(3, n + 3))
+
+
 @pytest.mark.slow
 def test_inductor_compiled_decode_equals_eager():
     import torch._dynamo
@@ -327,7 +402,7 @@ def test_generating_past_max_position_embeddings_warns():
         m.generate([[1, 2, 3, 4, 5]], max_new_tokens=7)  # 12 positions: within the limit
 
 
-# ---------------------------------------------------------------------------- reliability (issue 13)
+# ---------------------------------------------------------------------------- reliability
 
 
 @pytest.mark.filterwarnings("ignore:prompt .* exceeds the model's max_position_embeddings")
@@ -369,7 +444,8 @@ def _nan_at(model, call: int, row: int):
 @pytest.mark.parametrize("sampling", [{}, dict(temperature=0.7, seed=0)], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("cache", ["dynamic", None])
 def test_nan_logits_raise_naming_the_step_and_sequence(sampling, cache):
-    """Greedy decoding used to return token 0 for NaN logits and sampling blamed the temperature."""
+    """NaN logits raise a FloatingPointError naming the step and the sequence, for greedy
+    decoding and sampling alike (not a token, not a complaint about the temperature)."""
     m = tiny("gqa", seed=2)
     h = _nan_at(m, 2, 1)
     with pytest.raises(FloatingPointError, match=r"step 2 .*sequence\(s\) \[1\] are NaN"):

@@ -13,9 +13,10 @@ A *reach-in* is any of:
   package). The package's own top-level private modules (``attnkit._checks``, ...) are shared by
   every room by design.
 
-torch's own privates are allowed through :data:`TORCH_PRIVATE`, each with its reason. The files
-the lead is reworking may still reach in: :data:`KNOWN` lists exactly what they do today, so the
-list can only shrink (a stale entry fails as well as a new reach-in).
+torch's own privates are allowed through :data:`TORCH_PRIVATE`, each with its reason. The core
+files (:data:`_CORE`) may still reach in where no public spelling exists: :data:`KNOWN` lists
+exactly what they do, so the list can only shrink (a stale entry fails as well as a new
+reach-in).
 """
 
 from __future__ import annotations
@@ -40,24 +41,24 @@ TORCH_PRIVATE = {
     "_ops": "the op-overload types of torch.ops",
 }
 
-#: Reach-ins in the files the lead owns (backends/, functional.py, masks.py, reference.py,
-#: rope/), as (file under src/attnkit, what is read). Every other file is clean; shrink this
-#: list as those files gain public APIs.
+#: Reach-ins in the core files (backends/, native/, functional.py, masks/, reference.py, rope/),
+#: as (file under src/attnkit, what is read). Every other file is clean; shrink this list as
+#: those files gain public APIs.
 KNOWN: set[tuple[str, str]] = {
     # Python's own private: the caller's frame, for naming where a native build was asked for
     ("native/__init__.py", "sys._getframe"),
     # torch's private aten ops (the fused CPU flash kernels SDPA uses), reached as ``aten._...``
-    ("backends/sdpa.py", "aten._scaled_dot_product_flash_attention_for_cpu"),
-    ("backends/sdpa.py", "aten._scaled_dot_product_flash_attention_for_cpu_backward"),
+    ("backends/common.py", "aten._scaled_dot_product_flash_attention_for_cpu"),
+    ("backends/common.py", "aten._scaled_dot_product_flash_attention_for_cpu_backward"),
     # torch's private SDPA kernel chooser, probed by name
     ("backends/sdpa.py", "getattr(torch, '_fused_sdp_choice', None)"),
     # a tensor's private version counter (in-place change detection)
-    ("masks.py", "t._version"),
+    ("masks/typed.py", "t._version"),
     # a private table of a transformers config object
     ("rope/config.py", "getattr(config, '_rope_type_labels', None)"),
 }
 
-_LEAD_OWNED = ("backends/", "native/", "functional.py", "masks.py", "reference.py", "rope/")
+_CORE = ("backends/", "native/", "functional.py", "masks/", "reference.py", "rope/")
 
 
 def _root_name(node: ast.AST) -> str | None:
@@ -169,12 +170,12 @@ def _all_reach_ins() -> set[tuple[str, str]]:
 
 def test_no_module_reads_another_modules_privates():
     found = _all_reach_ins()
-    mine = sorted(f"{f}: {w}" for f, w in found if not f.startswith(_LEAD_OWNED))
+    mine = sorted(f"{f}: {w}" for f, w in found if not f.startswith(_CORE))
     assert not mine, "private reach-ins (give the other side a public API):\n" + "\n".join(mine)
 
 
 def test_known_reach_ins_in_the_lead_files_only_shrink():
-    found = {(f, w) for f, w in _all_reach_ins() if f.startswith(_LEAD_OWNED)}
+    found = {(f, w) for f, w in _all_reach_ins() if f.startswith(_CORE)}
     new, gone = sorted(found - KNOWN), sorted(KNOWN - found)
     assert not new, "new private reach-ins:\n" + "\n".join(f"{f}: {w}" for f, w in new)
     assert not gone, "fixed: remove these from KNOWN:\n" + "\n".join(f"{f}: {w}" for f, w in gone)
@@ -201,3 +202,168 @@ def test_the_checker_sees_a_reach_in():
     assert "from attnkit.modules._fused import ..." in got
     assert "from attnkit.caches.base import _private_helper" in got
     assert len(got) == 4, got
+
+
+# ---------------------------------------------------------------------------- the import graph
+
+BACKENDS = SRC / "backends"
+#: Modules of ``attnkit.backends`` that are no backend: the registry, the neutral shared room, and
+#: the package face that registers every backend.
+NEUTRAL_BACKEND_MODULES = {"__init__", "registry", "common"}
+#: Deprecated import paths that re-export a backend package under its old name: part of it.
+DEPRECATED_BACKEND_PATHS = {"cpu_splitk": "decode", "triton_splitk": "triton"}
+
+
+def _module_name(path: Path) -> str:
+    return ".".join(_module_parts(path))
+
+
+def _is_module(parts: list[str]) -> bool:
+    """Whether ``parts`` (absolute, starting with "attnkit") name a module or package of src."""
+    if parts[:1] != ["attnkit"]:
+        return False
+    base = SRC.joinpath(*parts[1:])
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+
+def imported_modules(path: Path, text: str | None = None) -> set[str]:
+    """The modules of ``attnkit`` that ``path`` imports anywhere: at the top level, inside
+    functions and under ``if TYPE_CHECKING`` (two modules that name each other's types are one
+    circle of rooms too). ``from pkg import name`` imports the submodule ``pkg.name`` when there is
+    one, else the package ``pkg`` itself; relative imports are resolved from the file's package."""
+    tree = ast.parse(path.read_text() if text is None else text, filename=str(path))
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if _is_module(parts):
+                    out.add(".".join(parts))
+        elif isinstance(node, ast.ImportFrom):
+            target = _resolve(path, node)
+            if target[:1] != ["attnkit"]:
+                continue
+            for alias in node.names:
+                sub = target + [alias.name]
+                out.add(".".join(sub) if _is_module(sub) else ".".join(target))
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the attnkit modules it imports, over every file of ``src/attnkit``."""
+    return {_module_name(p): imported_modules(p) - {_module_name(p)} for p in sorted(SRC.rglob("*.py"))}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle (a list of modules, the first repeated at the end) for each strongly connected
+    set of modules that import each other, directly or through others (Tarjan's algorithm)."""
+    index, low, on_stack, stack, sccs = {}, {}, set(), [], []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            scc = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                scc.append(w)
+                if w == v:
+                    break
+            if len(scc) > 1:
+                sccs.append(sorted(scc))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    cycles = []
+    for scc in sccs:  # a shortest way back to the first module, through the set only
+        members, start = set(scc), scc[0]
+        prev, frontier = {start: None}, [start]
+        while frontier and start not in [w for v in frontier for w in graph[v]]:
+            nxt = []
+            for v in frontier:
+                for w in sorted(graph[v] & members):
+                    if w not in prev:
+                        prev[w] = v
+                        nxt.append(w)
+            frontier = nxt
+        last = next(v for v in frontier if start in graph[v])
+        path = [last]
+        while prev[path[-1]] is not None:
+            path.append(prev[path[-1]])
+        cycles.append(list(reversed(path)) + [start])
+    return cycles
+
+
+def _backend_unit(module: str) -> str | None:
+    """The backend a module of ``attnkit.backends`` belongs to (its file or package under
+    backends/), or None for the neutral modules and for modules outside backends/."""
+    parts = module.split(".")
+    if parts[:2] != ["attnkit", "backends"]:
+        return None
+    unit = parts[2] if len(parts) > 2 else "__init__"
+    unit = DEPRECATED_BACKEND_PATHS.get(unit, unit)
+    return None if unit in NEUTRAL_BACKEND_MODULES else unit
+
+
+def backend_cross_imports(graph: dict[str, set[str]]) -> list[str]:
+    """"a -> b" for every module of one backend that imports a module of another backend, or the
+    ``attnkit.backends`` package (which imports them all)."""
+    found = []
+    for module, targets in sorted(graph.items()):
+        unit = _backend_unit(module)
+        if unit is None:
+            continue
+        for t in sorted(targets):
+            other = _backend_unit(t)
+            if t == "attnkit.backends" or (other is not None and other != unit):
+                found.append(f"{module} -> {t}")
+    return found
+
+
+def test_no_backend_imports_another():
+    """A backend (a file or package under backends/) imports only the registry, the neutral
+    ``backends.common`` and rooms outside backends/: what two backends share lives in common."""
+    found = backend_cross_imports(import_graph())
+    assert not found, "backends importing other backends (move the shared piece to backends/common.py):\n" + \
+        "\n".join(found)
+
+
+def test_no_import_cycles_among_modules():
+    """No module of attnkit imports itself back through others, counting imports inside
+    functions and for type checking too (a lazy import that closes a circle still ties the two
+    rooms together)."""
+    cycles = import_cycles(import_graph())
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_import_checkers_see_a_cycle_and_a_backend_import():
+    """The rules themselves: ``from . import x`` names the submodule x, ``from .. import y`` a
+    name of the package (the package itself), imports in functions and for type checking count;
+    a cycle through three modules is reported as one;
+    a backend importing another backend's package or module is found, one importing the
+    registry or common is not."""
+    probe = SRC / "backends" / "decode" / "probe.py"  # never written: a path for resolving imports
+    got = imported_modules(probe, "from . import splitk\nfrom .. import common, registry\n"
+                                  "def f():\n    from ..sdpa import sinks_refusals\n"
+                                  "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..flex import x\n")
+    assert got == {"attnkit.backends.decode.splitk", "attnkit.backends.common", "attnkit.backends.registry",
+                   "attnkit.backends.sdpa", "attnkit.backends.flex"}, got
+    assert imported_modules(probe, "from ... import native, masks\nfrom ...masks import Mask\n") == {
+        "attnkit.native", "attnkit.masks"}
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}}
+    assert import_cycles(graph) == [["a", "b", "c", "a"]]
+    graph = {"attnkit.backends.decode.backend": {"attnkit.backends.common", "attnkit.backends.registry",
+                                                 "attnkit.backends.sdpa"},
+             "attnkit.backends.triton.backend": {"attnkit.backends.decode", "attnkit.backends.triton.limits"},
+             "attnkit.backends.cpu_splitk": {"attnkit.backends.decode.backend"}}
+    assert backend_cross_imports(graph) == ["attnkit.backends.decode.backend -> attnkit.backends.sdpa",
+                                            "attnkit.backends.triton.backend -> attnkit.backends.decode"]

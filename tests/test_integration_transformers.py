@@ -3,7 +3,7 @@ families: logits on a left-padded batch (rule R: attnkit vs "eager" against an f
 greedy generate tokens with dynamic and static caches, training gradients, dropout, typed
 masks, user 4-D masks, output_attentions, and the optional-dependency contract.
 
-Then what models pass and read beyond the common path (issue 29): every keyword argument is
+Then what models pass and read beyond the common path: every keyword argument is
 implemented, known harmless, or refused by name; models that read the mask object themselves
 (DeepSeek sparse attention, Doge, Qwen4-Exp) and models that drop ``output_attentions``; models
 attnkit cannot serve are refused when built; fully masked rows of a float 4-D mask; and the
@@ -26,6 +26,8 @@ transformers = pytest.importorskip("transformers")
 
 import attnkit  # noqa: E402
 import attnkit.integrations.transformers as hf  # noqa: E402
+from attnkit.integrations.transformers import attention as hf_attention  # noqa: E402
+from attnkit.integrations.transformers import masks as hf_masks  # noqa: E402
 from attnkit import masks as M  # noqa: E402
 from conftest import rule_r  # noqa: E402
 
@@ -164,12 +166,12 @@ def test_training_gradients_rule_r(family):
 
 def _capture(monkeypatch):
     calls = []
-    real = hf.attention
+    real = hf_attention.attention
 
     def spy(q, k, v, mask=None, **kw):
         calls.append(dict(q=tuple(q.shape), k=tuple(k.shape), mask=mask, **kw))
         return real(q, k, v, mask, **kw)
-    monkeypatch.setattr(hf, "attention", spy)
+    monkeypatch.setattr(hf_attention, "attention", spy)
     return calls
 
 
@@ -196,7 +198,7 @@ def test_masks_stay_typed_and_gqa_is_not_repeated(monkeypatch):
 
 def test_static_cache_left_padding_is_an_interval(monkeypatch):
     """A static cache hands every layer its whole buffer: unfilled slots are masked by the causal
-    offsets, so the padding mask stays one interval per row."""
+    q_start, so the padding mask stays one interval per row."""
     model = _model("llama")
     ids, am = _batch()
     calls = _capture(monkeypatch)
@@ -205,19 +207,19 @@ def test_static_cache_left_padding_is_an_interval(monkeypatch):
                        cache_implementation="static")
     for c in calls:
         causal, pad = sorted(_parts(c["mask"]), key=lambda p: type(p).__name__)
-        assert isinstance(causal, M.Causal) and causal.offsets is not None
+        assert isinstance(causal, M.Causal) and causal.q_start is not None
         assert isinstance(pad, M.KeyPadding) and pad.side == "left" and pad.lengths.tolist()[1] == c["k"][2] - 3
 
 
 def test_key_padding_translation():
     v = torch.tensor([[False, False, True, True, True], [True, True, True, True, True]])
-    p = hf._key_padding(v, 5)
+    p = hf_masks._key_padding(v, 5)
     assert p.side == "left" and p.lengths.tolist() == [3, 5]
-    p = hf._key_padding(torch.tensor([[True, True, False, False]]), 4)
+    p = hf_masks._key_padding(torch.tensor([[True, True, False, False]]), 4)
     assert p.side == "right" and p.lengths.tolist() == [2]
-    p = hf._key_padding(torch.tensor([[False, True, False, True]]), 4)  # a hole: no interval
+    p = hf_masks._key_padding(torch.tensor([[False, True, False, True]]), 4)  # a hole: no interval
     assert p.valid is not None
-    p = hf._key_padding(torch.tensor([[False, True, True, False]]), 3)  # the tail is out of reach
+    p = hf_masks._key_padding(torch.tensor([[False, True, True, False]]), 3)  # the tail is out of reach
     assert p.side == "left" and p.lengths.tolist() == [3]
 
 
@@ -227,7 +229,7 @@ def test_llama_prefill_without_padding_is_plain_causal(monkeypatch):
     with torch.no_grad():
         model(torch.randint(3, 96, (2, 5)))
     m = calls[0]["mask"]
-    assert isinstance(m, M.Causal) and m.offsets is None  # bottom-right: SDPA's is_causal path
+    assert isinstance(m, M.Causal) and m.q_start is None  # bottom-right: SDPA's is_causal path
     assert attnkit.describe_call(torch.zeros(2, 4, 5, 8), torch.zeros(2, 2, 5, 8), torch.zeros(2, 2, 5, 8), m) == "sdpa"
 
 
@@ -299,7 +301,7 @@ def test_integration_without_transformers_says_what_to_install(tmp_path):
     assert res.returncode != 0 and "pip install 'attnkit[hf]'" in res.stderr
 
 
-# ---------------------------------------------------------------------------- issue 29
+# ---------------------------------------------------------------------------- beyond the common path
 # Tiny random configs of any decoder in the installed transformers: each size field the config
 # class has is shrunk (MLA models keep one KV head per query head, as their latent expands).
 

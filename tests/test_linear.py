@@ -165,7 +165,7 @@ def test_native_linear_bad_input_names_the_argument_and_shapes(case):
 
 def test_native_max_rows_is_a_rule_of_dtype_and_cpu_flags():
     """fp32: always up to MAX_ROWS; bf16: up to 4 rows where the CPU has AMX-BF16 (torch's GEMM
-    runs bf16 on AMX tiles and wins from about 6 rows), else MAX_ROWS; other dtypes: never."""
+    runs bf16 on AMX tiles and wins past a few rows), else MAX_ROWS; other dtypes: never."""
     zen3 = {"avx2", "fma", "f16c"}
     spr = {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}
     zen4 = {"avx2", "avx512f", "avx512_bf16"}
@@ -410,7 +410,7 @@ def test_decoder_projections_run_the_native_kernel_at_decode(calls):
 def test_avx2_build_matches_the_oracle():
     """The AVX2 code path (8-lane vectors, widened bf16: what AMD Zen 3 runs), built on an AVX-512
     CPU with ATTNKIT_NATIVE_MARCH=haswell, in its own process (on an AVX2-only CPU the native
-    build already takes that path, and a second build would only cost CI a minute)."""
+    build already takes that path, and the suite runs it there)."""
     _native_needed()
     from attnkit._sysinfo import cpu_flags
 

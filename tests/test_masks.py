@@ -41,7 +41,7 @@ OFFS = torch.tensor([0, 2, 4])
 def test_causal_kinds(Sq, Sk):
     same(M.Causal(), lambda b, i, j: j <= i + Sk - Sq, Sq, Sk)
     same(M.Causal("top_left"), lambda b, i, j: j <= i, Sq, Sk)
-    same(M.Causal(offsets=OFFS), lambda b, i, j: j <= i + int(OFFS[b]), Sq, Sk)
+    same(M.Causal(q_start=OFFS), lambda b, i, j: j <= i + int(OFFS[b]), Sq, Sk)
 
 
 @pytest.mark.parametrize("Sq,Sk", SHAPES)
@@ -129,7 +129,7 @@ def test_top_left_causal_detection():
     assert M.Causal("top_left").is_top_left_causal(3, 4)
     assert (M.Causal() & M.Causal()).is_top_left_causal(4, 4)
     assert not (M.Causal() & M.KeyPadding(LENS)).is_top_left_causal(4, 4)
-    assert not M.Causal(offsets=OFFS).is_top_left_causal(4, 4)
+    assert not M.Causal(q_start=OFFS).is_top_left_causal(4, 4)
 
 
 @pytest.mark.parametrize("make,exc,text", [
@@ -157,7 +157,7 @@ def test_bad_mask_arguments(make, exc, text):
     (M.KeyPadding(torch.tensor([1, 2])), "lengths"),
     (M.KeyPadding(valid=torch.ones(3, 4, dtype=torch.bool)), r"\(3, 4\)"),
     (M.QueryPadding(valid=torch.ones(3, 9, dtype=torch.bool)), r"\(3, 9\)"),
-    (M.Causal(offsets=torch.tensor([1, 2])), "offsets"),
+    (M.Causal(q_start=torch.tensor([1, 2])), "q_start"),
     (M.Document(torch.tensor([3, 3])), "more than the sequence length"),
     (M.Dense(torch.ones(2, SQ, SK, dtype=torch.bool)), r"\(2, 5, 9\)"),
     (M.PrefixLM(torch.tensor([1, 2, 3, 4])), "prefix_lengths"),
@@ -165,3 +165,29 @@ def test_bad_mask_arguments(make, exc, text):
 def test_check_rejects_mismatched_shapes(mask, text):
     with pytest.raises(ValueError, match=text):
         mask.check(B, 4, SQ, SK)
+
+
+@pytest.mark.parametrize("make", [
+    lambda **kw: M.Causal(**kw),
+    lambda **kw: M.SlidingWindow(2, **kw),
+    lambda **kw: M.PrefixLM(torch.tensor([1, 0, 2]), **kw),
+    lambda **kw: M.ALiBi(M.alibi_slopes(4), **kw),
+], ids=["Causal", "SlidingWindow", "PrefixLM", "ALiBi"])
+def test_offsets_is_the_deprecated_spelling_of_q_start(make):
+    """``offsets=`` and ``.offsets`` still work (with a DeprecationWarning) and mean ``q_start``;
+    both at once is an error."""
+    new = make(q_start=OFFS)
+    with pytest.warns(DeprecationWarning, match="q_start"):
+        old = make(offsets=OFFS)
+    assert torch.equal(old.q_start, new.q_start)
+    with pytest.warns(DeprecationWarning, match="q_start"):
+        assert old.offsets is old.q_start
+    torch.testing.assert_close(old.materialize(B, SQ, SK), new.materialize(B, SQ, SK), rtol=0, atol=0)
+    with pytest.raises(TypeError, match="both"):
+        make(q_start=OFFS, offsets=OFFS)
+
+
+def test_the_reduced_mask_is_importable_but_not_a_public_mask_name():
+    from attnkit.masks.reduced import ReducedMask
+
+    assert M.ReducedMask is ReducedMask and "ReducedMask" not in M.__all__

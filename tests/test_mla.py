@@ -175,7 +175,7 @@ class _Eager(torch.nn.Module):
 @pytest.mark.parametrize("dist", ["randn", "rand"])
 @pytest.mark.parametrize("q_lora,yarn", [(12, True), (None, False)], ids=["q_lora-yarn", "no_q_lora-rope"])
 def test_naive_and_absorbed_bf16_pass_rule_r(q_lora, yarn, dist):
-    """Against the fp64 module (gold) and the eager bf16 MLA (base): TESTING.md's rule R for the
+    """Against the fp64 module (gold) and the eager bf16 MLA (base): rule R (``conftest.rule_r``) for the
     output (2x) and for the gradients of the input and of every weight (3x, like dq)."""
     gold_m = _module(q_lora, yarn, "naive", torch.float64, seed=5)
     g = torch.Generator().manual_seed(7)
@@ -285,7 +285,7 @@ def test_crop_rolls_back_and_reorder_follows_beams(kind):
 
 @pytest.mark.parametrize("mode", ["auto", "naive", "absorb"])
 def test_paged_latent_cache_plugs_in_unchanged(mode):
-    """A paged cache in the value_from_key layout (its own ``attend`` over the pages) gives what
+    """A paged cache in the value_from_key layout (its own ``attend`` over the blocks) gives what
     one full forward gives, through the same module code."""
     paged = pytest.importorskip("attnkit.caches.paged")
     m = _module(12, True, mode)
@@ -301,7 +301,7 @@ def test_latent_cache_stores_576_values_per_token_at_deepseek_v3_dims():
                     v_head_dim=128, q_lora_rank=1536)
     m = MultiHeadLatentAttention(cfg, device="meta")  # no memory for the 187M weights
     cache = m.new_cache("static", max_batch=2, max_len=10, dtype=torch.bfloat16, device="cpu")
-    assert (cache.kv_heads, cache.head_dim, cache.v_head_dim, cache.value_from_key) == (1, 576, 512, True)
+    assert (cache.num_kv_heads, cache.head_dim, cache.v_head_dim, cache.value_from_key) == (1, 576, 512, True)
     assert cache.bytes_per_token == 576 * 2
     assert cache.nbytes == 2 * 10 * 576 * 2  # K only: V is read from K's first 512 channels
     assert m.absorb_max_len == 170  # auto: absorbed below 171 new tokens (expansion vs wider dots)
@@ -346,7 +346,7 @@ def test_absorbed_decode_runs_on_the_grouped_decode_backend(dtype):
 
 
 @pytest.mark.parametrize("make_cache,exc,text", [
-    (lambda: DynamicCache(4, 14, 10), ValueError, r"kv_heads=4.*needs kv_heads=1, head_dim=kv_lora_rank \+ "
+    (lambda: DynamicCache(4, 14, 10), ValueError, r"num_kv_heads=4.*needs num_kv_heads=1, head_dim=kv_lora_rank \+ "
                                                   r"qk_rope_head_dim = 20 \+ 6 = 26"),
     (lambda: DynamicCache(1, 26, 20), ValueError, "value_from_key=False"),
     (lambda: DynamicCache(1, 30, 24, value_from_key=True), ValueError, "head_dim=30"),  # another config's latent
@@ -407,10 +407,9 @@ def _latent_cache(m, kind):
 @pytest.mark.parametrize("kind", ["dynamic", "static", "paged"])
 @pytest.mark.parametrize("mode", ["naive", "auto-long", "absorb"])
 def test_a_failing_call_leaves_the_latent_cache_unchanged(mode, kind):
-    """Issue 29.10: the naive path (and auto's, for chunks over absorb_max_len) committed the
-    latent before attention ran, so a bad mask or a refusing forced backend left the cache 3
-    tokens longer and the next call differed from an untouched twin's. The latent is appended
-    and attended in one transaction now."""
+    """On every path (naive, auto's for chunks over absorb_max_len, absorbed), a bad mask or a
+    refusing forced backend leaves the latent cache as it was: the latent is appended and
+    attended in one transaction, so the next call equals an untouched twin's."""
     m = _module(12, False, "auto" if mode == "auto-long" else mode)
     if mode == "auto-long":
         m.absorb_max_len = 2  # a 3-token chunk goes the naive way

@@ -432,7 +432,7 @@ def test_fused_and_separate_decoders_agree_and_load_each_others_state_dicts():
     assert all(torch.equal(v, fused.state_dict()[k]) for k, v in again.state_dict().items())
 
 
-# ---------------------------------------------------------------------------- reliability (issue 13)
+# ---------------------------------------------------------------------------- reliability
 
 
 @pytest.mark.parametrize("change,msg", [
@@ -480,7 +480,7 @@ def _lengths(caches):
 @pytest.mark.parametrize("attention", ["gqa", "mla"])
 @pytest.mark.parametrize("kind", ["dynamic", "static", "paged"])
 def test_a_failing_forward_leaves_every_layers_cache_unchanged(attention, kind):
-    """Issue 13: a bad key_padding_mask / positions / ids / num_new / logits_to_keep raises before
+    """A bad key_padding_mask / positions / ids / num_new / logits_to_keep raises before
     any layer touches a cache, and an error inside a later layer aborts the step in every layer:
     all layers keep their lengths, and the next valid call equals an untouched twin's."""
     m = tiny(attention, seed=5)

@@ -191,7 +191,7 @@ def test_new_cache_fits_the_module(kind, kw):
     m = MultiHeadAttention(32, 4, num_kv_heads=2, causal=True).eval()
     x = torch.randn(2, 12, 32)
     cache = m.new_cache(kind, **kw)
-    assert (cache.kv_heads, cache.head_dim, cache.dtype) == (2, 8, torch.float32)
+    assert (cache.num_kv_heads, cache.head_dim, cache.dtype) == (2, 8, torch.float32)
     with torch.no_grad():
         out = torch.cat([m(x[:, :7], cache=cache)] + [m(x[:, i:i + 1], cache=cache) for i in range(7, 12)], 1)
         assert (out - m(x)).abs().max() <= 1e-5

@@ -1,5 +1,6 @@
-"""The native kernel's loader (issue 29): a visible build, fallbacks that say why, a cache that is
-checked before it is loaded, one build at a time, nothing left behind by a killed build.
+"""The native kernel's loader: a visible build, fallbacks that say why, a cache that is checked
+before it is loaded and keyed on what the build depends on (not on where the environment lives),
+one build at a time, nothing left behind by a killed build.
 
 Every case that could crash or compile runs in a subprocess with its own cache folder
 (``ATTNKIT_CACHE_DIR``) and a fake compiler (``CXX``): a script that "builds" by copying the
@@ -10,6 +11,7 @@ compile beyond the one the test session needs anyway.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import signal
@@ -23,9 +25,10 @@ import pytest
 import torch
 
 from attnkit import native
-from attnkit.backends.cpu_splitk.backend import auto_skip
+from attnkit.backends.decode import auto_skip
 from attnkit.backends.registry import AttentionCall
 from attnkit.masks import ALiBi
+from attnkit.native import build
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fake compilers are POSIX scripts")
 
@@ -33,6 +36,9 @@ FAKE_CXX = """\
 #!{python}
 # A stand-in for a C++ compiler; FAKE_CXX_MODE says what it does with `-o <out>`.
 import os, shutil, subprocess, sys, time
+if sys.argv[1:] == ["--version"]:  # asked for the cache key: not a build
+    print("fake-c++ 1.0")
+    sys.exit(0)
 out = sys.argv[sys.argv.index("-o") + 1]
 log = os.environ.get("FAKE_CXX_LOG")
 if log:
@@ -135,7 +141,7 @@ def test_describe_call_and_info_no_build_never_compile(tmp_path, fake_cxx):
     assert res.returncode == 0, res.stderr
     out = res.stdout.splitlines()
     assert out[:2] == ["decode", "decode[native (not built yet)]"]
-    assert "not built yet" in res.stdout and "engine" in res.stdout
+    assert "not built yet" in res.stdout and "implementation: native" in res.stdout
     assert not log.exists(), "the compiler ran"
     assert not list((tmp_path / "cache").glob("*.so"))
 
@@ -177,7 +183,7 @@ def test_no_compiler_is_reported_and_auto_leaves_decode_to_sdpa(tmp_path):
     assert float(out[2]) < 1e-5, f"torch fallback vs SDPA differ by {out[2]}"
     assert "no C++ compiler found" in out[3]
     info = res.stdout[res.stdout.index("backends (auto order"):]
-    assert "engine torch" in info and "why: no C++ compiler found" in info
+    assert "implementation torch" in info and "why: no C++ compiler found" in info
 
 
 def test_failed_build_warning_names_compiler_error_and_points_at_the_caller(tmp_path, fake_cxx):
@@ -206,7 +212,7 @@ def _call(kv_layout="dense", D=64, Dv=64, Sk=5000, dtype=torch.float32, softcap=
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-def test_auto_skips_the_torch_engine_where_sdpa_runs_the_call(dtype):
+def test_auto_skips_the_torch_implementation_where_sdpa_runs_the_call(dtype):
     """Without the native kernel the torch implementation is slower than SDPA: ``auto`` gives
     SDPA every call it can run (dense, paged via gathering, MLA widths); calls SDPA cannot fuse
     (soft cap, ALiBi) still take the engine. With the native kernel nothing changes."""
@@ -218,6 +224,95 @@ def test_auto_skips_the_torch_engine_where_sdpa_runs_the_call(dtype):
     assert auto_skip(_call(softcap=30.0, dtype=dtype), "torch") is None
     assert auto_skip(_call(mask=ALiBi(torch.ones(8)), dtype=dtype), "torch") is None
     assert "tiny cache" in auto_skip(_call(Sk=17, dtype=dtype), "native")
+
+
+# ------------------------------------------------------ the cache key: what the build depends on
+
+
+def test_every_included_header_is_keyed_and_shipped():
+    """A header a source includes is part of the cache key (a change to it rebuilds) and of the
+    package data (an installed copy builds)."""
+    import fnmatch
+    import re
+    import tomllib
+
+    included = {m for p in build._SOURCES for m in re.findall(r'#include "([^"]+)"', p.read_text())}
+    assert included and included == {p.name for p in build._HEADERS}
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    shipped = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["package-data"]["attnkit"]
+    for p in (*build._SOURCES, *build._HEADERS):
+        assert p.exists() and any(fnmatch.fnmatch(f"native/{p.name}", g) for g in shipped), p.name
+
+
+def test_cache_key_holds_no_path_of_this_environment():
+    inputs = build.key_inputs(build.compiler() or "c++")
+    text = repr(inputs)
+    for where in {sys.prefix, sys.base_prefix, build._torch_dir(), str(Path(torch.__file__).parent)}:
+        assert where not in text, where
+    assert "<torch>/include" in inputs["flags"]
+
+
+def test_cache_key_is_the_same_wherever_torch_is_installed(tmp_path):
+    """A second environment with the same torch, compiler and flags (here: the same torch package
+    reached through another folder) finds the library the first one built."""
+    site = tmp_path / "elsewhere" / "site-packages"
+    site.mkdir(parents=True)
+    (site / "torch").symlink_to(Path(torch.__file__).parent, target_is_directory=True)
+    code = """
+    import json, torch
+    from attnkit.native import build
+    inputs = build.key_inputs(build.compiler() or "c++")
+    print(json.dumps([torch.__file__, build.cache_key(inputs), inputs]))
+    """
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr
+    torch_file, key, inputs = json.loads(res.stdout.strip().splitlines()[-1])
+    assert torch_file.startswith(str(site)), "the other torch folder was not used"
+    here = build.key_inputs(build.compiler() or "c++")
+    assert inputs == here
+    assert key == build.cache_key(here)
+
+
+def _copy_sources(tmp_path, monkeypatch) -> Path:
+    folder = tmp_path / "native"
+    folder.mkdir()
+    for p in (*build._SOURCES, *build._HEADERS):
+        shutil.copyfile(p, folder / p.name)
+    monkeypatch.setattr(build, "_SOURCES", tuple(folder / p.name for p in build._SOURCES))
+    monkeypatch.setattr(build, "_HEADERS", tuple(folder / p.name for p in build._HEADERS))
+    return folder
+
+
+@pytest.mark.parametrize("changed", ["splitk.cpp", "simd.h"])
+def test_cache_key_follows_the_sources_and_header_not_their_folder(tmp_path, monkeypatch, changed):
+    cxx = build.compiler() or "c++"
+    before = build.cache_key(build.key_inputs(cxx))
+    folder = _copy_sources(tmp_path, monkeypatch)
+    assert build.cache_key(build.key_inputs(cxx)) == before  # an installed copy: same key
+    with open(folder / changed, "a") as f:
+        f.write("\n// one more line\n")
+    assert build.cache_key(build.key_inputs(cxx)) != before
+
+
+def test_cache_key_follows_the_torch_build(monkeypatch):
+    cxx = build.compiler() or "c++"
+    before = build.cache_key(build.key_inputs(cxx))
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + ".other")
+    after_version = build.cache_key(build.key_inputs(cxx))
+    monkeypatch.undo()
+    monkeypatch.setattr(torch.version, "git_version", "0" * 40)
+    after_commit = build.cache_key(build.key_inputs(cxx))
+    assert len({before, after_version, after_commit}) == 3
+
+
+def test_cache_key_follows_every_input():
+    inputs = build.key_inputs(build.compiler() or "c++")
+    key = build.cache_key(inputs)
+    assert build.cache_key(dict(reversed(list(inputs.items())))) == key
+    for name in inputs:
+        assert build.cache_key({**inputs, name: inputs[name] + "x"}) != key, name
 
 
 # --------------------------------------------------------------------- what is loaded is checked
@@ -265,7 +360,7 @@ def _unrelated_with_forged_record(lib: Path, tmp_path) -> None:
 def test_damaged_cached_library_is_rebuilt_never_loaded(tmp_path, fake_cxx, real_lib, damage, monkeypatch):
     # The cache entry a build with the fake compiler writes: the library and its hash record.
     monkeypatch.setenv("ATTNKIT_CACHE_DIR", str(tmp_path / "cache"))
-    lib, record, _, _ = native._paths(str(fake_cxx))
+    lib, record, _, _ = build._paths(str(fake_cxx))
     lib.parent.mkdir()
     shutil.copyfile(real_lib, lib)
     record.write_text(f"{hashlib.sha256(lib.read_bytes()).hexdigest()} {lib.stat().st_size}\n")
@@ -295,7 +390,7 @@ def test_concurrent_first_uses_build_once(tmp_path, fake_cxx, real_lib):
     code = f"""
     import os, time
     from attnkit import native
-    native._paths(native._compiler())  # everything but the build, before the start line
+    native.build._paths(native.build.compiler())  # everything but the build, before the start line
     print("ready", flush=True)
     while not os.path.exists({str(go)!r}):
         time.sleep(0.01)

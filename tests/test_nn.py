@@ -311,7 +311,7 @@ def test_half_precision_rule_r(dtype):
     rule_r(*outs, n_terms=max(9, E))
 
 
-# --------------------------------------------------------------------------- issue 29
+# --------------------------------------------------------------------------- torch's bad-input contract
 
 
 def test_compile_fullgraph_encoder_with_padding_mask():
@@ -360,6 +360,9 @@ _BAD = {  # name: call on (module E=8, H=2, seq-first) -> what torch raises, che
     "kpm_1d_batched": lambda m: m(*[torch.randn(3, 2, E)] * 3, key_padding_mask=torch.zeros(3, dtype=torch.bool)),
     "kpm_2d_unbatched": lambda m: m(*[torch.randn(3, E)] * 3, key_padding_mask=torch.zeros(1, 3, dtype=torch.bool)),
     "kpm_shape": lambda m: m(*[torch.randn(3, 2, E)] * 3, key_padding_mask=torch.zeros(2, 4, dtype=torch.bool)),
+    "kpm_batch_shape": lambda m: m(*[torch.randn(3, 2, E)] * 3, key_padding_mask=torch.zeros(3, 3, dtype=torch.bool)),
+    "kpm_shape_unbatched": lambda m: m(*[torch.randn(3, E)] * 3, key_padding_mask=torch.zeros(4, dtype=torch.bool)),
+    "attn_mask_2d_shape_unbatched": lambda m: m(*[torch.randn(3, E)] * 3, attn_mask=torch.zeros(3, 4)),
     "kpm_dtype": lambda m: m(*[torch.randn(3, 2, E)] * 3, key_padding_mask=torch.zeros(2, 3, dtype=torch.long)),
     "attn_mask_dtype": lambda m: m(*[torch.randn(3, 2, E)] * 3, attn_mask=torch.zeros(3, 3, dtype=torch.uint8)),
     "attn_mask_1d": lambda m: m(*[torch.randn(3, 2, E)] * 3, attn_mask=torch.zeros(3, dtype=torch.bool)),
@@ -374,19 +377,58 @@ _BAD = {  # name: call on (module E=8, H=2, seq-first) -> what torch raises, che
 }
 
 
+#: Where torch's error comes from inside its computation (a reshape, a matrix product) rather than
+#: a check of its own, so its text describes that operation, not the argument: attnkit's message
+#: names the argument instead.
+_TORCH_MESSAGE_INCIDENTAL = {"query_key_batch", "key_channels"}
+
+
 @pytest.mark.parametrize("name", list(_BAD))
 def test_bad_input_raises_what_torch_raises(name):
-    """Code written against torch catches AssertionError (or RuntimeError where torch raises that);
-    attnkit's error is an instance of torch's exception type and of ValueError / TypeError, and
-    keeps attnkit's message (it names the argument and the shapes)."""
+    """Code written against torch catches AssertionError (or RuntimeError where torch raises that)
+    and matches torch's message: attnkit's error is an instance of torch's exception type and of
+    ValueError / TypeError, its message contains torch's, and it names the shapes."""
     with pytest.raises(Exception) as want:
         _BAD[name](nn.MultiheadAttention(E, H))
     with pytest.raises(type(want.value)) as got:
         _BAD[name](ann.MultiheadAttention(E, H))
     assert isinstance(got.value, (ValueError, TypeError)), type(got.value).__mro__
     assert type(want.value) in (AssertionError, RuntimeError)
+    if name not in _TORCH_MESSAGE_INCIDENTAL:
+        assert str(want.value) in str(got.value)
     if "shape" in name or name in ("embed_dim", "key_value_length", "query_key_batch"):
         assert "(" in str(got.value)  # names the shapes
+
+
+_BAD_CONFIGURED = {  # name: (module options, call) for errors that depend on the module's configuration
+    "kpm_shape_bias_kv": (dict(add_bias_kv=True), lambda m: m(*[torch.randn(3, 2, E)] * 3,
+                                                             key_padding_mask=torch.zeros(2, 4, dtype=torch.bool))),
+    "kpm_shape_zero_attn": (dict(add_bias_kv=True, add_zero_attn=True),
+                            lambda m: m(*[torch.randn(3, 2, E)] * 3, key_padding_mask=torch.zeros(2, 5))),
+    "separate_key_value_length": (dict(kdim=5, vdim=7),
+                                  lambda m: m(torch.randn(3, 2, E), torch.randn(4, 2, 5), torch.randn(3, 2, 7))),
+    "nested_query_and_key_differ": (dict(batch_first=True), lambda m: m(*_nested(3))),
+    "nested_1d": (dict(batch_first=True), lambda m: m(*[torch.nested.nested_tensor([])] * 3)),
+}
+
+
+def _nested(n):
+    parts = [[torch.randn(4, E), torch.randn(6, E)] for _ in range(n)]
+    return [torch.nested.nested_tensor(p, layout=torch.jagged) for p in parts]
+
+
+@pytest.mark.parametrize("name", list(_BAD_CONFIGURED))
+def test_bad_input_of_a_configured_module_matches_torchs_message(name):
+    """Errors that depend on the module (extra keys from bias_k / zero attention counted in the
+    key_padding_mask check, separate projections, NestedTensors) contain torch's message (for
+    NestedTensors, torch's reason that its fast path was not taken)."""
+    options, call = _BAD_CONFIGURED[name]
+    with pytest.raises(AssertionError) as want:
+        call(nn.MultiheadAttention(E, H, **options))
+    with pytest.raises(AssertionError) as got:
+        call(ann.MultiheadAttention(E, H, **options))
+    assert isinstance(got.value, ValueError)
+    assert str(want.value) in str(got.value)
 
 
 def test_bad_input_separate_projections_raises_what_torch_raises():

@@ -1,4 +1,4 @@
-"""Numerics at the edges (TESTING.md): extreme logits, stacked additive masks, determinism and
+"""Numerics at the edges (docs/testing.md): extreme logits, stacked additive masks, determinism and
 dropout. Every backend that can run the call is checked against the fp64 oracle with the same
 mask under rule R (tests/conftest.py), and must produce no NaN/Inf.
 
@@ -22,7 +22,7 @@ import torch
 import attnkit
 from attnkit import masks as M
 from attnkit.backends import BackendNotSupported
-from attnkit.backends.cpu_splitk.backend import MAX_DECODE_Q_LEN
+from attnkit.backends.decode import MAX_DECODE_Q_LEN
 
 from conftest import DTYPES, INFERENCE_ONLY, base_attention, check_against_oracle, make_qkv, rule_r, stable_seed
 
@@ -372,7 +372,7 @@ def test_sdpa_dropout_half_the_weights(dtype):
 
 
 def test_decode_refuses_dropout_and_auto_does_not_pick_it():
-    q, k, v = make_qkv(1, 4, 2, 1, 40000, 8)  # fp32, above both engines' size floor for auto
+    q, k, v = make_qkv(1, 4, 2, 1, 40000, 8)  # fp32, above both implementations' size floor for auto
     with pytest.raises(BackendNotSupported, match="dropout"):
         attnkit.attention(q, k, v, dropout_p=0.1, backend="decode")
     assert attnkit.describe_call(q, k, v) == "decode"

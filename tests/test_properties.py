@@ -1,4 +1,4 @@
-"""Hypothesis properties (TESTING.md): random small shapes, dtypes, masks and backends.
+"""Hypothesis properties: random small shapes, dtypes, masks and backends.
 
 * rule R holds against the fp64 oracle (forward; forward + backward on fewer examples),
 * permuting the keys together with their values and mask columns changes the output by no more
@@ -26,7 +26,7 @@ from conftest import _err, base_attention, check_against_oracle, make_qkv
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 BACKENDS = ["auto", "math", "sdpa", "decode"]
-MASK_KINDS = ["none", "dense", "key_padding", "window", "causal_offsets", "additive"]
+MASK_KINDS = ["none", "dense", "key_padding", "window", "causal_q_start", "additive"]
 
 COMMON = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 
@@ -88,8 +88,8 @@ def make_mask(c: Case, g: torch.Generator):
         right = int(torch.randint(0, 4, (), generator=g))
         align = "top_left" if torch.randint(0, 2, (), generator=g) else "bottom_right"
         return M.SlidingWindow(left if left < 5 else None, right if right < 3 else None, align=align)
-    if c.kind == "causal_offsets":
-        return M.Causal(offsets=torch.randint(-Sq, Sk + 1, (B,), generator=g))
+    if c.kind == "causal_q_start":
+        return M.Causal(q_start=torch.randint(-Sq, Sk + 1, (B,), generator=g))
     if c.kind == "additive":  # a float bias of moderate size with some -inf (masked) entries
         bias = torch.randn(B, 1, Sq, Sk, generator=g)
         return bias.masked_fill(torch.rand(B, 1, Sq, Sk, generator=g) < 0.2, float("-inf"))
@@ -187,10 +187,10 @@ def _perturb_batch_item(c: Case, q, k, v, mask, j: int, g: torch.Generator):
         lens = mask.lengths.clone()
         lens[j] = torch.randint(0, c.Sk + 1, (), generator=g)
         m2 = M.KeyPadding(lens, side=mask.side)
-    elif c.kind == "causal_offsets":
-        offs = mask.offsets.clone()
-        offs[j] = torch.randint(-c.Sq, c.Sk + 1, (), generator=g)
-        m2 = M.Causal(offsets=offs)
+    elif c.kind == "causal_q_start":
+        starts = mask.q_start.clone()
+        starts[j] = torch.randint(-c.Sq, c.Sk + 1, (), generator=g)
+        m2 = M.Causal(q_start=starts)
     else:
         m2 = mask
     return q2, k2, v2, m2

@@ -196,7 +196,7 @@ def test_paged_quantized_pools_match_the_oracle(engine, dtype, kv, block_size):
     for b in range(B):
         pk[table[b, pos // block_size], pos % block_size] = k[b].transpose(0, 1)
         pv[table[b, pos // block_size], pos % block_size] = v[b].transpose(0, 1)
-    mask = M.Causal(offsets=(lens - Sq).clamp(min=0))
+    mask = M.Causal(q_start=(lens - Sq).clamp(min=0))
     full = mask & M.KeyPadding(lens)
     for latent in (False, True):
         qkv = QuantizedKV.quantize(pk, None if latent else pv, kv, v_head_dim=16 if latent else None,

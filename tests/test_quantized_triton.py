@@ -23,12 +23,14 @@ from attnkit.masks import ALiBi, Causal, KeyPadding
 
 from conftest import base_attention, compile_ahead, rule_r, scattered_table, stable_seed
 
-triton_decode = pytest.importorskip("attnkit.backends.triton_splitk.kernel")
-if triton_decode.available() is not None:
-    pytest.skip(f"Triton kernels unavailable: {triton_decode.available()}", allow_module_level=True)
+triton_ops = pytest.importorskip("attnkit.backends.triton.ops")
+if triton_ops.available() is not None:
+    pytest.skip(f"Triton kernels unavailable: {triton_ops.available()}", allow_module_level=True)
 
 import triton  # noqa: E402  (present: the kernel module imported it)
 import triton.language as tl  # noqa: E402
+
+from attnkit.backends.triton import kernel as triton_kernel  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 HAS_CUDA = torch.cuda.is_available()
@@ -114,21 +116,21 @@ def test_kernel_matches_oracle(storage, layout, heads, dtype):
     seq = torch.tensor(lens)
     num_splits = rng.choice([0, 1, 3])
     if layout == "paged":
-        out = triton_decode.paged_decode_attention(q, kv.k, kv.v, kv.block_table, kv.lengths, k_scale=kv.k_scale,
-                                                   v_scale=kv.v_scale, num_splits=num_splits)
+        out = triton_ops.paged_decode_attention(q, kv.k, kv.v, kv.block_table, kv.lengths, k_scale=kv.k_scale,
+                                                v_scale=kv.v_scale, num_splits=num_splits)
         assert (out[0] == 0).all(), "a sequence with no keys gives exact zeros"
     else:
-        out = triton_decode.decode_attention(q, kv.k, kv.v, seq_lens=seq.to(DEV), k_scale=kv.k_scale,
-                                             v_scale=kv.v_scale, num_splits=num_splits)
+        out = triton_ops.decode_attention(q, kv.k, kv.v, lengths=seq.to(DEV), k_scale=kv.k_scale,
+                                          v_scale=kv.v_scale, num_splits=num_splits)
     assert out.dtype == dtype and out.shape == (2, Hq, S, D)
-    _check(out, q, kv, Causal(offsets=seq - S) if pad is None else Causal(offsets=seq - S) & pad)
+    _check(out, q, kv, Causal(q_start=seq - S) if pad is None else Causal(q_start=seq - S) & pad)
 
 
 def _modifier(name, Hq, S, lens):
     """(mask, kwargs of attention()) for one modifier a cache's decode step carries."""
     g = torch.Generator().manual_seed(len(name))
     seq = torch.tensor(lens)
-    causal = Causal(offsets=seq - S)
+    causal = Causal(q_start=seq - S)
     slopes = M.alibi_slopes(Hq)
     return {
         "causal": (causal, {}),
@@ -145,7 +147,7 @@ def _modifier(name, Hq, S, lens):
 @pytest.mark.parametrize("storage", STORAGE)
 def test_modifiers_through_attention(storage, layout, modifier):
     """attnkit.attention(q, QuantizedKV, backend="triton"): the backend's quantized branches with
-    every score modifier the kernel runs (soft-cap, sinks, ALiBi, causal offsets, padding), bf16,
+    every score modifier the kernel runs (soft-cap, sinks, ALiBi, causal q_start, padding), bf16,
     a 3-token verification step and GQA; the scale is not 1/sqrt(D)."""
     seed = stable_seed("qmod", storage, layout, modifier)
     Hq, Hkv, S, D = 4, 2, 3, 24
@@ -173,7 +175,7 @@ def test_v_read_from_k(rank, rope, storage, layout):
     kv, pad = _kv(layout, 2, 1, D, rank, lens, storage, seed=seed, v_from_k=True)
     q = _q(2, H, S, D, torch.bfloat16, seed + 1)
     seq = torch.tensor(lens)
-    mask = Causal(offsets=seq - S) if pad is None else Causal(offsets=seq - S) & pad
+    mask = Causal(q_start=seq - S) if pad is None else Causal(q_start=seq - S) & pad
     scale = 0.7 / math.sqrt(D)
     out = attnkit.attention(q, kv, None, mask, scale=scale, backend="triton", softcap=10.0)
     assert out.shape == (2, H, S, rank)
@@ -225,11 +227,11 @@ def test_a_nan_scale_reaches_only_the_rows_that_see_its_key(which):
     bad = QuantizedKV(kv.k, scales if which == "k_scale" else kv.k_scale, kv.v,
                       scales if which == "v_scale" else kv.v_scale)
     q = _q(2, 2, 3, 16, torch.float32, 6)
-    mask = Causal(offsets=torch.tensor(lens) - 3) & KeyPadding(torch.tensor(lens))
+    mask = Causal(q_start=torch.tensor(lens) - 3) & KeyPadding(torch.tensor(lens))
     out = attnkit.attention(q, bad, None, mask, backend="triton").cpu()
     assert out[1, :, 2].isnan().all()
     assert not out[1, :, :2].isnan().any() and not out[0].isnan().any()
-    _check(out[:, :, :2], q[:, :, :2], kv, Causal(offsets=torch.tensor(lens) - 3) & KeyPadding(torch.tensor(lens)))
+    _check(out[:, :, :2], q[:, :, :2], kv, Causal(q_start=torch.tensor(lens) - 3) & KeyPadding(torch.tensor(lens)))
 
 
 def test_fp8_bytes_decode_exactly():
@@ -239,7 +241,7 @@ def test_fp8_bytes_decode_exactly():
     @triton.jit
     def widen(X, Y, FP8: tl.constexpr):
         i = tl.arange(0, 256)
-        tl.store(Y + i, triton_decode._widen(tl.load(X + i), FP8))
+        tl.store(Y + i, triton_kernel._widen(tl.load(X + i), FP8))
 
     raw = torch.arange(256, dtype=torch.uint8, device=DEV)
     got = torch.empty(256, device=DEV)
@@ -262,17 +264,17 @@ def test_strided_scales_and_an_empty_cache():
     ks = wide[..., 1]  # stride 3
     vs = kv.v_scale.transpose(1, 2).contiguous().transpose(1, 2)  # heads innermost
     q = _q(2, 4, 1, 16, torch.float32, 10)
-    out = triton_decode.decode_attention(q, kv.k, kv.v, k_scale=ks, v_scale=vs)
+    out = triton_ops.decode_attention(q, kv.k, kv.v, k_scale=ks, v_scale=vs)
     _check(out, q, kv, Causal())
-    empty = triton_decode.decode_attention(q, kv.k[:, :, :0], kv.v[:, :, :0], k_scale=kv.k_scale[:, :, :0],
-                                           v_scale=kv.v_scale[:, :, :0])
+    empty = triton_ops.decode_attention(q, kv.k[:, :, :0], kv.v[:, :, :0], k_scale=kv.k_scale[:, :, :0],
+                                        v_scale=kv.v_scale[:, :, :0])
     assert empty.shape == (2, 4, 1, 16) and (empty == 0).all()
 
 
 def test_bad_quantized_input_names_the_argument():
     kv = _pools(1, 2, 16, 16, 16, [20], "int8", seed=1)
     q = _q(1, 4, 1, 16, torch.float32, 2)
-    base = dict(q=q, k_pool=kv.k, v_pool=kv.v, block_table=kv.block_table, seq_lens=kv.lengths,
+    base = dict(q=q, k_pool=kv.k, v_pool=kv.v, block_table=kv.block_table, lengths=kv.lengths,
                 k_scale=kv.k_scale, v_scale=kv.v_scale)
     cases = [
         (dict(k_scale=None), ValueError, "pass k_scale"),
@@ -286,10 +288,10 @@ def test_bad_quantized_input_names_the_argument():
         kw = dict(base)
         kw.update(change)
         with pytest.raises(err, match=text):
-            triton_decode.paged_decode_attention(**kw)
+            triton_ops.paged_decode_attention(**kw)
     dense = _dense(1, 2, 20, 16, 16, "int8", seed=1)
     with pytest.raises(ValueError, match="k_scale must have shape"):
-        triton_decode.decode_attention(q, dense.k, dense.v, k_scale=dense.k_scale[:, :1], v_scale=dense.v_scale)
+        triton_ops.decode_attention(q, dense.k, dense.v, k_scale=dense.k_scale[:, :1], v_scale=dense.v_scale)
 
 
 def test_registered_op_takes_the_scales():
@@ -343,22 +345,22 @@ _SMEM = {80: 166912, 90: 232448}  # shared memory per block (bytes) on A100 and 
 _AOT = r"""
 import inspect, json, sys, torch, triton
 from triton.backends.compiler import GPUTarget
-from attnkit.backends.triton_splitk import kernel as td
+from attnkit.backends.triton import kernel as td
 fn = td._split_kernel
 params = inspect.signature(fn.fn).parameters
 consts = [n for n, p in params.items() if "constexpr" in str(p.annotation)]
-ptrs = {"Q", "K", "V", "TABLE", "QSTART", "SEQLEN", "OP", "LSEP", "SLOPES", "APOS", "KS", "VS", "WSTART"}
+ptrs = {"Q", "K", "V", "TABLE", "QSTART", "LENGTHS", "OP", "LSEP", "SLOPES", "ALIBI_QSTART", "KS", "VS", "WIN_QSTART"}
 ints = [n for n in params if n not in consts and n not in ptrs and n not in ("scale_log2", "softcap")]
 # Pointers, strides and sizes get the 16-byte divisibility hints a real launch specialises on.
-aligned = sorted(ptrs) + [n for n in ints if n.startswith("stride")] + ["DK", "DV", "PAGE", "SPLIT_LEN"]
+aligned = sorted(ptrs) + [n for n in ints if n.startswith("stride")] + ["DK", "DV", "KV_BLOCK_SIZE", "SPLIT_LEN"]
 attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
 out = []
 for dt, storage, D, Dv, vfk, cap in json.loads(sys.argv[1]):
     cfg = td._config(getattr(torch, dt), D, Dv, 128, vfk)
     short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dt]
     data = {"int8": "*i8", "fp8": "*u8"}[storage]  # fp8 rows go in as bytes
-    sig = dict(Q="*" + short, K=data, V=data, TABLE="*i32", QSTART="*i32", SEQLEN="*i32", OP="*fp32",
-               LSEP="*fp32", SLOPES="*fp32", APOS="*i32", KS="*fp32", VS="*fp32", WSTART="*i32", scale_log2="fp32",
+    sig = dict(Q="*" + short, K=data, V=data, TABLE="*i32", QSTART="*i32", LENGTHS="*i32", OP="*fp32",
+               LSEP="*fp32", SLOPES="*fp32", ALIBI_QSTART="*i32", KS="*fp32", VS="*fp32", WIN_QSTART="*i32", scale_log2="fp32",
                softcap="fp32", **{n: "i32" for n in ints})
     # The heaviest variant: soft-capping, ALiBi and a window on.
     cv = dict(V_FROM_K=vfk, HAS_ROPE=cfg["DR"] > 0, PRECISION="ieee" if short == "fp32" else "tf32",

@@ -107,7 +107,7 @@ def test_auto_skip_reason_passes_over_but_forcing_works():
 def test_auto_sends_only_unequal_width_cuda_decode_to_triton():
     """`auto` picks the Triton decode kernel on CUDA for MLA-style calls (K wider than V: SDPA has
     no fused kernel for them) and leaves equal widths and every CPU call to the other backends."""
-    from attnkit.backends.triton_splitk import NO_CAUSAL, TritonBackend
+    from attnkit.backends.triton import NO_CAUSAL, TritonBackend
     from attnkit.masks import Causal, KeyPadding, ReducedMask, SlidingWindow
 
     def decode_limits(mask, B, Sq, Sk, device):
@@ -123,9 +123,9 @@ def test_auto_sends_only_unequal_width_cuda_decode_to_triton():
     from dataclasses import replace as _replace
     assert tb.auto_skip_reason(_replace(call("cuda", 128, 128), kv_layout="paged")) is None  # read in place
     assert "not CUDA" in tb.auto_skip_reason(call("cpu", 576, 512))
-    cache_mask = Causal(offsets=torch.tensor([298, 10])) & KeyPadding(torch.tensor([299, 12]))
+    cache_mask = Causal(q_start=torch.tensor([298, 10])) & KeyPadding(torch.tensor([299, 12]))
     assert not any("mask" in r for r in tb.not_supported_reasons(call("cuda", 576, 512, cache_mask)))
-    window_step = cache_mask & SlidingWindow(7, offsets=torch.tensor([298, 10]))  # a windowed layer's step
+    window_step = cache_mask & SlidingWindow(7, q_start=torch.tensor([298, 10]))  # a windowed layer's step
     assert not any("mask" in r for r in tb.not_supported_reasons(call("cuda", 576, 512, window_step)))
     two_windows = SlidingWindow(8) & SlidingWindow(4, 2)
     assert any("mask" in r for r in tb.not_supported_reasons(call("cuda", 576, 512, two_windows)))
@@ -166,7 +166,7 @@ def test_auto_gives_every_modifier_a_fused_path_on_cuda():
         "additive": call(2048, Additive(torch.zeros(2048, 2048)) & Causal()),
         "window": call(2048, SlidingWindow(127)),
         "documents": call(2048, Causal() & Document(torch.tensor([1000, 1048]))),
-        "ragged causal": call(2048, Causal(offsets=torch.tensor([0, 5]))),
+        "ragged causal": call(2048, Causal(q_start=torch.tensor([0, 5]))),
     }
     for name, c in prefill.items():
         assert registry.select(c).name == "flex", name
@@ -180,6 +180,62 @@ def test_auto_gives_every_modifier_a_fused_path_on_cuda():
                   replace(call(1, SlidingWindow(127)), kv_layout="quantized")):  # int8 / fp8 read in place
             assert registry.select(c).name == "triton"
         assert registry.select(call(1, Causal())).name == "sdpa"
-    # On CPU the same calls never go to flex (its compile does not pay off; the CPU engines fuse them).
+    # On CPU the same calls never go to flex (its compile does not pay off; the split-K engine fuses them).
     cpu = replace(prefill["softcap"], device=torch.device("cpu"))
     assert registry.select(cpu).name != "flex"
+
+
+_OLD_PATHS = {
+    "attnkit.backends.cpu_splitk": ["SplitKBackend", "MAX_DECODE_Q_LEN", "auto_skip", "decode_refusals"],
+    "attnkit.backends.cpu_splitk.backend": ["SplitKBackend", "MAX_DECODE_Q_LEN", "auto_skip", "decode_refusals"],
+    "attnkit.backends.cpu_splitk.engine": ["splitk_attention", "merge_partials", "finite", "with_sinks",
+                                           "v_is_prefix_of_k", "Q_CHUNK", "engine_name"],
+    "attnkit.backends.triton_splitk": ["TritonBackend", "NO_CAUSAL", "MAX_Q_LEN", "interpreting"],
+    "attnkit.backends.triton_splitk.kernel": ["paged_decode_attention", "decode_attention", "available",
+                                              "NO_CAUSAL"],
+}
+
+
+@pytest.mark.parametrize("old", list(_OLD_PATHS))
+def test_old_backend_import_paths_still_work_with_a_deprecation_warning(old):
+    """The backends' folders are named as the backends are (decode/, triton/); the old import
+    paths re-export their names, warning with the new path."""
+    import importlib
+    import sys
+
+    from attnkit.backends import common, decode, triton
+
+    for name in [m for m in sys.modules if m == old or m.startswith(old + ".")]:
+        sys.modules.pop(name)
+    with pytest.warns(DeprecationWarning, match="deprecated; use attnkit.backends"):
+        module = importlib.import_module(old)
+    for name in _OLD_PATHS[old]:
+        assert getattr(module, name) is not None, name
+    if hasattr(module, "SplitKBackend"):
+        assert module.SplitKBackend is decode.DecodeBackend and module.decode_refusals is common.decode_refusals
+    if hasattr(module, "TritonBackend"):
+        assert module.TritonBackend is triton.TritonBackend
+    if old.endswith("engine"):
+        assert module.merge_partials is common.merge_partials
+        with pytest.warns(DeprecationWarning, match="implementation"):
+            assert module.engine_name() in ("native", "torch")
+
+
+def test_attention_call_keeps_its_old_head_count_names_deprecated():
+    """``num_heads`` / ``num_kv_heads`` are the fields; ``q_heads`` / ``kv_heads`` still work as
+    keywords and properties, with a DeprecationWarning naming the new spelling."""
+    from dataclasses import replace
+
+    kw = dict(batch=1, q_len=1, kv_len=4, head_dim=8, v_head_dim=8, dtype=torch.float32, device=torch.device("cpu"),
+              mask=None, scale=1.0, dropout_p=0.0, return_weights=False, needs_grad=False)
+    with pytest.warns(DeprecationWarning, match="num_kv_heads"):
+        call = registry.AttentionCall(q_heads=8, kv_heads=2, **kw)
+    assert (call.num_heads, call.num_kv_heads, call.groups) == (8, 2, 4)
+    assert call == registry.AttentionCall(num_heads=8, num_kv_heads=2, **kw)
+    with pytest.warns(DeprecationWarning, match="num_heads"):
+        assert call.q_heads == 8
+    with pytest.warns(DeprecationWarning, match="num_kv_heads"):
+        assert call.kv_heads == 2
+    with pytest.raises(TypeError, match="num_kv_heads= only"):
+        registry.AttentionCall(num_heads=8, num_kv_heads=2, kv_heads=2, **kw)
+    assert replace(call, q_len=2).num_kv_heads == 2

@@ -59,10 +59,10 @@ TYPE_CASES = ["default", "linear", "dynamic", "llama3", "yarn"]
 
 
 def make_positions(kind: str, B: int = 3, S: int = 7) -> torch.Tensor:
-    """(B, S) int64 positions: contiguous per-sequence offsets, or scattered values."""
-    if kind == "offsets":  # every max < 64: dynamic stays at the default frequencies
+    """(B, S) int64 positions: contiguous from a per-sequence q_start, or scattered values."""
+    if kind == "q_start":  # every max < 64: dynamic stays at the default frequencies
         return torch.tensor([0, 5, 40])[:B, None] + torch.arange(S)
-    if kind == "offsets-long":  # beyond max_position_embeddings: dynamic grows, YaRN extrapolates
+    if kind == "q_start-long":  # beyond max_position_embeddings: dynamic grows, YaRN extrapolates
         return torch.tensor([3, 60, 211])[:B, None] + torch.arange(S)
     g = torch.Generator().manual_seed(7)
     return torch.randint(0, 300, (B, S), generator=g)
@@ -124,7 +124,7 @@ def deinterleave_perm(r: int) -> torch.Tensor:
 
 
 @needs_hf
-@pytest.mark.parametrize("kind", ["offsets", "offsets-long", "scattered"])
+@pytest.mark.parametrize("kind", ["q_start", "q_start-long", "scattered"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_parity_llama(case, kind):
     """cos/sin and rotated q/k equal LlamaRotaryEmbedding + apply_rotary_pos_emb (fresh HF module per
@@ -194,7 +194,7 @@ def test_parity_partial_rotary_gpt_neox(case):
 
     cfg = hf_config(case, "gpt_neox", partial=0.5)
     hf = hf_rotary(cfg, "gpt_neox")
-    pos = make_positions("offsets-long")
+    pos = make_positions("q_start-long")
     cos_h, sin_h = hf_cos_sin(hf, pos)
     q, k = rand(3, 4, 7, HEAD_DIM, seed=3), rand(3, 1, 7, HEAD_DIM, seed=4)
     q_h, k_h = apply_rotary_pos_emb(q, k, cos_h, sin_h)
@@ -307,7 +307,7 @@ def test_norm_preserved_per_pair(case, interleaved):
     rope = ours(case, interleaved=interleaved, rotary_dim=HEAD_DIM // 2)
     R, F = HEAD_DIM // 2, HEAD_DIM // 4
     x = rand(2, 3, 7, HEAD_DIM, seed=8)
-    pos = make_positions("offsets-long", B=2)
+    pos = make_positions("q_start-long", B=2)
     y = rope.rotate(x, pos)
 
     def pair_norms(t):
@@ -340,17 +340,17 @@ def test_scores_depend_on_relative_position_only(case, interleaved):
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
 @pytest.mark.parametrize("case", TYPE_CASES)
-def test_per_sequence_offsets_equal_slices_of_a_longer_rotation(case, interleaved):
+def test_per_sequence_q_start_equals_slices_of_a_longer_rotation(case, interleaved):
     rope = ours(case, interleaved=interleaved)
-    B, S, offsets = 3, 5, torch.tensor([0, 7, 19])
+    B, S, q_start = 3, 5, torch.tensor([0, 7, 19])
     x = rand(B, 2, S, HEAD_DIM, seed=11)
-    y = rope.rotate(x, offsets[:, None] + torch.arange(S))
-    full_len = int(offsets.max()) + S  # 24 < 64: dynamic's frequency set does not change
+    y = rope.rotate(x, q_start[:, None] + torch.arange(S))
+    full_len = int(q_start.max()) + S  # 24 < 64: dynamic's frequency set does not change
     for b in range(B):
         long_x = rand(1, 2, full_len, HEAD_DIM, seed=12)
-        long_x[..., offsets[b]:offsets[b] + S, :] = x[b:b + 1]
+        long_x[..., q_start[b]:q_start[b] + S, :] = x[b:b + 1]
         long_y = rope.rotate(long_x, torch.arange(full_len)[None])
-        assert torch.equal(y[b:b + 1], long_y[..., offsets[b]:offsets[b] + S, :])
+        assert torch.equal(y[b:b + 1], long_y[..., q_start[b]:q_start[b] + S, :])
 
 
 @pytest.mark.parametrize("rotary_dim", [HEAD_DIM, HEAD_DIM // 2])
@@ -360,7 +360,7 @@ def test_interleaved_is_rotate_half_up_to_a_permutation(case, rotary_dim):
     inter = ours(case, rotary_dim=rotary_dim, interleaved=True)
     perm = torch.cat((deinterleave_perm(rotary_dim), torch.arange(rotary_dim, HEAD_DIM)))
     x = rand(2, 3, 7, HEAD_DIM, seed=13)
-    pos = make_positions("offsets-long", B=2)
+    pos = make_positions("q_start-long", B=2)
     assert torch.equal(half.rotate(x[..., perm], pos), inter.rotate(x, pos)[..., perm])
     # cos/sin hold the same angles, laid out per pair vs per half
     (ch, _), (ci, _) = half.cos_sin(pos), inter.cos_sin(pos)
@@ -385,7 +385,7 @@ def test_low_precision_inputs(dtype, interleaved):
     """bf16/fp16 in, same dtype out: the fp32 computation rounded once (within half an ulp)."""
     rope = ours("yarn", interleaved=interleaved, rotary_dim=24)
     q, k = rand(2, 4, 7, HEAD_DIM, seed=15, dtype=dtype), rand(2, 2, 7, HEAD_DIM, seed=16, dtype=dtype)
-    pos = make_positions("offsets-long", B=2)
+    pos = make_positions("q_start-long", B=2)
     q_o, k_o = rope(q, k, pos)
     assert q_o.dtype == k_o.dtype == dtype
     q_ref, k_ref = rope(q.float(), k.float(), pos)
@@ -423,7 +423,7 @@ def test_table_angles_equal_direct_computation(case, interleaved):
     computed once serve every call; bshd layout rotates like bhsd; a cast rebuilds it in fp32."""
     rope = ours(case, interleaved=interleaved, rotary_dim=HEAD_DIM // 2)
     assert rope.cos_table.shape[0] == 0  # nothing until used
-    pos = make_positions("offsets-long", B=2)
+    pos = make_positions("q_start-long", B=2)
     q, k = rand(2, 4, 7, HEAD_DIM, seed=21), rand(2, 2, 7, HEAD_DIM, seed=22)
     cos, sin = rope.cos_sin(pos)
     a = rope.angles(pos)
@@ -583,3 +583,16 @@ def test_compiled_rotation_is_the_torch_rotation_bit_for_bit(monkeypatch, dtype,
         assert got.dtype == want.dtype and torch.equal(got, want)
     leaf = x.float().requires_grad_()  # autograd keeps the torch ops
     assert not R._native_ok(leaf, cos, sin)
+
+
+# ---------------------------------------------------------------------------- module layout
+
+
+def test_moved_mscale_helpers_keep_their_old_path_with_a_deprecation():
+    """YaRN's mscale helpers live in attnkit.rope.mscale; attnkit.rope.frequencies still gives
+    them, with a DeprecationWarning naming the new path."""
+    from attnkit.rope import frequencies
+    with pytest.warns(DeprecationWarning, match="attnkit.rope"):
+        assert frequencies.yarn_get_mscale is yarn_get_mscale
+    with pytest.warns(DeprecationWarning):
+        assert frequencies.yarn_softmax_scale_multiplier is yarn_softmax_scale_multiplier

@@ -1,12 +1,11 @@
 """The bias SDPA receives, held to rule R in the precision its kernel sees, on every device policy.
 
 On CUDA the bias goes to SDPA's fused kernels in the input dtype (fp16/bf16); on CPU it stays
-fp32. The CUDA branch once shifted each row by its largest bias over *all* keys, including those
-the causal part removes (ALiBi grows toward future keys), which left an early row's allowed keys
-near ``-slope * (Sk - 1)``, where bf16 has a spacing of 2-4: a relative error of 0.67 on an H100
-that every CPU test missed. Here the CUDA decision (:func:`sdpa_bias_dtype`) runs on CPU: the
-bias is cast as it would be for the GPU and SDPA's CPU kernel adds it to fp32 scores, as the
-CUDA kernels do."""
+fp32. Each row is shifted by its largest bias over the keys the mask allows, not over all keys:
+a shift over all keys (ALiBi grows toward the future keys a causal part removes) would leave an
+early row's allowed keys near ``-slope * (Sk - 1)``, where bf16 has a spacing of 2-4, far outside
+rule R. Here the CUDA decision (:func:`sdpa_bias_dtype`) runs on CPU: the bias is cast as it
+would be for the GPU and SDPA's CPU kernel adds it to fp32 scores, as the CUDA kernels do."""
 
 from __future__ import annotations
 
@@ -29,8 +28,8 @@ CASES = {
                                                   & M.KeyPadding(torch.tensor([Sk, Sk // 3]))),
     "alibi-documents": lambda B, H, Sq, Sk: (M.ALiBi(M.alibi_slopes(H)) & M.Causal()
                                              & M.Document(torch.tensor([Sq // 4, Sq // 2, Sq - Sq // 4 - Sq // 2]))),
-    "alibi-offsets": lambda B, H, Sq, Sk: (M.ALiBi(M.alibi_slopes(H), offsets=torch.tensor([Sk - Sq, 5]))
-                                           & M.Causal(offsets=torch.tensor([Sk - Sq, 5]))),
+    "alibi-offsets": lambda B, H, Sq, Sk: (M.ALiBi(M.alibi_slopes(H), q_start=torch.tensor([Sk - Sq, 5]))
+                                           & M.Causal(q_start=torch.tensor([Sk - Sq, 5]))),
     "additive-causal": lambda B, H, Sq, Sk: M.Additive(3 * torch.randn(B, 1, Sq, Sk)) & M.Causal(),
     "additive-large-offset": lambda B, H, Sq, Sk: M.Additive(torch.randn(Sq, Sk) - 5e4) & M.Causal(),
     "additive-window-padding": lambda B, H, Sq, Sk: (M.Additive(torch.randn(1, H, Sq, Sk)) & M.SlidingWindow(30)
@@ -74,9 +73,10 @@ def test_shifted_bias_puts_each_rows_allowed_maximum_at_zero(case):
     assert (on_allowed[rows] == 0).all()
 
 
-def test_alibi_on_cuda_policy_matches_the_reported_h100_case():
-    """The reported case: (1, 16, 1024, 128) bf16 ALiBi + causal. With the old shift its error was
-    0.67 relative; now it is within rule R of the fp64 oracle, with the bias cast to bf16."""
+def test_alibi_on_cuda_policy_holds_rule_r_on_a_long_causal_call():
+    """(1, 16, 1024, 128) bf16 ALiBi + causal, with the bias cast to bf16 as for CUDA: within rule
+    R of the fp64 oracle (a shift over every key, the causal part's removed ones included, puts it
+    far outside)."""
     q, k, v = make_qkv(1, 16, 16, 1024, 1024, 128, dtype=torch.bfloat16, seed=7)
     mask = M.ALiBi(M.alibi_slopes(16)) & M.Causal()
     call = _validate(q, k, v, mask, False, None, 0.0, False)

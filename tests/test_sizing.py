@@ -99,7 +99,8 @@ def test_table_lists_every_preset_with_expanded_mla_rows():
 def test_parse_spec_dtype_context():
     name, spec, layers = parse_spec("mla:heads=128,rank=512,rope=64,nope=128,v=128,layers=61")
     assert values_per_token(spec) == 576 and values_per_token(expanded_dims(spec)) == 40960 and layers == 61
-    assert parse_spec("gqa:heads=32,kv_heads=8,head_dim=128")[1] == AttentionDims(8, 128, num_heads=32)
+    assert parse_spec("gqa:heads=32,num_kv_heads=8,head_dim=128")[1] == AttentionDims(8, 128, num_heads=32)
+    assert parse_spec("gqa:heads=32,kv_heads=8,head_dim=128")[1] == AttentionDims(8, 128, num_heads=32)  # short key
     assert parse_spec("mha:heads=32,head_dim=128")[1] == AttentionDims(32, 128, num_heads=32)
     assert parse_spec("mqa:heads=71,head_dim=64")[1] == AttentionDims(1, 64, num_heads=71)
     assert parse_spec("DeepSeek-V3") == ("deepseek-v3", V3, 61)
@@ -109,7 +110,7 @@ def test_parse_spec_dtype_context():
 
 def test_run_kv_prints_the_table(capsys):
     p = add_kv_arguments(argparse.ArgumentParser())
-    args = p.parse_args(["deepseek-v3", "gqa:heads=32,kv_heads=8,head_dim=128,layers=32", "--context", "4k",
+    args = p.parse_args(["deepseek-v3", "gqa:heads=32,num_kv_heads=8,head_dim=128,layers=32", "--context", "4k",
                          "--dtype", "fp32"])
     assert run_kv(args) == 0
     out = capsys.readouterr().out
@@ -130,7 +131,7 @@ def test_kv_option_errors_say_what_is_wrong(capsys):
 @pytest.mark.parametrize("call,exc,text", [
     (lambda: parse_spec("mla:heads=128,rank=512"), ValueError, "missing"),
     (lambda: parse_spec("mla:heads=128,rank=512,rope=63,nope=128,v=128"), ValueError, r"qk_rope_head_dim \(63\)"),
-    (lambda: parse_spec("gqa:heads=32,kv_heads=5,head_dim=128"), ValueError, r"num_heads \(32\) must be divisible"),
+    (lambda: parse_spec("gqa:heads=32,num_kv_heads=5,head_dim=128"), ValueError, r"num_heads \(32\) must be divisible"),
     (lambda: parse_spec("gqa:heads=x"), ValueError, "bad item 'heads=x'"),
     (lambda: parse_spec("rnn:h=1"), ValueError, "spec kind must be"),
     (lambda: parse_spec("llama-9"), ValueError, "unknown preset 'llama-9'"),

@@ -13,7 +13,7 @@ import torch
 
 import attnkit
 from attnkit import masks as M
-from attnkit.backends.cpu_splitk import engine as splitk
+from attnkit.backends.decode import splitk
 
 from conftest import DTYPES, base_attention, make_qkv, rule_r, stable_seed
 
@@ -30,7 +30,7 @@ def _masks(B, Sq, Sk, g):
         "padding_right": (M.KeyPadding(lens), False),
         "padding_left_causal": (M.KeyPadding(lens, side="left"), True),
         "window": (M.SlidingWindow(5), False),
-        "offsets_padding": (M.Causal(offsets=offs) & M.KeyPadding(lens), False),
+        "offsets_padding": (M.Causal(q_start=offs) & M.KeyPadding(lens), False),
         "query_padding": (M.QueryPadding(torch.randint(0, Sq + 1, (B,), generator=g)), False),
         "dense": (dense, False),
         "additive": (add, True),
@@ -94,7 +94,7 @@ def test_paged_pages_match_the_oracle(engine, dtype, block_size):
     for b in range(B):
         pk[table[b, pos // block_size], pos % block_size] = k[b].transpose(0, 1)
         pv[table[b, pos // block_size], pos % block_size] = v[b].transpose(0, 1)
-    mask = M.Causal(offsets=(lens - Sq).clamp(min=0))
+    mask = M.Causal(q_start=(lens - Sq).clamp(min=0))
     out = attnkit.attention(q, attnkit.PagedKV(pk, pv, table, lens), None, mask, backend="paged")
     full = mask & M.KeyPadding(lens)
     rule_r(out, base_attention(q, k, v, full), attnkit.attention_reference(q, k, v, full), n_terms=50)
@@ -161,14 +161,15 @@ def test_long_contexts_strided_caches_and_ragged_lengths(engine, dtype):
     buf_v = torch.randn(3, 2, 6000, 64).to(DTYPES[dtype])
     k, v = buf_k[:, :, :5000], buf_v[:, :, :5000]
     q = torch.randn(3, 8, 2, 64).to(DTYPES[dtype])
-    mask = M.Causal(offsets=torch.tensor([4998, 10, 2000])) & M.KeyPadding(torch.tensor([5000, 12, 2002]))
+    mask = M.Causal(q_start=torch.tensor([4998, 10, 2000])) & M.KeyPadding(torch.tensor([5000, 12, 2002]))
     out = attnkit.attention(q, k, v, mask, backend="decode")
     rule_r(out, base_attention(q, k, v, mask), attnkit.attention_reference(q, k, v, mask), n_terms=5000)
 
 
 def test_never_changes_torch_threads_in_this_or_other_threads(engine):
-    """The old engine set torch's thread count to 1 while it ran; a thread whose first torch op
-    overlapped kept 1 thread for life. Now nothing changes, whoever looks, whenever."""
+    """The engine never changes torch's thread count, not even while it runs: a thread whose first
+    torch op overlapped a change would keep the changed count for life. Whoever looks, whenever,
+    sees the count unchanged."""
     before = torch.get_num_threads()
     q, k, v = make_qkv(2, 8, 2, 1, 20000, 64, seed=5)
     seen, errors = [], []
@@ -223,7 +224,7 @@ def test_describe_call_names_the_implementation(engine):
     """A forced backend names the engine it runs on; ``auto`` takes the engine only where it is
     native (without it, the calls SDPA can run go to SDPA)."""
     q, k, v = make_qkv(1, 8, 2, 1, 5000, 64)
-    assert splitk.engine_name() == engine
+    assert splitk.implementation() == engine
     for dtype in (torch.float32, torch.bfloat16):
         q, k, v = (t.to(dtype) for t in (q, k, v))
         assert attnkit.describe_call(q, k, v, backend="decode", detail=True) == f"decode[{engine}]"
@@ -259,11 +260,11 @@ def test_head_dim_one_keys_with_any_last_stride_are_accepted(engine):
 
 @pytest.mark.parametrize("Sk", [300, 8000])
 def test_a_long_single_threaded_walk_stays_within_twice_the_math_error(Sk):
-    """Issue 29.13: at one thread a unit walks thousands of keys; adding every key's P @ V term to
-    one running total made the error grow with the key count (identical keys, Sq 16: 2.5x the
-    math backend's at 300 keys here and there, 9x at 8000). Each tile is summed on its own now,
-    then added: rule R's 2x (with its rounding floor only, no accumulation allowance)."""
-    if splitk.engine_name() != "native":
+    """At one thread a unit walks thousands of keys. Each tile's P @ V terms are summed on their
+    own and then added to the running total, so the error does not grow with the key count (as
+    adding every key's term to one running total would): rule R's 2x against the math backend
+    (with its rounding floor only, no accumulation allowance), at 300 and 8000 identical keys."""
+    if splitk.implementation() != "native":
         pytest.skip("the native kernel's summation order")
     before = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -287,7 +288,7 @@ def test_queries_that_do_not_fit_the_pages_name_both():
     pk = torch.zeros(4, 2, 2, 8)
     kv = attnkit.PagedKV(pk, pk, torch.tensor([[0, 1], [2, 3]]), torch.tensor([4, 3]))
     cases = [
-        (torch.randn(2, 4, 1, 8, dtype=torch.float64), TypeError, r"q and the pages must share a dtype.*float64"),
+        (torch.randn(2, 4, 1, 8, dtype=torch.float64), TypeError, r"q and the paged K/V must share a dtype.*float64"),
         (torch.randn(3, 4, 1, 8), ValueError, r"batch sizes differ: q \(3, 4, 1, 8\), block_table \(2, 2\)"),
         (torch.randn(2, 4, 1, 16), ValueError, r"same head dim: q \(2, 4, 1, 16\), k paged"),
         (torch.randn(2, 3, 1, 8), ValueError, r"multiple of key/value heads"),

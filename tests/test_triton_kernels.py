@@ -20,9 +20,9 @@ from attnkit.masks import Causal, KeyPadding, SlidingWindow
 
 from conftest import base_attention, compile_ahead, rule_r, scattered_table, stable_seed
 
-triton_decode = pytest.importorskip("attnkit.backends.triton_splitk.kernel")
-if triton_decode.available() is not None:
-    pytest.skip(f"Triton kernels unavailable: {triton_decode.available()}", allow_module_level=True)
+triton_ops = pytest.importorskip("attnkit.backends.triton.ops")
+if triton_ops.available() is not None:
+    pytest.skip(f"Triton kernels unavailable: {triton_ops.available()}", allow_module_level=True)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -67,10 +67,10 @@ def test_paged_decode_matches_oracle(page, groups, dtype):
     q = torch.randn(B, Hkv * groups, S, D, generator=g, dtype=torch.float64).to(dtype)
     seq = torch.tensor(lens)
     q_start = seq - S
-    out = triton_decode.paged_decode_attention(q.to(DEV), k_pool, v_pool, table, seq.to(DEV),
-                                               q_start=q_start.to(DEV), num_splits=rng.choice([0, 1, 3]))
+    out = triton_ops.paged_decode_attention(q.to(DEV), k_pool, v_pool, table, seq.to(DEV),
+                                            q_start=q_start.to(DEV), num_splits=rng.choice([0, 1, 3]))
     assert out.dtype == dtype and out.shape == (B, Hkv * groups, S, D)
-    mask = Causal(offsets=q_start) & KeyPadding(seq)
+    mask = Causal(q_start=q_start) & KeyPadding(seq)
     _check(out, q, k, v, mask)
     assert (out[0] == 0).all(), "a sequence with no keys gives exact zeros"
 
@@ -89,13 +89,13 @@ def test_mla_latent_decode_matches_oracle(rank, rope, dtype):
     q = torch.randn(2, H, S, D, generator=g, dtype=torch.float64).to(dtype)
     scale = 0.7 / math.sqrt(D)
     seq = torch.tensor(lens)
-    mask = Causal(offsets=seq - S) & KeyPadding(seq)
-    out = triton_decode.paged_decode_attention(q.to(DEV), k_pool, None, table, seq.to(DEV), scale=scale,
-                                               v_head_dim=rank)
+    mask = Causal(q_start=seq - S) & KeyPadding(seq)
+    out = triton_ops.paged_decode_attention(q.to(DEV), k_pool, None, table, seq.to(DEV), scale=scale,
+                                            v_head_dim=rank)
     _check(out, q, k, v, mask, scale)
     # Contiguous latent cache (B, 1, L, D) and V as a view of it: the same kernel through strides.
     kc = k.contiguous().to(DEV)
-    out_c = triton_decode.decode_attention(q.to(DEV), kc, None, seq_lens=seq.to(DEV), scale=scale, v_head_dim=rank)
+    out_c = triton_ops.decode_attention(q.to(DEV), kc, None, lengths=seq.to(DEV), scale=scale, v_head_dim=rank)
     _check(out_c, q, k, v, mask, scale)
 
 
@@ -108,55 +108,55 @@ def test_many_row_tiles_per_kv_head(dtype):
         k_pool, v_pool, table, k, v = _pools(2, 1, D, Dv, 16, lens, dtype, seed=H, value_from_key=vfk)
         q = torch.randn(2, H, 1, D, generator=torch.Generator().manual_seed(H)).to(dtype)
         seq = torch.tensor(lens)
-        out = triton_decode.paged_decode_attention(q.to(DEV), k_pool, v_pool, table, seq.to(DEV), v_head_dim=Dv)
-        _check(out, q, k, v, Causal(offsets=seq - 1) & KeyPadding(seq))
+        out = triton_ops.paged_decode_attention(q.to(DEV), k_pool, v_pool, table, seq.to(DEV), v_head_dim=Dv)
+        _check(out, q, k, v, Causal(q_start=seq - 1) & KeyPadding(seq))
 
 
 def test_strided_and_zero_dim_index_tensors():
-    """seq_lens / q_start / block_table given as int32 views with odd strides or as 0-d tensors
+    """lengths / q_start / block_table given as int32 views with odd strides or as 0-d tensors
     read what they hold (the kernel indexes contiguous rows)."""
     k_pool, v_pool, table, k, v = _pools(2, 2, 16, 16, 16, [20, 30], torch.float32, seed=7)
     q = torch.randn(2, 4, 1, 16)
-    mask = Causal(offsets=torch.tensor([19, 29])) & KeyPadding(torch.tensor([20, 30]))
+    mask = Causal(q_start=torch.tensor([19, 29])) & KeyPadding(torch.tensor([20, 30]))
     seq_view = torch.tensor([[20, 5], [30, 7]], dtype=torch.int32, device=DEV)[:, 0]  # stride 2
     table_t = table.t().contiguous().t()  # column-major
-    out = triton_decode.paged_decode_attention(q.to(DEV), k_pool, v_pool, table_t, seq_view)
+    out = triton_ops.paged_decode_attention(q.to(DEV), k_pool, v_pool, table_t, seq_view)
     _check(out, q, k, v, mask)
     one = torch.tensor([20, 7], dtype=torch.int32, device=DEV)[0]  # a 0-d view: every sequence 20 keys
-    out = triton_decode.paged_decode_attention(q.to(DEV), k_pool, v_pool, table, one)
-    _check(out, q, k, v, Causal(offsets=torch.tensor([19, 19])) & KeyPadding(torch.tensor([20, 20])))
+    out = triton_ops.paged_decode_attention(q.to(DEV), k_pool, v_pool, table, one)
+    _check(out, q, k, v, Causal(q_start=torch.tensor([19, 19])) & KeyPadding(torch.tensor([20, 20])))
 
 
 def test_max_len_below_the_longest_sequence_is_refused():
     q = torch.randn(1, 2, 1, 16, device=DEV)
     k = torch.randn(1, 1, 300, 16, device=DEV)
     with pytest.raises(ValueError, match="max_len=100 is below the longest sequence"):
-        triton_decode.paged_decode_attention(q, k.transpose(1, 2), k.transpose(1, 2),
-                                             torch.zeros(1, 1, dtype=torch.int32, device=DEV),
-                                             torch.tensor([300], device=DEV), max_len=100)
+        triton_ops.paged_decode_attention(q, k.transpose(1, 2), k.transpose(1, 2),
+                                          torch.zeros(1, 1, dtype=torch.int32, device=DEV),
+                                          torch.tensor([300], device=DEV), max_len=100)
 
 
 def test_split_count_changes_nothing_but_rounding():
     q = torch.randn(2, 8, 1, 64, device=DEV)
     k = torch.randn(2, 2, 300, 64, device=DEV)
     v = torch.randn(2, 2, 300, 64, device=DEV)
-    ref = triton_decode.decode_attention(q, k, v, num_splits=1)
+    ref = triton_ops.decode_attention(q, k, v, num_splits=1)
     for n in (2, 5, 7):
-        torch.testing.assert_close(triton_decode.decode_attention(q, k, v, num_splits=n), ref)
+        torch.testing.assert_close(triton_ops.decode_attention(q, k, v, num_splits=n), ref)
 
 
 def test_non_causal_empty_and_fully_masked_rows():
     q = torch.randn(2, 4, 3, 16, device=DEV)
     k = torch.randn(2, 1, 20, 16, device=DEV)
     v = torch.randn(2, 1, 20, 16, device=DEV)
-    out = triton_decode.decode_attention(q, k, v, q_start=triton_decode.NO_CAUSAL)
+    out = triton_ops.decode_attention(q, k, v, q_start=triton_ops.NO_CAUSAL)
     _check(out, q.cpu(), k.cpu(), v.cpu(), None)
     # q_start so small that the first query of each sequence sees no key: exact zeros there.
-    out = triton_decode.decode_attention(q, k, v, q_start=torch.tensor([-1, 5], device=DEV))
+    out = triton_ops.decode_attention(q, k, v, q_start=torch.tensor([-1, 5], device=DEV))
     assert (out[0, :, 0] == 0).all()
-    _check(out, q.cpu(), k.cpu(), v.cpu(), Causal(offsets=torch.tensor([-1, 5])))
+    _check(out, q.cpu(), k.cpu(), v.cpu(), Causal(q_start=torch.tensor([-1, 5])))
     # Nothing cached at all.
-    empty = triton_decode.decode_attention(q, k[:, :, :0], v[:, :, :0])
+    empty = triton_ops.decode_attention(q, k[:, :, :0], v[:, :, :0])
     assert empty.shape == (2, 4, 3, 16) and (empty == 0).all()
 
 
@@ -164,7 +164,7 @@ def test_non_causal_empty_and_fully_masked_rows():
 @pytest.mark.parametrize("left,right", [(5, 0), (0, 0), (12, 3), (None, 2), (4, None), (200, 0), (61, 0)])
 def test_sliding_window_matches_oracle(left, right, dtype):
     """A window (left, right) around each row's own position, anchored apart from the causal
-    part (a cache's offsets), over scattered pages: ragged lengths, an empty sequence, 1-4 query
+    part (a cache's q_start), over scattered blocks: ragged lengths, an empty sequence, 1-4 query
     tokens, forced split counts (splits start at the window, not at key 0). (61, 0) with 4 queries:
     the rows see 65 keys together, one past a tile, so splits that left out the queries' own
     spread would miss keys."""
@@ -178,11 +178,11 @@ def test_sliding_window_matches_oracle(left, right, dtype):
     seq = torch.tensor(lens)
     q_start = seq - S
     w_start = q_start - torch.tensor([0, 1, 7])  # the window's own anchor
-    mask = Causal(offsets=q_start) & KeyPadding(seq) & SlidingWindow(left, right, offsets=w_start)
+    mask = Causal(q_start=q_start) & KeyPadding(seq) & SlidingWindow(left, right, q_start=w_start)
     for splits in (0, 1, 3):
-        out = triton_decode.paged_decode_attention(q.to(DEV), k_pool, v_pool, table, seq.to(DEV),
-                                                   q_start=q_start.to(DEV), num_splits=splits, window=(left, right),
-                                                   window_start=w_start.to(DEV))
+        out = triton_ops.paged_decode_attention(q.to(DEV), k_pool, v_pool, table, seq.to(DEV),
+                                                q_start=q_start.to(DEV), num_splits=splits, window=(left, right),
+                                                window_q_start=w_start.to(DEV))
         _check(out, q, k, v, mask)
         assert (out[0] == 0).all()
 
@@ -192,9 +192,33 @@ def test_window_arguments_are_checked():
                torch.randn(1, 1, 20, 16, device=DEV))
     for bad in ((3,), (-1, 0), (2.5, 0), 4):
         with pytest.raises(ValueError, match="window"):
-            triton_decode.decode_attention(q, k, v, window=bad)
-    with pytest.raises(ValueError, match="window_start"):
-        triton_decode.decode_attention(q, k, v, window_start=3)
+            triton_ops.decode_attention(q, k, v, window=bad)
+    with pytest.raises(ValueError, match="window_q_start"):
+        triton_ops.decode_attention(q, k, v, window_q_start=3)
+
+
+def test_old_keyword_spellings_still_work_with_a_deprecation_warning():
+    """``seq_lens=``, ``window_start=`` and ``alibi_start=`` are the deprecated spellings of
+    ``lengths=``, ``window_q_start=`` and ``alibi_q_start=``: same results, a DeprecationWarning
+    naming the new keyword, and both spellings at once is an error."""
+    k_pool, v_pool, table, k, v = _pools(2, 1, 16, 16, 8, [20, 9], torch.float32, seed=11)
+    q = torch.randn(2, 2, 2, 16, device=DEV)
+    lens = torch.tensor([20, 9], device=DEV)
+    slopes = torch.tensor([0.5, 0.25], device=DEV)
+    new = dict(window=(3, 0), window_q_start=lens - 2, alibi_slopes=slopes, alibi_q_start=lens - 3)
+    want = triton_ops.paged_decode_attention(q, k_pool, v_pool, table, lens, **new)
+    with pytest.warns(DeprecationWarning) as record:
+        got = triton_ops.paged_decode_attention(q, k_pool, v_pool, table, seq_lens=lens, window=(3, 0),
+                                                window_start=lens - 2, alibi_slopes=slopes, alibi_start=lens - 3)
+    assert torch.equal(got, want)
+    said = " ".join(str(w.message) for w in record)
+    assert all(f"use {name}=" in said for name in ("lengths", "window_q_start", "alibi_q_start")), said
+    kc, vc = k.to(DEV), v.to(DEV)
+    with pytest.warns(DeprecationWarning, match="use lengths="):
+        got = triton_ops.decode_attention(q, kc, vc, seq_lens=torch.tensor([20, 9], device=DEV))
+    assert torch.equal(got, triton_ops.decode_attention(q, kc, vc, lengths=torch.tensor([20, 9], device=DEV)))
+    with pytest.raises(TypeError, match="lengths= only"):
+        triton_ops.paged_decode_attention(q, k_pool, v_pool, table, lens, seq_lens=lens)
 
 
 def test_registered_as_a_custom_op_that_compiles_without_graph_breaks():
@@ -208,7 +232,7 @@ def test_registered_as_a_custom_op_that_compiles_without_graph_breaks():
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
 
     def f(q, k, v):
-        return triton_decode.decode_attention(q, k, v, q_start=23, seq_lens=24) * 2
+        return triton_ops.decode_attention(q, k, v, q_start=23, lengths=24) * 2
 
     torch._dynamo.reset()
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
@@ -221,7 +245,7 @@ def test_registered_as_a_custom_op_that_compiles_without_graph_breaks():
 def test_backend_takes_cache_masks_and_refuses_the_rest():
     q, k, v = (torch.randn(2, 4, 2, 16, device=DEV), torch.randn(2, 2, 30, 16, device=DEV),
                torch.randn(2, 2, 30, 16, device=DEV))
-    mask = Causal(offsets=torch.tensor([10, 28])) & KeyPadding(torch.tensor([12, 30]))
+    mask = Causal(q_start=torch.tensor([10, 28])) & KeyPadding(torch.tensor([12, 30]))
     out = attnkit.attention(q, k, v, mask, backend="triton")
     _check(out, q.cpu(), k.cpu(), v.cpu(), mask)
     out = attnkit.attention(q, k, v, causal=True, backend="triton")
@@ -272,16 +296,16 @@ def test_bad_input_names_the_argument():
         (dict(q=torch.randn(1, 4, 1, 8, device=DEV)), "head dim"),
         (dict(block_table=table.float()), "block_table"),
         (dict(block_table=torch.full((1, 2), 9, dtype=torch.int32, device=DEV)), "block_table entries"),
-        (dict(seq_lens=torch.tensor([33], device=DEV)), "seq_lens must be in"),
+        (dict(lengths=torch.tensor([33], device=DEV)), "lengths must be in"),
         (dict(v_pool=None), "v_head_dim"),
         (dict(v_pool=torch.randn(4, 16, 1, 16, device=DEV)), "v_pool"),
         (dict(q=torch.randn(1, 4, 1, 16, device=DEV, dtype=torch.float64)), "dtype"),
     ]
     for change, text in cases:
-        kw = dict(q=q, k_pool=pool, v_pool=pool, block_table=table, seq_lens=torch.tensor([5], device=DEV))
+        kw = dict(q=q, k_pool=pool, v_pool=pool, block_table=table, lengths=torch.tensor([5], device=DEV))
         kw.update(change)
         with pytest.raises((ValueError, TypeError), match=text):
-            triton_decode.paged_decode_attention(**kw)
+            triton_ops.paged_decode_attention(**kw)
 
 
 _SMEM = {80: 166912, 90: 232448}  # shared memory per block (bytes) on A100 and H100/H200
@@ -289,20 +313,20 @@ _SMEM = {80: 166912, 90: 232448}  # shared memory per block (bytes) on A100 and 
 _AOT = r"""
 import json, sys, torch, triton
 from triton.backends.compiler import GPUTarget
-from attnkit.backends.triton_splitk import kernel as td
+from attnkit.backends.triton import kernel as td
 fn = td._split_kernel
 ints = ["stride_qb", "stride_qh", "stride_qs", "stride_kn", "stride_kt", "stride_kh", "stride_vn", "stride_vt",
-        "stride_vh", "stride_tb", "stride_ksn", "stride_kst", "stride_ksh", "stride_vsn", "stride_vst", "stride_vsh", "HKV", "G", "S", "DK", "DR", "DV", "PAGE", "SPLIT_LEN", "NSPLIT", "NPAGES", "WLEFT", "WRIGHT"]
+        "stride_vh", "stride_tb", "stride_ksn", "stride_kst", "stride_ksh", "stride_vsn", "stride_vst", "stride_vsh", "HKV", "G", "S", "DK", "DR", "DV", "KV_BLOCK_SIZE", "SPLIT_LEN", "NSPLIT", "NUM_KV_BLOCKS", "WLEFT", "WRIGHT"]
 # Pointers and strides get the 16-byte divisibility hints a real launch specialises on.
-aligned = ["Q", "K", "V", "TABLE", "QSTART", "SEQLEN", "OP", "LSEP", "SLOPES", "APOS", "KS", "VS", "WSTART"] + ints[:16] + \
-    ["DK", "DV", "PAGE", "SPLIT_LEN"]
+aligned = ["Q", "K", "V", "TABLE", "QSTART", "LENGTHS", "OP", "LSEP", "SLOPES", "ALIBI_QSTART", "KS", "VS", "WIN_QSTART"] + ints[:16] + \
+    ["DK", "DV", "KV_BLOCK_SIZE", "SPLIT_LEN"]
 attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
 out = []
 for dt, D, Dv, vfk, cap in json.loads(sys.argv[1]):
     cfg = td._config(getattr(torch, dt), D, Dv, 128, vfk)
     short = {"float32": "fp32", "bfloat16": "bf16"}[dt]
-    sig = dict(Q="*" + short, K="*" + short, V="*" + short, TABLE="*i32", QSTART="*i32", SEQLEN="*i32",
-               OP="*fp32", LSEP="*fp32", SLOPES="*fp32", APOS="*i32", KS="*fp32", VS="*fp32", WSTART="*i32", scale_log2="fp32",
+    sig = dict(Q="*" + short, K="*" + short, V="*" + short, TABLE="*i32", QSTART="*i32", LENGTHS="*i32",
+               OP="*fp32", LSEP="*fp32", SLOPES="*fp32", ALIBI_QSTART="*i32", KS="*fp32", VS="*fp32", WIN_QSTART="*i32", scale_log2="fp32",
                softcap="fp32",
                **{n: "i32" for n in ints})
     # The heaviest variant: soft-capping, ALiBi and a window on (more registers per score tile).
@@ -340,13 +364,13 @@ def test_table_padding_past_a_sequences_pages_is_accepted_and_a_lying_entry_is_n
     table[1, 1:] = -1  # sequence 1 holds 5 tokens: one page; the rest is padding
     q = torch.randn(2, 2, 1, 16).to(DEV)
     seq = torch.tensor(lens, device=DEV)
-    out = triton_decode.paged_decode_attention(q, k_pool, v_pool, table, seq)
-    _check(out, q.cpu(), k, v, M.KeyPadding(torch.tensor(lens)) & M.Causal(offsets=torch.tensor(lens) - 1))
+    out = triton_ops.paged_decode_attention(q, k_pool, v_pool, table, seq)
+    _check(out, q.cpu(), k, v, M.KeyPadding(torch.tensor(lens)) & M.Causal(q_start=torch.tensor(lens) - 1))
     lying = table.clone()
     lying[0, 1] = 10_000  # keys 8..15 of sequence 0 point outside the pool
     with pytest.raises(ValueError, match="block_table entries holding tokens"):
-        triton_decode.paged_decode_attention(q, k_pool, v_pool, lying, seq)
-    out = triton_decode.paged_decode_attention(q, k_pool, v_pool, lying, seq, check=False)
+        triton_ops.paged_decode_attention(q, k_pool, v_pool, lying, seq)
+    out = triton_ops.paged_decode_attention(q, k_pool, v_pool, lying, seq, check=False)
     keep = torch.ones(2, 1, 1, max(lens), dtype=torch.bool)
     keep[0, ..., 8:16] = False
     mask = M.Dense(keep) & M.KeyPadding(torch.tensor(lens))
@@ -355,7 +379,7 @@ def test_table_padding_past_a_sequences_pages_is_accepted_and_a_lying_entry_is_n
 
 @pytest.mark.parametrize("layout", ["dense", "paged", "fp8_e4m3", "int8-paged"])
 def test_windowed_cache_steps_with_modifiers_through_attention(layout):
-    """A windowed layer's decode step (cache offsets for the window and for causality, ragged
+    """A windowed layer's decode step (a cache's q_start for the window and for causality, ragged
     lengths) with sinks (gpt-oss) or a soft cap and ALiBi, over each K/V layout the kernel reads:
     the oracle runs on the same (dequantized) K/V."""
     B, Hq, Hkv, S, L, D = 2, 4, 2, 2, 70, 16
@@ -363,7 +387,7 @@ def test_windowed_cache_steps_with_modifiers_through_attention(layout):
     q = torch.randn(B, Hq, S, D, generator=g)
     k, v = torch.randn(B, Hkv, L, D, generator=g), torch.randn(B, Hkv, L, D, generator=g)
     old, new = torch.tensor([60, 30]), torch.tensor([62, 32])
-    mask = Causal(offsets=old) & KeyPadding(new) & SlidingWindow(9, offsets=old.clone())
+    mask = Causal(q_start=old) & KeyPadding(new) & SlidingWindow(9, q_start=old.clone())
     kv, kk, vv = (k.to(DEV), v.to(DEV)), k, v
     if layout.endswith("paged"):
         table = torch.randperm(B * 5, generator=g).view(B, 5)
@@ -385,7 +409,7 @@ def test_windowed_cache_steps_with_modifiers_through_attention(layout):
     for mods in ({"sinks": torch.randn(Hq, generator=g)},
                  {"softcap": 5.0, "alibi": M.alibi_slopes(Hq)}):
         alibi = mods.pop("alibi", None)
-        m = mask if alibi is None else M.ALiBi(alibi, offsets=old) & mask
+        m = mask if alibi is None else M.ALiBi(alibi, q_start=old) & mask
         dev_mods = {key: val.to(DEV) if isinstance(val, torch.Tensor) else val for key, val in mods.items()}
         assert attnkit.describe_call(q.to(DEV), *kv, m, backend="triton", **dev_mods) == "triton"
         out = attnkit.attention(q.to(DEV), *kv, m, backend="triton", **dev_mods)

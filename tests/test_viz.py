@@ -74,6 +74,32 @@ def test_charts(tmp_path):
         viz.plot_scatter([], tmp_path / "x.png")
 
 
+def test_scatter_labels_never_cover_each_other(tmp_path, monkeypatch):
+    """Crowded and coinciding points (the demo's recall-1.0 row: MHA int8 and MLA at 320 bytes,
+    MQA int8 and MLA int8 at 80 and 88): coinciding points of a series share one label, and no
+    two labels overlap."""
+    data = {"MHA": (1024, 320), "GQA": (512, 160), "MQA": (256, 80), "MLA": (320, 88)}
+    points = []
+    for series, recall in (("2 pairs", 1.0), ("4 pairs", 0.5), ("8 pairs", 0.25)):
+        for v, (full, int8) in data.items():
+            points += [(full, recall, v, series), (int8, recall, f"{v} int8", series)]
+    boxes = []
+
+    def keep_boxes(fig, path):
+        renderer = fig.canvas.get_renderer()
+        boxes.extend((t.get_text(), t.get_window_extent(renderer)) for t in fig.axes[0].texts)
+        return save(fig, path)
+
+    save = viz._save
+    monkeypatch.setattr(viz, "_save", keep_boxes)
+    _png(viz.plot_scatter(points, tmp_path / "crowded.png", ylim=(0, 1.08), logx=True))
+    texts = [t for t, _ in boxes]
+    assert texts.count("MHA int8 / MLA") == 3 and "MHA int8" not in texts and len(texts) == 3 * 7
+    for i, (ta, a) in enumerate(boxes):
+        for tb, b in boxes[i + 1:]:
+            assert not a.overlaps(b), (ta, tb)
+
+
 def test_plot_benchmark_from_a_result_table(tmp_path):
     res = {"rows": [{"case": "prefill", "dtype": "fp32", "attnkit_ms": 1.5, "hf_ms": 2.0},
                     {"case": "decode", "dtype": "fp32", "attnkit_ms": 0.2, "hf_ms": 0.9}]}
@@ -85,7 +111,7 @@ def test_plot_benchmark_from_a_result_table(tmp_path):
 
 
 def test_benchmark_row_labels_name_what_is_measured():
-    """Context lengths and shapes are in the labels (MLA's groups used to read 'bf16, bf16, fp32')."""
+    """Context lengths and shapes are in the labels, so rows that share a dtype stay apart."""
     assert viz._row_label({"dtype": "bf16", "context": 1024, "absorbed_layer_ms": 1.0}) == "bf16 · context 1024"
     assert viz._row_label({"case": "prefill causal", "shape": "B1 H8 S512 D64", "dtype": "fp32", "backend": "sdpa",
                            "best_eager": "x"}) == "prefill causal\nB1 H8 S512 D64 · fp32 · backend: sdpa"

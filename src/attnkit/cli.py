@@ -85,13 +85,32 @@ def _native_lines(build: bool) -> list[str]:
     return ["native CPU kernel (split-K decode/paged, RoPE, RMSNorm):"] + [f"  {line}" for line in lines]
 
 
-def _engine_note(build: bool) -> str:
+def _implementation_note(build: bool) -> str:
     from attnkit import native
 
     state = native.status(build=build)
     if state.startswith("torch"):
-        return "engine torch (auto: only calls SDPA cannot fuse)"
-    return f"engine {state}"
+        return "implementation torch (auto: only calls SDPA cannot fuse)"
+    return f"implementation {state}"
+
+
+def _auto_note(name: str, backend, available: bool) -> str:
+    """Whether ``backend="auto"`` picks the backend on this machine's devices: "auto", "forced
+    only", or per device where auto considers it on some device types only (the registry's
+    ``auto_devices``), e.g. "forced only on CPU" for flex on a machine without CUDA."""
+    from attnkit.backends import auto_order
+
+    if name not in auto_order():
+        return "forced only"
+    devices = getattr(backend, "auto_devices", None)  # optional in the backend protocol, as the registry reads it
+    if devices is None or not available:
+        return "auto"
+    here = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    auto = [d.upper() for d in here if d in devices]
+    forced = [d.upper() for d in here if d not in devices]
+    if not forced:
+        return "auto"
+    return "; ".join(([f"auto on {', '.join(auto)}"] if auto else []) + [f"forced only on {', '.join(forced)}"])
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -107,10 +126,11 @@ def cmd_info(args: argparse.Namespace) -> int:
     native_lines = _native_lines(build=build)
     print("backends (auto order: " + " > ".join(auto_order()) + "):")
     for name in backend_names():
-        why = get_backend(name).available()
-        auto = "auto" if name in auto_order() else "forced only"
-        engine = f", {_engine_note(build)}" if name in ("decode", "paged") and why is None else ""
-        print(f"  {name:<7} {'available' if why is None else 'unavailable: ' + why}{engine} ({auto})")
+        backend = get_backend(name)
+        why = backend.available()
+        impl = f", {_implementation_note(build)}" if name in ("decode", "paged") and why is None else ""
+        print(f"  {name:<7} {'available' if why is None else 'unavailable: ' + why}{impl} "
+              f"({_auto_note(name, backend, why is None)})")
     for line in native_lines:
         print(line)
     for line in _sdpa_kernel_lines():
@@ -374,14 +394,23 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}") from None
 
 
-def _kv_dtype(text: str) -> str:
-    """argparse ``type=`` of ``--kv-dtype``: a spelling :func:`attnkit.kvquant.kv_storage_dtype`
-    takes, returned as the short name ("int8", "fp8_e4m3")."""
+def _kv_dtype_spellings() -> str:
+    """What ``--kv-dtype`` takes, as a user types it."""
+    from attnkit.kvquant import QUANTIZED_DTYPES, dtype_name
+    names = [dtype_name(d) for d in QUANTIZED_DTYPES]
+    return ", ".join(["none"] + [f"{n} (or fp8)" if n == "fp8_e4m3" else n for n in names])
+
+
+def _kv_dtype(text: str) -> str | None:
+    """argparse ``type=`` of ``--kv-dtype``: "none" (the model's dtype, None) or a spelling
+    :func:`attnkit.kvquant.kv_storage_dtype` takes, returned as the short name ("int8", "fp8_e4m3")."""
     from attnkit.kvquant import dtype_name, kv_storage_dtype
+    if text.strip().lower() == "none":
+        return None
     try:
         return dtype_name(kv_storage_dtype(text))
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected one of {_kv_dtype_spellings()}, got {text!r}") from None
 
 
 def _nonneg_int(text: str) -> int:
@@ -451,7 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
     from attnkit.sizing import add_kv_arguments
     kv = sub.add_parser("kv", help="KV-cache bytes per token (per layer and per model) for MHA/GQA/MQA/MLA",
                         description="KV-cache sizes of attention variants: presets of real models or your own "
-                                    "specs, e.g. `attnkit kv deepseek-v3 llama-3-8b gqa:heads=32,kv_heads=8,"
+                                    "specs, e.g. `attnkit kv deepseek-v3 llama-3-8b gqa:heads=32,num_kv_heads=8,"
                                     "head_dim=128,layers=32 --context 128k`.")
     add_kv_arguments(kv)
     kv.set_defaults(func=cmd_kv)
@@ -471,8 +500,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--cache", choices=["dynamic", "static", "paged"], default="dynamic",
                      help="KV cache kind (default dynamic)")
     gen.add_argument("--kv-dtype", type=_kv_dtype, default=None,
-                     help="store the KV cache quantized: int8 or fp8_e4m3 (fp32 scale per row; default: the "
-                          "model's dtype)")
+                     help=f"store the KV cache quantized: one of {_kv_dtype_spellings()} (fp32 scale per row; "
+                          f"default none: the model's dtype)")
     gen.add_argument("--seed", type=int, default=None, help="seed for sampling (same seed, same text)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the folder's chat template (one user turn)")
     gen.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",

@@ -376,12 +376,12 @@ def summary_table(rows: list[dict], plan: Plan) -> str:
              "|---|---:|---:|---:|" + "---:|" * len(sizes) + "---:|---:|---:|"]
     for r in rows:
         accs = " | ".join(f"{r['accuracy_at'][str(n)]:.1%}" for n in sizes)
-        lines.append(f"| {r['variant'].upper()} | {r['kv_heads']} | {r['params']:,} | {_fmt_bytes(r['kv_bytes_per_token'])} | "
+        lines.append(f"| {r['variant'].upper()} | {r['num_kv_heads']} | {r['params']:,} | {_fmt_bytes(r['kv_bytes_per_token'])} | "
                      f"{accs} | {r['prefill_ms']:.1f} | {r['decode_tok_s']:.0f} | {r['train_seconds']:.0f} |")
         qr = r.get("quantized_kv")
         if qr is not None:
             accs = " | ".join(f"{qr['accuracy_at'][str(n)]:.1%}" for n in sizes)
-            lines.append(f"| {r['variant'].upper()}, {qr['kv_dtype']} KV | {r['kv_heads']} | (same) | "
+            lines.append(f"| {r['variant'].upper()}, {qr['kv_dtype']} KV | {r['num_kv_heads']} | (same) | "
                          f"{_fmt_bytes(qr['kv_bytes_per_token'])} | {accs} | | {qr['decode_tok_s']:.0f} | |")
     return "\n".join(lines)
 
@@ -509,7 +509,7 @@ def _figures(rows: list[dict], plan: Plan, tmp: Path, example_labels: list[str])
                                f"{r['variant'].upper()} {qr['kv_dtype']}", label))
     viz.plot_scatter(points, tmp / "accuracy_vs_kv_bytes.png",
                      xlabel=f"KV-cache bytes per token (whole model, fp32 or {KV_QUANT} + scales)",
-                     ylabel="recall accuracy", title="Recall against cache size", ylim=(0, 1.05))
+                     ylabel="recall accuracy", title="Recall against cache size", ylim=(0, 1.08), logx=True)
     speeds = {f"decode tok/s (B={plan.decode_batch}, {plan.context}-token prompts)": [r["decode_tok_s"] for r in rows]}
     if all(r.get("quantized_kv") for r in rows):
         speeds[f"{KV_QUANT} KV cache"] = [r["quantized_kv"]["decode_tok_s"] for r in rows]
@@ -614,7 +614,7 @@ def run_demo(args: argparse.Namespace, *, stream=None) -> Path:
             speed = measure_speed(model, plan, torch.Generator().manual_seed(plan.seed + 1))
             quant = measure_quantized(model, plan, evals)
             head = retrieval_head(model, t, example)
-            rows.append({"variant": name, "kv_heads": cfg.num_kv_heads if name != "mla" else f"latent {cfg.kv_lora_rank}",
+            rows.append({"variant": name, "num_kv_heads": cfg.num_kv_heads if name != "mla" else f"latent {cfg.kv_lora_rank}",
                          "params": model.num_parameters(), "kv_bytes_per_token": model.kv_bytes_per_token(),
                          "kv_bytes_per_token_per_layer": model.kv_bytes_per_token() // cfg.num_layers,
                          "accuracy": acc, "accuracy_at": acc_at, "accuracy_per_query": per_query, **speed,

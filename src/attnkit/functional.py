@@ -113,9 +113,9 @@ def _check_qkv(q, k, v, scale, layout: str = "(B, H, S, D)"):
         Sk, Dv = Sk_, k.value_dim
         kv_dtype, kv_device = pool.dtype, pool.device  # the pools share them (validate)
         if q.dtype != kv_dtype:
-            raise TypeError(f"q and the pages must share a dtype, got q {q.dtype}, pages {kv_dtype}")
+            raise TypeError(f"q and the paged K/V must share a dtype, got q {q.dtype}, paged K/V {kv_dtype}")
         if q.device != kv_device:
-            raise ValueError(f"q and the pages must be on one device, got q {q.device}, pages {kv_device}")
+            raise ValueError(f"q and the paged K/V must be on one device, got q {q.device}, paged K/V {kv_device}")
         if Bk != q.shape[0]:
             raise ValueError(f"batch sizes differ: q {_shape(q)}, block_table {_shape(k.block_table)}")
     elif isinstance(k, QuantizedKV):
@@ -127,7 +127,7 @@ def _check_qkv(q, k, v, scale, layout: str = "(B, H, S, D)"):
             raise TypeError("q must be fp16, bf16 or fp32 with a QuantizedKV (its K/V dequantize to q's dtype), "
                             "got float64")
         Bk = Bv = k.batch
-        Hk = Hkv = k.kv_heads
+        Hk = Hkv = k.num_kv_heads
         Sk_ = Sk = k.kv_len()
         Dk, Dv = k.head_dim, k.value_dim
         if q.device != k.device:
@@ -195,7 +195,7 @@ def _validate(q, k, v, mask, causal, scale, dropout_p, return_weights, backend="
     kv = (k.k_pool, k.v_pool) if isinstance(k, PagedKV) else (None, None) if isinstance(k, QuantizedKV) else (k, v)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, *kv, sinks))
     return AttentionCall(
-        batch=B, q_heads=Hq, kv_heads=Hkv, q_len=Sq, kv_len=Sk, head_dim=D, v_head_dim=Dv,
+        batch=B, num_heads=Hq, num_kv_heads=Hkv, q_len=Sq, kv_len=Sk, head_dim=D, v_head_dim=Dv,
         dtype=q.dtype, device=q.device, mask=m, scale=scale, dropout_p=float(dropout_p),
         return_weights=return_weights, needs_grad=needs_grad, kv_layout=_layout(k),
         softcap=softcap, sinks=sinks,

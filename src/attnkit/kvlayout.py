@@ -1,4 +1,4 @@
-"""``PagedKV``: keys and values that live in fixed-size pages of a pool, as ``attention()`` takes them.
+"""``PagedKV``: keys and values that live in fixed-size blocks of a pool, as ``attention()`` takes them.
 
 Notation: N blocks in the pool, bs tokens per block, B sequences, W blocks per block-table row,
 Hkv KV heads, D / Dv key / value head dims, L = max(lengths).
@@ -6,7 +6,7 @@ Hkv KV heads, D / Dv key / value head dims, L = max(lengths).
 A paged call is ``attnkit.attention(q, PagedKV(...), None, mask, ...)``: logically the same as
 attending to dense ``k (B, Hkv, L, D)`` / ``v (B, Hkv, L, Dv)`` where token p of sequence b is row
 ``p % bs`` of block ``block_table[b, p // bs]``, with the keys past ``lengths[b]`` masked. Backends
-that read pages in place (the CPU split-K engine, the Triton kernel) take it as is; the others
+that read blocks in place (the split-K engine, the Triton kernel) take it as is; the others
 receive the gathered dense tensors (:meth:`PagedKV.gather`).
 
 ``QuantizedKV``: int8 / fp8 keys and values with one fp32 scale per (token, KV head)
@@ -18,6 +18,7 @@ the other backends receive dequantized dense tensors in q's dtype (:meth:`Quanti
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, replace
 
 import torch
@@ -62,8 +63,14 @@ class PagedKV:
         return self.block_table.shape[0]
 
     @property
-    def kv_heads(self) -> int:
+    def num_kv_heads(self) -> int:
         return self.k_pool.shape[2]
+
+    @property
+    def kv_heads(self) -> int:
+        """Deprecated name of :attr:`num_kv_heads`."""
+        warnings.warn("PagedKV.kv_heads is deprecated; read .num_kv_heads", DeprecationWarning, stacklevel=2)
+        return self.num_kv_heads
 
     @property
     def head_dim(self) -> int:
@@ -147,12 +154,12 @@ class PagedKV:
     # ------------------------------------------------------------------ dense view
 
     def gather(self) -> tuple[Tensor, Tensor]:
-        """Dense copies (B, Hkv, L, D) and (B, Hkv, L, Dv) of the pages. Only the table entries
+        """Dense copies (B, Hkv, L, D) and (B, Hkv, L, Dv) of the blocks. Only the table entries
         holding a sequence's tokens are read (the rest may be padding, such as
         :meth:`BlockAllocator.block_table`'s -1); positions past a sequence's length are 0, so
         a masked key can never turn into NaN (0 * NaN) in a backend that multiplies it by its
         zero probability. An entry in use outside the pool raises a ValueError naming it, even
-        for a ``checked`` table (one host read, beside a copy of every page: a device assert in
+        for a ``checked`` table (one host read, beside a copy of every block: a device assert in
         the index op, or a negative id wrapping around, would be worse)."""
         L, bs, N = self.kv_len(), self.block_size, self.k_pool.shape[0]
         nblk = -(-L // bs)
@@ -243,8 +250,14 @@ class QuantizedKV:
         return self.block_table.shape[0] if self.paged else self.k.shape[0]
 
     @property
-    def kv_heads(self) -> int:
+    def num_kv_heads(self) -> int:
         return self.k.shape[2] if self.paged else self.k.shape[1]
+
+    @property
+    def kv_heads(self) -> int:
+        """Deprecated name of :attr:`num_kv_heads`."""
+        warnings.warn("QuantizedKV.kv_heads is deprecated; read .num_kv_heads", DeprecationWarning, stacklevel=2)
+        return self.num_kv_heads
 
     @property
     def head_dim(self) -> int:
@@ -265,12 +278,17 @@ class QuantizedKV:
 
     def kv_len(self) -> int:
         """Sk: the dense length, or max(lengths) of the paged form."""
-        return self.pages().kv_len() if self.paged else self.k.shape[2]
+        return self.paged_kv().kv_len() if self.paged else self.k.shape[2]
 
-    def pages(self) -> PagedKV:
+    def paged_kv(self) -> PagedKV:
         """The paged form's data pools and table as a :class:`PagedKV` (its checks and walks)."""
         return PagedKV(self.k, self.v, self.block_table, self.lengths, v_head_dim=self.v_head_dim,
                        max_len=self.max_len, checked=self.checked)
+
+    def pages(self) -> PagedKV:
+        """Deprecated name of :meth:`paged_kv`."""
+        warnings.warn("QuantizedKV.pages() is deprecated; call .paged_kv()", DeprecationWarning, stacklevel=2)
+        return self.paged_kv()
 
     def validate(self) -> None:
         """Check dtypes, shapes and devices of the data, the scales and (paged) the table; errors
@@ -305,15 +323,15 @@ class QuantizedKV:
             if not isinstance(c, Tensor) or c.dtype != torch.float32:
                 raise TypeError(f"QuantizedKV.k_channel_scale must be an fp32 tensor, got "
                                 f"{getattr(c, 'dtype', type(c).__name__)}")
-            if c.shape != (self.kv_heads, k.shape[3]):
+            if c.shape != (self.num_kv_heads, k.shape[3]):
                 raise ValueError(f"QuantizedKV.k_channel_scale must have shape (Hkv, D) = "
-                                 f"{(self.kv_heads, k.shape[3])}, got {shape_of(c)}")
+                                 f"{(self.num_kv_heads, k.shape[3])}, got {shape_of(c)}")
             if c.device != k.device:
                 raise ValueError(f"QuantizedKV.k_channel_scale is on {c.device} but k is on {k.device}")
         if self.paged:
             if self.lengths is None:
                 raise ValueError("QuantizedKV with a block_table needs lengths (the keys each sequence holds)")
-            self.pages().validate()
+            self.paged_kv().validate()
         else:
             if self.lengths is not None or self.max_len is not None:
                 raise ValueError("QuantizedKV.lengths / max_len belong to the paged form (give a block_table); "
@@ -336,7 +354,7 @@ class QuantizedKV:
         c = self.k_channel_scale
         if c is None:
             return q, self, None
-        G = q.shape[1] // self.kv_heads
+        G = q.shape[1] // self.num_kv_heads
         cq = c.repeat_interleave(G, 0)[None, :, None, :]  # (1, Hq, 1, D)
         post = cq[..., :self.value_dim] if self.v is None else None
         return q.float() * cq, replace(self, k_channel_scale=None), post

@@ -147,10 +147,9 @@ def channel_scale(k: Tensor) -> Tensor:
     absmax: a channel at least ``OUTLIER_RATIO`` (2) times the median (an outlier) gets that
     ratio, so it is scaled down to the head's typical range; every other channel keeps 1. Why
     only outliers: a scaled channel's rounding step grows by its scale, which pays off only when
-    the channel would otherwise set its token's absmax (and so every other channel's step);
-    measured on a trained model without outlier channels, scaling every channel above the median
-    raised int8's attention-output error up to 3x (``benchmarks/bench_quantized_quality.py``).
-    Never < 1, so a channel that happened to be quiet in the keys measured (a cache's short
+    the channel would otherwise set its token's absmax (and so every other channel's step); on a
+    model without outlier channels, scaling every channel above the median makes int8's attention
+    output worse, not better (``benchmarks/bench_quantized_quality.py``). Never < 1, so a channel that happened to be quiet in the keys measured (a cache's short
     first write) is never blown up for the keys that come later. A channel
     whose ratio is not finite or not positive (all zero, NaN, inf, a head whose median is 0)
     gets 1, as does every channel of an empty ``k``.

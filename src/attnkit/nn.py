@@ -23,7 +23,9 @@ exactly 0 and a weights row of 0 (torch returns NaN there). Everything else (inc
 shape raises :class:`InputAssertionError` (a ``ValueError`` and an ``AssertionError``) where
 torch asserts, :class:`InputRuntimeError` (``ValueError`` and ``RuntimeError``) where torch
 raises ``RuntimeError``, and :class:`MaskDtypeError` (``TypeError`` and ``AssertionError``) for
-a mask that is neither bool nor floating; their messages name the arguments and the shapes.
+a mask that is neither bool nor floating. Each message starts with torch's own text for that
+error (code that matches torch's messages keeps working) and then names the arguments and the
+shapes.
 
 Notation: N batch, L target (query) length, S source (key) length, E embed_dim, H num_heads,
 D = E // H head dim.
@@ -186,25 +188,43 @@ class MultiheadAttention(nn.MultiheadAttention):
             if not isinstance(m, Tensor):
                 raise TypeError(f"{name} must be a tensor or None, got {type(m).__name__}")
             if m.dtype != torch.bool and not m.dtype.is_floating_point:
-                raise MaskDtypeError(f"{name} must be bool (True = not allowed) or floating (added to the scores), "
-                                     f"got {m.dtype} of shape {shape_of(m)}")
+                raise MaskDtypeError(f"only bool and floating types of {name} are supported: {name} must be bool "
+                                     f"(True = not allowed) or floating (added to the scores), got {m.dtype} of "
+                                     f"shape {shape_of(m)}")
         if query.dim() not in (2, 3):
-            raise InputAssertionError(f"query must be (L, E) unbatched or 3-D batched, got shape {shape_of(query)}")
+            raise InputAssertionError(f"query should be unbatched 2D or batched 3D tensor but received {query.dim()}-D "
+                                      f"query tensor: query must be (L, E) unbatched or 3-D batched, got shape "
+                                      f"{shape_of(query)}")
         batched = query.dim() == 3
+        which = "For batched (3-D) `query`" if batched else "For unbatched (2-D) `query`"
         if key.dim() != query.dim() or value.dim() != query.dim():
-            raise InputAssertionError(f"query, key and value must all be {3 if batched else 2}-D: query "
-                                      f"{shape_of(query)}, key {shape_of(key)}, value {shape_of(value)}")
+            raise InputAssertionError(f"{which}, expected `key` and `value` to be {query.dim()}-D but found "
+                                      f"{key.dim()}-D and {value.dim()}-D tensors respectively (query, key and "
+                                      f"value must all be {query.dim()}-D: query {shape_of(query)}, key "
+                                      f"{shape_of(key)}, value {shape_of(value)})")
         if key_padding_mask is not None and key_padding_mask.dim() != query.dim() - 1:
             want = "(N, S) for batched" if batched else "(S,) for unbatched"
-            raise InputAssertionError(f"key_padding_mask must be {want} inputs, got shape {shape_of(key_padding_mask)} "
-                                      f"with query {shape_of(query)}")
+            raise InputAssertionError(f"{which}, expected `key_padding_mask` to be `None` or {query.dim() - 1}-D but "
+                                      f"found {key_padding_mask.dim()}-D tensor instead: key_padding_mask must be "
+                                      f"{want} inputs, got shape {shape_of(key_padding_mask)} with query "
+                                      f"{shape_of(query)}")
         if attn_mask is not None and attn_mask.dim() not in (2, 3):
-            raise InputAssertionError(f"attn_mask must be 2-D (L, S) or 3-D (N * num_heads, L, S), got shape "
+            raise InputAssertionError(f"{which}, expected `attn_mask` to be `None`, 2-D or 3-D but found "
+                                      f"{attn_mask.dim()}-D tensor instead: attn_mask must be 2-D (L, S) or 3-D "
+                                      f"{'(N * num_heads, L, S)' if batched else '(num_heads, L, S)'}, got shape "
                                       f"{shape_of(attn_mask)}")
+        if not batched and attn_mask is not None and attn_mask.dim() == 3:
+            want = (self.num_heads, query.shape[0], key.shape[0])
+            if attn_mask.shape != want:
+                raise InputAssertionError(f"Expected `attn_mask` shape to be {want} but got {attn_mask.shape} (3-D "
+                                          f"attn_mask must be (num_heads, L, S) = {want}, got shape "
+                                          f"{shape_of(attn_mask)})")
         if is_causal and attn_mask is None:
-            raise InputRuntimeError("is_causal=True needs attn_mask (torch.nn.MultiheadAttention treats is_causal as a "
-                                    "hint that attn_mask is causal); pass attn_mask="
-                                    "nn.Transformer.generate_square_subsequent_mask(L)")
+            raise InputRuntimeError("Need attn_mask if specifying the is_causal hint. You may use the Transformer "
+                                    "module method `generate_square_subsequent_mask` to create this mask. "
+                                    "(is_causal=True needs attn_mask: torch.nn.MultiheadAttention treats is_causal "
+                                    "as a hint that attn_mask is causal; pass attn_mask="
+                                    "nn.Transformer.generate_square_subsequent_mask(L))")
         return batched
 
     def _attend(self, query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
@@ -213,15 +233,15 @@ class MultiheadAttention(nn.MultiheadAttention):
         S = key.shape[0]
         H, D = self.num_heads, self.head_dim
         self._check_shapes(query, key, value)
-        kpm = self._check_mask(key_padding_mask, "key_padding_mask", (N, S), batched)
         # torch: the hint replaces attn_mask (top-left causal) unless a padding mask or weights are
         # needed, and then never reads attn_mask's shape (F._mha_shape_check has only asserted the
-        # shape of an unbatched 3-D one).
-        use_hint = is_causal and kpm is None and not need_weights
+        # shape of an unbatched 3-D one). torch checks attn_mask's shape before key_padding_mask's.
+        use_hint = is_causal and key_padding_mask is None and not need_weights
         if use_hint and (batched or attn_mask.dim() == 2):
             am = None
         else:
-            am = self._check_mask(attn_mask, "attn_mask", None, batched, L=L, S=S, N=N)
+            am = self._check_attn_mask(attn_mask, L, S, N)
+        kpm = self._check_key_padding_mask(key_padding_mask, N, S)
         if kpm is not None and am is not None and kpm.dtype != am.dtype:
             warnings.warn("Support for mismatched key_padding_mask and attn_mask is deprecated. Use same type "
                           "for both instead.", stacklevel=3)
@@ -230,7 +250,8 @@ class MultiheadAttention(nn.MultiheadAttention):
         extra = 0
         if self.bias_k is not None or self.bias_v is not None:
             if self.bias_k is None or self.bias_v is None:
-                raise InputAssertionError("bias_k and bias_v must be set together")
+                which = "bias_k is set but bias_v" if self.bias_v is None else "bias_v is set but bias_k"
+                raise InputAssertionError(f"{which} is None: bias_k and bias_v must be set together")
             k = torch.cat([k, self.bias_k.expand(1, N, E).to(k.dtype)])
             v = torch.cat([v, self.bias_v.expand(1, N, E).to(v.dtype)])
             extra += 1
@@ -266,14 +287,18 @@ class MultiheadAttention(nn.MultiheadAttention):
         """query (L, N, E), key (S, N, kdim), value (S, N, vdim), with torch's exception types."""
         L, N, E = query.shape
         if E != self.embed_dim:
-            raise InputAssertionError(f"query has {E} channels but embed_dim is {self.embed_dim}: query "
-                                      f"{shape_of(query)}")
+            raise InputAssertionError(f"was expecting embedding dimension of {self.embed_dim}, but got {E} (query "
+                                      f"has {E} channels but embed_dim is {self.embed_dim}: query {shape_of(query)})")
         # torch compares all of key's and value's shapes with the packed projection, the leading two
         # with separate ones; a batch that differs from query's fails its reshape (RuntimeError).
-        same = key.shape == value.shape if self._qkv_same_embed_dim else key.shape[:2] == value.shape[:2]
-        if not same:
-            raise InputAssertionError(f"key (S, N, kdim) = {shape_of(key)} and value (S, N, vdim) = {shape_of(value)} "
+        if self._qkv_same_embed_dim and key.shape != value.shape:
+            raise InputAssertionError(f"key shape {key.shape} does not match value shape {value.shape}: key "
+                                      f"(S, N, kdim) = {shape_of(key)} and value (S, N, vdim) = {shape_of(value)} "
                                       f"disagree on source length or batch")
+        if not self._qkv_same_embed_dim and key.shape[:2] != value.shape[:2]:
+            raise InputAssertionError(f"key's sequence and batch dims {key.shape[:2]} do not match value's "
+                                      f"{value.shape[:2]}: key (S, N, kdim) = {shape_of(key)} and value (S, N, vdim) = "
+                                      f"{shape_of(value)} disagree on source length or batch")
         if key.shape[1] != N:
             raise InputRuntimeError(f"query and key disagree on the batch size: query (L, N, E) = {shape_of(query)}, "
                                     f"key (S, N, kdim) = {shape_of(key)}")
@@ -282,25 +307,29 @@ class MultiheadAttention(nn.MultiheadAttention):
             raise err(f"key must have kdim={self.kdim} and value vdim={self.vdim} channels, got key {shape_of(key)}, "
                       f"value {shape_of(value)}")
 
-    def _check_mask(self, m, name, shape, batched, *, L=None, S=None, N=None):
-        """A mask's shape (its rank and dtype are checked in :meth:`_check_ranks`)."""
+    def _check_attn_mask(self, m, L, S, N):
+        """attn_mask's shape (its rank and dtype, and an unbatched 3-D one's shape, are checked in
+        :meth:`_check_ranks`): (L, S) or (N * num_heads, L, S)."""
         if m is None:
             return None
-        if name == "key_padding_mask":
-            if tuple(m.shape) != shape:
-                raise InputAssertionError(f"key_padding_mask must be (N, S) = {shape}, got shape {shape_of(m)}")
-            return m
-        H = self.num_heads
-        if m.dim() == 2:
-            if tuple(m.shape) != (L, S):
-                raise InputRuntimeError(f"2-D attn_mask must be (L, S) = {(L, S)}, got shape {shape_of(m)}")
-        else:
-            want = (N * H, L, S) if batched else (H, L, S)
-            if tuple(m.shape) != want:
-                # torch asserts on the unbatched shape, and raises RuntimeError on the batched one
-                err = InputRuntimeError if batched else InputAssertionError
-                raise err(f"3-D attn_mask must be {'(N * num_heads, L, S)' if batched else '(num_heads, L, S)'}"
-                          f" = {want}, got shape {shape_of(m)}")
+        want = (L, S) if m.dim() == 2 else (N * self.num_heads, L, S)
+        if m.shape != want:
+            layout = "(L, S)" if m.dim() == 2 else "(N * num_heads, L, S)"
+            raise InputRuntimeError(f"The shape of the {m.dim()}D attn_mask is {m.shape}, but should be {want}. "
+                                    f"({m.dim()}-D attn_mask must be {layout} = {want}, got shape {shape_of(m)})")
+        return m
+
+    def _check_key_padding_mask(self, m, N, S):
+        """key_padding_mask's shape, (N, S) (its rank and dtype are checked in :meth:`_check_ranks`).
+        torch compares it after padding both it and S for the extra keys (bias_k, zero attention),
+        so its message counts them."""
+        if m is None:
+            return None
+        if m.shape != (N, S):
+            extra = int(self.bias_k is not None) + int(self.add_zero_attn)
+            dim, want, got = (0, N, m.shape[0]) if m.shape[0] != N else (1, S + extra, m.shape[1] + extra)
+            raise InputAssertionError(f"Expected key_padded_mask.shape[{dim}] to be {want}, but got {got}: "
+                                      f"key_padding_mask must be (N, S) = {(N, S)}, got shape {shape_of(m)}")
         return m
 
     def _project(self, query, key, value):
@@ -359,18 +388,21 @@ class MultiheadAttention(nn.MultiheadAttention):
 
     def _forward_nested(self, query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
                         is_causal):
-        # torch takes NestedTensors on its fused fast path only and asserts otherwise.
+        # torch takes NestedTensors on its fused fast path only and asserts otherwise, saying why the
+        # fast path was not taken; attnkit takes the ones that fast path could.
+        refused = "MultiheadAttention does not support NestedTensor outside of its fast path."
         if query.dim() != 3:
-            raise InputAssertionError(f"query should be a batched 3-D NestedTensor (N, L_i, E), got a "
-                                      f"{query.dim()}-D one")
+            raise InputAssertionError(f"{refused} The fast path was not hit because input not batched; expected "
+                                      f"query.dim() of 3 but got {query.dim()} (query should be a batched 3-D "
+                                      f"NestedTensor (N, L_i, E))")
         if not (query is key and key is value):
-            raise InputAssertionError("NestedTensor inputs are supported for self-attention only "
-                                      "(query is key is value)")
-        if key_padding_mask is not None or attn_mask is not None:
-            raise InputAssertionError("NestedTensor inputs take no key_padding_mask or attn_mask (their lengths are "
-                                      "the padding)")
+            raise InputAssertionError(f"{refused} The fast path was not hit because non-self attention was used "
+                                      f"(query, key, and value are not the same Tensor)")
         if not self.batch_first:
-            raise InputAssertionError("NestedTensor inputs need batch_first=True")
+            raise InputAssertionError(f"{refused} The fast path was not hit because batch_first was not True")
+        if key_padding_mask is not None or attn_mask is not None:
+            raise InputAssertionError(f"{refused} NestedTensor inputs take no key_padding_mask or attn_mask (their "
+                                      f"lengths are the padding)")
         lengths = [t.shape[0] for t in query.unbind()]
         x = torch.nested.to_padded_tensor(query, 0.0)  # (N, L, E)
         pad = torch.arange(x.shape[1], device=x.device)[None, :] >= torch.tensor(lengths, device=x.device)[:, None]

@@ -1,7 +1,7 @@
 """The reference attention: plain torch ops, every feature, any precision.
 
 ``attention_math`` is the ``math`` backend (scores and softmax in fp32 for fp16/bf16/fp32,
-fp64 for fp64) and the engine of ``return_weights``. ``attention_reference`` is the fp64 oracle
+fp64 for fp64) and what computes ``return_weights``. ``attention_reference`` is the fp64 oracle
 the tests trust: the same arithmetic with everything upcast to fp64 and masks materialized.
 
 Shapes: q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv), Hq = Hkv * G. Query head h uses
@@ -12,6 +12,7 @@ KV head is broadcast over its group.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -22,11 +23,17 @@ from .masks import Mask, as_mask, shifted_bias
 __all__ = ["attention_math", "attention_reference", "group_heads", "safe_softmax"]
 
 
-def group_heads(t: Tensor, kv_heads: int) -> Tensor:
-    """(B|1, Hq|1, ...) -> (B|1, Hkv|1, G|1, ...), a view where possible."""
+def group_heads(t: Tensor, num_kv_heads: int | None = None, *, kv_heads: int | None = None) -> Tensor:
+    """(B|1, Hq|1, ...) -> (B|1, Hkv|1, G|1, ...) with Hkv = ``num_kv_heads``, a view where
+    possible. ``kv_heads`` is its deprecated spelling."""
+    if kv_heads is not None:
+        if num_kv_heads is not None:
+            raise TypeError("group_heads() got both num_kv_heads= and its deprecated spelling kv_heads=")
+        warnings.warn("group_heads(kv_heads=...) is deprecated; use num_kv_heads=", DeprecationWarning, stacklevel=2)
+        num_kv_heads = kv_heads
     if t.shape[1] == 1:
         return t.unsqueeze(2)
-    return t.unflatten(1, (kv_heads, t.shape[1] // kv_heads))
+    return t.unflatten(1, (num_kv_heads, t.shape[1] // num_kv_heads))
 
 
 def safe_softmax(scores: Tensor, dim: int = -1, row_ok: Tensor | None = None) -> Tensor:

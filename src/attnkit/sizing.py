@@ -334,8 +334,11 @@ def parse_spec(text: str) -> tuple[str, Spec, int | None]:
     * a preset name: ``deepseek-v3``, ``llama-3-8b``, ... (:data:`PRESETS`);
     * ``mla:heads=128,rank=512,rope=64,nope=128,v=128[,layers=61]`` (``hidden`` and
       ``q_lora_rank`` optional: they do not change the cache);
-    * ``mha:heads=32,head_dim=128``, ``gqa:heads=32,kv_heads=8,head_dim=128[,v=..]``,
+    * ``mha:heads=32,head_dim=128``, ``gqa:heads=32,num_kv_heads=8,head_dim=128[,v=..]``,
       ``mqa:heads=71,head_dim=64``, each with optional ``layers=``.
+
+    Each key has a long spelling, the field's name (``num_heads``, ``num_kv_heads``,
+    ``kv_lora_rank``, ...), and a short one (``heads``, ``kv_heads``, ``rank``, ...).
     """
     if not isinstance(text, str):
         raise TypeError(f"spec must be a string, got {type(text).__name__}")
@@ -343,7 +346,7 @@ def parse_spec(text: str) -> tuple[str, Spec, int | None]:
         key = text.strip().lower()
         if key not in PRESETS:
             raise ValueError(f"unknown preset {text!r}; presets: {', '.join(PRESETS)}; or give "
-                             f"mla:heads=..,rank=..,rope=..,nope=..,v=.. / gqa:heads=..,kv_heads=..,head_dim=..")
+                             f"mla:heads=..,rank=..,rope=..,nope=..,v=.. / gqa:heads=..,num_kv_heads=..,head_dim=..")
         return key, PRESETS[key].spec, PRESETS[key].layers
     kind, _, body = text.partition(":")
     kind = kind.strip().lower()
@@ -370,7 +373,7 @@ def parse_spec(text: str) -> tuple[str, Spec, int | None]:
                 vals.setdefault("num_kv_heads", vals["num_heads"])
             elif kind == "mqa":
                 if vals.setdefault("num_kv_heads", 1) != 1:
-                    raise ValueError(f"mqa spec {text!r} has kv_heads={vals['num_kv_heads']}; MQA has one (use gqa:)")
+                    raise ValueError(f"mqa spec {text!r} has num_kv_heads={vals['num_kv_heads']}; MQA has one (use gqa:)")
             need = ("num_heads", "head_dim") if kind == "mha" else ("num_kv_heads", "head_dim")
             missing = [n for n in need if n not in vals]
             if missing:
@@ -396,7 +399,7 @@ def add_kv_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     """The ``attnkit kv`` options: specs, ``--context``, ``--dtype``, ``--batch``, ``--layers``."""
     parser.add_argument("specs", nargs="*", metavar="SPEC",
                         help=f"preset ({', '.join(PRESETS)}) or mla:heads=..,rank=..,rope=..,nope=..,v=.. "
-                             f"or mha/gqa/mqa:heads=..,kv_heads=..,head_dim=.. (default: every preset)")
+                             f"or mha/gqa/mqa:heads=..,num_kv_heads=..,head_dim=.. (default: every preset)")
     parser.add_argument("--context", type=_argument(parse_context), default=4096, help="tokens per sequence (4096, 128k)")
     parser.add_argument("--dtype", type=_argument(parse_dtype), default=torch.bfloat16,
                         help="cache dtype (bf16, fp16, fp32; int8 / fp8: quantized, fp32 scale per row counted)")

@@ -215,37 +215,101 @@ def plot_bars(groups: Sequence[str], series: Mapping[str, Sequence[float]], path
 def plot_scatter(points: Sequence[tuple], path, *, xlabel: str = "", ylabel: str = "", title: str = "",
                  logx: bool = False, ylim: tuple[float, float] | None = None) -> Path:
     """Labelled points ``(x, y, label)``, e.g. accuracy against KV-cache bytes per token; with a
-    fourth entry ``(x, y, label, series)`` points are coloured by series (with a legend) and the
-    points of one label are joined across series."""
+    fourth entry ``(x, y, label, series)`` points are coloured by series (with a legend beside the
+    axes) and the points of one label are joined across series.
+
+    Labels never cover one another: points of a series that coincide share one label ("MHA int8 /
+    MLA"), and each label takes the first place around its point where it overlaps no label,
+    point or the axes' edge (:func:`_place_labels`)."""
     if not points:
         raise ValueError("plot_scatter needs at least one point")
     if any(len(p) not in (3, 4) for p in points):
         raise ValueError("each point must be (x, y, label) or (x, y, label, series)")
     plt = require_matplotlib()
-    fig, ax = plt.subplots(figsize=(5.6, 4.0))
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
     series: dict = {}
     for p in points:
         series.setdefault(p[3] if len(p) == 4 else None, []).append(p[:3])
     markers = "os^Dv<>"
     for i, (name, pts) in enumerate(series.items()):
-        ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=60, marker=markers[i % len(markers)], label=name)
-        for x, y, label in pts:
-            ax.annotate(label, (x, y), textcoords="offset points", xytext=(6, 4), fontsize=8)
+        ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=60, marker=markers[i % len(markers)], label=name,
+                   zorder=3)
     if len(series) > 1:
         labels = dict.fromkeys(p[2] for p in points)
         for label in labels:
             pts = [p for p in points if p[2] == label]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], color="gray", alpha=0.3, linewidth=0.8)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
+    ax.margins(x=0.08)  # room for the labels of the outermost points
     if logx:
+        from matplotlib.ticker import FuncFormatter, NullFormatter
         ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
     if ylim is not None:
         ax.set_ylim(*ylim)
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
+    merged: dict = {}  # (series, x, y) -> labels of the points drawn there
+    for name, pts in series.items():
+        for x, y, label in pts:
+            merged.setdefault((name, x, y), []).append(str(label))
+    _place_labels(fig, ax, [(x, y, " / ".join(dict.fromkeys(ls))) for (_, x, y), ls in merged.items()])
     return _save(fig, path)
+
+
+def _place_labels(fig, ax, items: Sequence[tuple], fontsize: int = 8) -> None:
+    """Annotate each ``(x, y, text)`` beside its point at the first of a few offsets (right, left,
+    below, above, then further out) where the text's box overlaps no label placed before it, no
+    point's marker and stays inside the axes; when none is free, the offset overlapping least. A
+    label placed away from its point gets a thin line to it. Points are taken from the top down,
+    so crowded rows fill outward."""
+    renderer = fig.canvas.get_renderer()
+    ax.autoscale_view()
+    to_px = ax.transData.transform
+    pad = 3 * fig.dpi / 72  # clearance around markers and labels: 3 points
+    marker_r = 0.5 * math.sqrt(60) * fig.dpi / 72 + pad  # scatter's s=60 (points^2) as a radius in pixels
+    markers = []
+    for x, y, _ in items:
+        px, py = to_px((x, y))
+        markers.append((px - marker_r, py - marker_r, px + marker_r, py + marker_r))
+    placed: list[tuple] = []
+    frame = ax.get_window_extent(renderer)
+    # beside the point first (no leader line), then further out in rings
+    offsets = [(6, 3, "left"), (-6, 3, "right"), (6, -11, "left"), (-6, -11, "right")]
+    for dx in (6, 24, 48):
+        for dy in (15, -23, 27, -35, 39, -47) if dx == 6 else (3, -11, 15, -23, 27, -35, 39, -47):
+            offsets += [(dx, dy, "left"), (-dx, dy, "right")]
+
+    def overlap(a, b) -> float:
+        w = min(a[2], b[2]) - max(a[0], b[0])
+        h = min(a[3], b[3]) - max(a[1], b[1])
+        return w * h if w > 0 and h > 0 else 0.0
+
+    leader = dict(arrowstyle="-", color="0.45", linewidth=0.6, shrinkA=0, shrinkB=4)
+    for n in sorted(range(len(items)), key=lambda n: (-items[n][1], items[n][0])):
+        x, y, text = items[n]
+        obstacles = placed + markers[:n] + markers[n + 1:]  # its own marker is where the label points
+        best = None
+        for i, (dx, dy, ha) in enumerate(offsets):
+            ann = ax.annotate(text, (x, y), textcoords="offset points", xytext=(dx, dy), ha=ha, fontsize=fontsize)
+            e = ann.get_window_extent(renderer)  # the text alone (a leader line is added once placed)
+            ann.remove()
+            box = (e.x0 - pad, e.y0 - pad, e.x1 + pad, e.y1 + pad)
+            cost = sum(overlap(box, o) for o in obstacles)
+            outside = box[0] < frame.x0 or box[2] > frame.x1 or box[1] < frame.y0 or box[3] > frame.y1
+            cost += 1e6 if outside else 0.0
+            if best is None or cost < best[0]:
+                best = (cost, i, box)
+            if cost == 0:
+                break
+        _, i, box = best
+        dx, dy, ha = offsets[i]
+        ax.annotate(text, (x, y), textcoords="offset points", xytext=(dx, dy), ha=ha, fontsize=fontsize,
+                    arrowprops=leader if i >= 4 else None)
+        placed.append(box)
 
 
 def plot_lines(series: Mapping[str, Sequence[float]], path, *, xlabel: str = "", ylabel: str = "", title: str = "",

@@ -3,17 +3,17 @@ the split-K engine), triton (CUDA decode), flex (CUDA calls with modifiers or bl
 that SDPA cannot fuse), sdpa, math. ``flash`` (the optional flash-attn package) is registered but
 never picked by ``auto`` (why: :mod:`attnkit.backends.flash`)."""
 
-from .cpu_splitk import SplitKBackend
+from .decode import DecodeBackend
 from .flash import FlashBackend
 from .flex import FlexBackend
 from .math import MathBackend
 from .registry import (AttentionCall, BackendBase, BackendCompileFailed, BackendNotSupported, auto_order,
                        backend_names, explain, get_backend, register_backend, select)
 from .sdpa import SdpaBackend
-from .triton_splitk import TritonBackend
+from .triton import TritonBackend
 
-register_backend(SplitKBackend("decode", ("dense", "quantized")))
-register_backend(SplitKBackend("paged", ("paged", "quantized_paged")))
+register_backend(DecodeBackend("decode", ("dense", "quantized")))
+register_backend(DecodeBackend("paged", ("paged", "quantized_paged")))
 register_backend(TritonBackend())  # auto: CUDA decode SDPA cannot fuse (MLA's widths, modifiers)
 register_backend(FlexBackend())  # auto: CUDA prefill SDPA cannot fuse
 register_backend(SdpaBackend())

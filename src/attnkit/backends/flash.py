@@ -39,8 +39,8 @@ backward is deterministic when ``torch.use_deterministic_algorithms(True)`` is o
 Not in ``auto`` (registered ``auto=False``): torch's SDPA already runs FlashAttention-2 (its
 vendored copy) or cuDNN for no mask and causal masks, so the package buys nothing measurable
 there; for padding, the gather/scatter of :func:`unpad` / :func:`pad` and the host syncs it
-needs (``max_seqlen``) compete with SDPA's masked fused kernel, a trade-off nobody has measured
-on a GPU for attnkit yet; and installing an optional package should not silently change which
+needs (``max_seqlen``) compete with SDPA's masked fused kernel, a trade-off with no measurement
+behind it in ``benchmarks/results/``; and installing an optional package should not silently change which
 kernel (and which dropout stream) every CUDA call uses. Force it with ``backend="flash"`` for
 sliding windows and heavily padded batches on fp16/bf16 CUDA.
 """
@@ -138,7 +138,7 @@ def flash_window(mask: Mask | None, q_len: int, kv_len: int) -> tuple[bool, tupl
             p_left, p_right = p.left, p.right
         else:
             return None
-        if p.offsets is not None or (p.align != "bottom_right" and q_len != kv_len):
+        if p.q_start is not None or (p.align != "bottom_right" and q_len != kv_len):
             return None
         left = p_left if left is None else (left if p_left is None else min(left, p_left))
         right = p_right if right is None else (right if p_right is None else min(right, p_right))

@@ -3,30 +3,29 @@
 The block mask of a call is built once per (mask key, batch, Sq, Sk, device) and kept in an LRU
 cache (:func:`block_mask_for`); the kernel is ``torch.compile``d once per guard signature
 (:func:`guard_signature`: shapes, dtypes, the mask's and modifiers' code and constants), with
-``dynamic=False`` (torch 2.13's CPU template fails to compile some dynamic-shape kernels, and
-static shapes are what ran green on an H100). Each signature compiles its own copy of the
-calling function (:func:`compiled_for`): dynamo keeps compiled entries on a code object and,
-past its recompile limit (8 per code object by default), runs the function uncompiled, where
-FlexAttention materializes every score. One shared compiled function hit that limit on an H100
-after eight mask kinds; per-signature copies never do, and no process-wide dynamo setting
-changes. A signature whose compile fails (inductor finding no kernel) raises
-:class:`BackendCompileFailed` at once on later calls; under ``auto`` the call then runs on the
-next backend, with a warning. Score modifiers (soft-cap, ALiBi from its slopes, an additive bias, sinks
-through the log-sum-exp) are closures built per call from the same code, over tensors and the
-soft-cap value: dynamo guards on their code and on the captured tensors' shapes and dtypes, not
-on the tensors' values or the closures' identity, so a new call of the same shape, dtype and
-modifiers reuses the compiled kernel (tests/test_flex.py counts the compiles on CPU).
-Forward runs on CPU and CUDA; backward on CUDA only (FlexAttention's CPU kernel is forward-only).
-Grouped heads go in unrepeated (``enable_gqa``).
+``dynamic=False`` (torch 2.13's CPU template fails to compile some dynamic-shape kernels). Each
+signature compiles its own copy of the calling function (:func:`compiled_for`): dynamo keeps
+compiled entries on a code object and, past its recompile limit (8 per code object by default),
+runs the function uncompiled, where FlexAttention materializes every score; per-signature copies
+never reach that limit, and no process-wide dynamo setting changes. A signature whose compile
+fails (inductor finding no kernel) raises :class:`BackendCompileFailed` at once on later calls;
+under ``auto`` the call then runs on the next backend, with a warning. Score modifiers (soft-cap,
+ALiBi from its slopes, an additive bias, sinks through the log-sum-exp) are closures built per
+call from the same code, over tensors and the soft-cap value: dynamo guards on their code and on
+the captured tensors' shapes and dtypes, not on the tensors' values or the closures' identity, so
+a new call of the same shape, dtype and modifiers reuses the compiled kernel (tests/test_flex.py
+counts the compiles on CPU). Forward runs on CPU and CUDA; backward on CUDA only (FlexAttention's
+CPU kernel is forward-only). Grouped heads go in unrepeated (``enable_gqa``). On CPU it refuses
+the calls torch's compiled CPU kernel computes wrongly (:func:`cpu_refusals`).
 
 ``auto`` picks it on CUDA for the calls SDPA has no fused kernel for (:func:`sdpa_cannot_fuse`):
 a soft cap or sinks (SDPA cannot express them), a bias (ALiBi is computed per score from its
 slopes instead of a materialized (B, H, Sq, Sk) bias, and any bias is added in fp32 inside the
 kernel rather than rounded to the input dtype), and masks with a pattern of whole blocks to skip
-(windows, packed documents, prefix-LM, ragged causal offsets: SDPA computes every pair of them).
-Decode-sized calls (Sq <= 16) are left to the Triton decode kernel and the others: each decode
-step has a new Sk, which would compile a new kernel per step. On CPU ``auto`` never picks it: its
-first call per shape compiles for seconds, and the CPU engines run these modifiers fused already.
+(windows, packed documents, prefix-LM, ragged causal ``q_start``: SDPA computes every pair of
+them). Decode-sized calls (Sq <= 16) are left to the Triton decode kernel and the others: each
+decode step has a new Sk, which would compile a new kernel per step. On CPU ``auto`` never picks
+it: its first call per shape compiles, and the split-K engine runs these modifiers fused already.
 
 With the optional ``flash_attn`` package installed, a sliding window (with or without padding)
 on fp16/bf16 CUDA also runs on the ``flash`` backend, which needs no compile.
@@ -35,14 +34,65 @@ on fp16/bf16 CUDA also runs on the ``flash`` backend, which needs no compile.
 from __future__ import annotations
 
 import importlib.util
+import os
+import platform
 from collections import OrderedDict
 
 import torch
 
+from .._sysinfo import cpu_flags
+from .common import MAX_DECODE_Q_LEN
 from .registry import AttentionCall, BackendBase, BackendCompileFailed
 
-#: Longest query ``auto`` leaves to the decode kernels instead (a new Sk per step would recompile).
-MAX_DECODE_Q_LEN = 16
+__all__ = ["FlexBackend", "MAX_DECODE_Q_LEN", "block_mask_for", "compiled_for", "cpu_refusals", "cpu_vector_isa",
+           "guard_signature", "sdpa_cannot_fuse", "wants_lse"]
+
+
+def cpu_vector_isa(flags: frozenset[str] | None = None, capability: str | None = None,
+                   machine: str | None = None) -> str:
+    """The vector ISA torch.compile generates CPU code for here: "avx512", "avx2" (x86 without
+    AVX-512, or ``ATEN_CPU_CAPABILITY`` set to ``avx2`` / ``default``, which inductor follows), or
+    the machine name elsewhere ("aarch64", ...). Arguments default to this machine's CPU flags,
+    environment and architecture; given, the answer is a pure function of them."""
+    machine = platform.machine() if machine is None else machine
+    if machine not in ("x86_64", "AMD64"):
+        return machine
+    flags = cpu_flags() if flags is None else flags
+    capability = os.environ.get("ATEN_CPU_CAPABILITY", "") if capability is None else capability
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags and capability.lower() not in ("avx2", "default"):
+        return "avx512"
+    return "avx2"
+
+
+#: This process's :func:`cpu_vector_isa`, read once at import (never inside traced code).
+_CPU_VECTOR_ISA = cpu_vector_isa()
+
+
+def cpu_refusals(call: AttentionCall, vector_isa: str | None = None) -> list[str]:
+    """What FlexAttention's compiled CPU kernel computes wrongly, so that ``flex`` refuses it on
+    CPU (empty for other devices). ``vector_isa`` as :func:`cpu_vector_isa` (default: this
+    machine's), so every machine's answer is testable on any machine.
+
+    Checked against the fp64 oracle with torch 2.13 (eager FlexAttention is exact on the same
+    inputs, so the compiled kernel is at fault):
+
+    * its AVX2 code (x86 without AVX-512) returns wrong values, often NaN, for small head dims
+      such as D = 16, with or without a mask and with equal K and V widths too;
+    * a V narrower or wider than K (Dv != D) gives wrong values on the same machines; it is
+      refused on every CPU, AVX-512 included.
+
+    The oracle grid of tests/test_flex.py holds both kinds of call: a torch whose compiled CPU
+    kernel computes them right re-admits them by dropping the refusal here and passing it."""
+    if call.device_type != "cpu":
+        return []
+    why = []
+    if (_CPU_VECTOR_ISA if vector_isa is None else vector_isa) == "avx2":
+        why.append(f"CPU without AVX-512 (torch {torch.__version__}'s compiled CPU FlexAttention returns wrong "
+                   "values in its AVX2 code)")
+    if call.head_dim != call.v_head_dim:
+        why.append(f"D={call.head_dim} != Dv={call.v_head_dim} on CPU (torch {torch.__version__}'s compiled CPU "
+                   "FlexAttention returns wrong values when V's width differs from K's)")
+    return why
 
 
 def sdpa_cannot_fuse(call: AttentionCall) -> str | None:
@@ -55,7 +105,7 @@ def sdpa_cannot_fuse(call: AttentionCall) -> str | None:
     if call.reduced.has_bias:
         return "a bias (ALiBi or additive)"
     if call.reduced.has_structure:
-        return "a mask with blocks to skip (window, documents, prefix, ragged offsets)"
+        return "a mask with blocks to skip (window, documents, prefix, ragged q_start)"
     return None
 
 #: Compiled copies of :func:`_flex_call`, one per guard signature, least recently used first.
@@ -206,7 +256,7 @@ class FlexBackend(BackendBase):
 
     def auto_skip_reason(self, call: AttentionCall) -> str | None:
         if call.device_type != "cuda":
-            return "not CUDA (its first call per shape compiles; the CPU engines fuse these calls already)"
+            return "not CUDA (its first call per shape compiles; the split-K engine fuses these calls already)"
         if call.q_len <= MAX_DECODE_Q_LEN:
             return f"Sq={call.q_len} <= {MAX_DECODE_Q_LEN}: decode steps change Sk every call (a compile each)"
         if sdpa_cannot_fuse(call) is None:
@@ -230,7 +280,7 @@ class FlexBackend(BackendBase):
         if call.device_type not in ("cpu", "mps") and min(call.head_dim, call.v_head_dim) < 16:
             why.append(f"D={call.head_dim}, Dv={call.v_head_dim} on {call.device_type} (FlexAttention's Triton "
                        "kernel needs D and Dv >= 16)")
-        return why
+        return why + cpu_refusals(call)
 
     def run(self, q, k, v, call: AttentionCall):
         kwargs, mods = {}, []
@@ -259,7 +309,7 @@ class FlexBackend(BackendBase):
         # 0 whatever FlexAttention's kernel of this torch version leaves there.
         want_lse = wants_lse(call)
         args = (_flex_module().flex_attention, q, k, v, kwargs.get("score_mod"), kwargs.get("block_mask"),
-                call.scale, call.q_heads != call.kv_heads, want_lse)
+                call.scale, call.num_heads != call.num_kv_heads, want_lse)
         signature = guard_signature(args)
         why = _FAILED.get(signature)
         if why is not None:

@@ -18,6 +18,8 @@ backend can still run the call on the gathered (dequantized) dense K/V (:meth:`a
 
 from __future__ import annotations
 
+import functools
+import warnings
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -32,8 +34,8 @@ class AttentionCall:
     """Everything a backend needs to decide and run, validated by :func:`attnkit.attention`."""
 
     batch: int
-    q_heads: int
-    kv_heads: int
+    num_heads: int  # Hq
+    num_kv_heads: int  # Hkv
     q_len: int
     kv_len: int
     head_dim: int
@@ -67,11 +69,43 @@ class AttentionCall:
 
     @property
     def groups(self) -> int:
-        return self.q_heads // self.kv_heads
+        return self.num_heads // self.num_kv_heads
 
     @property
     def is_empty(self) -> bool:
-        return self.batch == 0 or self.q_len == 0 or self.kv_len == 0 or self.q_heads == 0
+        return self.batch == 0 or self.q_len == 0 or self.kv_len == 0 or self.num_heads == 0
+
+    @property
+    def q_heads(self) -> int:
+        """Deprecated spelling of :attr:`num_heads`."""
+        warnings.warn("AttentionCall.q_heads is deprecated; use num_heads", DeprecationWarning, stacklevel=2)
+        return self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Deprecated spelling of :attr:`num_kv_heads`."""
+        warnings.warn("AttentionCall.kv_heads is deprecated; use num_kv_heads", DeprecationWarning, stacklevel=2)
+        return self.num_kv_heads
+
+
+def _accept_old_head_names(init):
+    """``AttentionCall(q_heads=..., kv_heads=...)``: the deprecated keywords of ``num_heads`` /
+    ``num_kv_heads``, with a DeprecationWarning."""
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        if "q_heads" in kwargs or "kv_heads" in kwargs:
+            for old, new in (("q_heads", "num_heads"), ("kv_heads", "num_kv_heads")):
+                if old in kwargs:
+                    if new in kwargs:
+                        raise TypeError(f"AttentionCall got both {old}= and {new}=; pass {new}= only")
+                    warnings.warn(f"AttentionCall({old}=...) is deprecated; use {new}=", DeprecationWarning,
+                                  stacklevel=2)
+                    kwargs[new] = kwargs.pop(old)
+        init(self, *args, **kwargs)
+    return __init__
+
+
+AttentionCall.__init__ = _accept_old_head_names(AttentionCall.__init__)
 
 
 class Backend(Protocol):
@@ -164,7 +198,7 @@ def as_read_by(backend: Backend, call: AttentionCall) -> AttentionCall:
 
 #: Each backend's ``available()`` answer, asked once per process outside traced code: a package
 #: or device probe (``find_spec``, a CUDA query) must never run inside torch.compile's tracing,
-#: where it fails or answers differently (tests/test_compile_safety.py).
+#: where it fails or answers differently.
 _AVAILABLE: dict[str, str | None] = {}
 
 
@@ -217,10 +251,10 @@ def select(call: AttentionCall, backend: str = "auto", exclude: frozenset[str] =
         b = get_backend(backend)
         if reasons(b, call):
             raise BackendNotSupported(_refusal(f"backend {backend!r} cannot run this call "
-                                               f"(q {call.batch, call.q_heads, call.q_len, call.head_dim}, "
+                                               f"(q {call.batch, call.num_heads, call.q_len, call.head_dim}, "
                                                f"Sk={call.kv_len}, {call.dtype}, {call.device}):", call))
         return b
-    # Paged K/V: first the backends that read pages in place, then any other (gathering first).
+    # Paged K/V: first the backends that read it in place, then any other (gathering first).
     for in_place_only in ((True, False) if call.kv_layout != "dense" else (False,)):
         for name in _AUTO_ORDER:
             b = _REGISTRY[name]

@@ -16,7 +16,7 @@ takes the materialized mask directly).
 "math", "overrideable"; "unknown" where torch cannot say).
 
 Sinks (gpt-oss) on CPU, for inference: SDPA's CPU flash kernel returns each row's log-sum-exp
-beside its output, which is all a sink needs (:func:`attnkit.backends.cpu_splitk.engine.with_sinks`), so
+beside its output, which is all a sink needs (:func:`attnkit.backends.common.with_sinks`), so
 unmasked and causal prefill with sinks runs the fused kernel (K/V expanded per query head, as
 the op has no grouped heads). Soft-capping changes every score, which no SDPA kernel can do.
 """
@@ -30,30 +30,18 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from .common import CPU_FLASH, sinks_refusals, with_sinks
 from .registry import AttentionCall, BackendBase
-from .cpu_splitk.engine import with_sinks
-
-
-def _cpu_flash_ops():
-    """torch's fused CPU flash-attention forward / backward ops, which return and take each row's
-    log-sum-exp, or None in a torch without them (shared with the ring's blocks)."""
-    aten = torch.ops.aten
-    try:
-        return aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention_for_cpu_backward
-    except AttributeError:
-        return None
-
-
-CPU_FLASH = _cpu_flash_ops()
 
 
 def _causal_bias_module():
     """``torch.nn.attention.bias``, imported on first use: it imports ``torch._dynamo``, which
-    would double the time of ``import attnkit``; only CUDA calls with a lower-right causal mask
+    ``import attnkit`` must not pay for; only CUDA calls with a lower-right causal mask
     (and the kernel-name report for them) need it."""
     import torch.nn.attention.bias as bias_module
 
     return bias_module
+
 
 #: torch's own kernel chooser (private; absent in some builds, then kernels read "unknown").
 _FUSED_SDP_CHOICE = getattr(torch, "_fused_sdp_choice", None)
@@ -144,7 +132,7 @@ def _flash_usable(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> bool:
     """Whether SDPA's flash kernel accepts these inputs with no mask (torch's own check)."""
     try:
         params = torch.backends.cuda.SDPAParams(q, k, v, None, call.dropout_p, False,
-                                                call.q_heads != call.kv_heads)
+                                                call.num_heads != call.num_kv_heads)
         return bool(torch.backends.cuda.can_use_flash_attention(params, False))
     except (TypeError, RuntimeError):  # a torch whose SDPAParams takes other arguments
         return False
@@ -161,14 +149,14 @@ def _lower_right_bias(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> b
         return False
     if not call.reduced.is_bottom_right_causal:
         return False
-    return call.q_heads == call.kv_heads or _flash_usable(q, k, v, call)
+    return call.num_heads == call.num_kv_heads or _flash_usable(q, k, v, call)
 
 
 def _math_for_grads(call: AttentionCall) -> bool:
-    """Torch's CPU flash kernel's backward in fp16/bf16 is up to ~10x less accurate than the
-    eager path for dq (tests/test_attention.py's grid measured it against the fp64 oracle), so
-    calls that will be differentiated in half precision on CPU use SDPA's math kernel, which
-    upcasts to fp32. Everything else keeps torch's own choice."""
+    """Torch's CPU flash kernel's backward in fp16/bf16 is much less accurate than the eager path
+    for dq (outside rule R against the fp64 oracle in tests/test_attention.py's grid), so calls
+    that will be differentiated in half precision on CPU use SDPA's math kernel, which upcasts to
+    fp32. Everything else keeps torch's own choice."""
     return call.needs_grad and call.device_type == "cpu" and call.dtype in (torch.float16, torch.bfloat16)
 
 
@@ -203,7 +191,7 @@ class SdpaBackend(BackendBase):
         attn_mask, _, is_causal = self.sdpa_args(q, k, v, call)
         with sdpa_kernel([SDPBackend.MATH]) if _math_for_grads(call) else contextlib.nullcontext():
             return sdpa_kernel_name(q, k, v, attn_mask, call.dropout_p, is_causal, call.scale,
-                                    call.q_heads != call.kv_heads)
+                                    call.num_heads != call.num_kv_heads)
 
     def run(self, q, k, v, call: AttentionCall):
         Dv = v.shape[-1]
@@ -218,7 +206,7 @@ class SdpaBackend(BackendBase):
             return out[..., :Dv], None
         attn_mask, row_ok, is_causal = self.sdpa_args(q, k, v, call)
         args = dict(attn_mask=attn_mask, dropout_p=call.dropout_p, is_causal=is_causal, scale=call.scale,
-                    enable_gqa=call.q_heads != call.kv_heads)
+                    enable_gqa=call.num_heads != call.num_kv_heads)
         if _math_for_grads(call):
             with sdpa_kernel([SDPBackend.MATH]):
                 out = F.scaled_dot_product_attention(q, k, v, **args)
@@ -229,23 +217,6 @@ class SdpaBackend(BackendBase):
         if row_ok is not None:
             out = out.masked_fill(~row_ok, 0.0)
         return out, None
-
-
-def sinks_refusals(call: AttentionCall) -> list[str]:
-    """Why this backend cannot run ``call``'s sinks (empty: the CPU flash kernel can)."""
-    why = []
-    if call.device_type != "cpu" or CPU_FLASH is None:
-        why.append("sinks (SDPA cannot express them; on CPU, without gradients, its flash kernel's "
-                   "log-sum-exp carries them)")
-    elif call.needs_grad:
-        why.append("sinks with gradients (SDPA cannot express them; the CPU flash path is inference-only)")
-    elif call.dropout_p > 0:
-        why.append("sinks with dropout (SDPA cannot express them)")
-    elif call.mask is not None and not call.reduced.is_top_left_causal:
-        why.append("sinks with a mask other than causal (SDPA cannot express them)")
-    elif call.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-        why.append(f"sinks in {call.dtype}")
-    return why
 
 
 def _equal_widths(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:

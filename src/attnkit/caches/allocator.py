@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 import operator
+import warnings
 import weakref
 from collections import OrderedDict
 from typing import Iterable, Protocol
@@ -23,7 +24,7 @@ from typing import Iterable, Protocol
 import torch
 from torch import Tensor
 
-from .base import CacheStep
+from .protocol import CacheStep
 
 __all__ = ["BlockAllocator", "OutOfBlocks", "PagedPools", "PagedStep"]
 
@@ -110,8 +111,8 @@ class PagedStep(CacheStep):
     cache of that allocator. Built by :meth:`BlockAllocator.begin_step`; nothing a sequence holds
     changes until :meth:`BlockAllocator.commit`.
 
-    Beyond :class:`~attnkit.caches.CacheStep` (``old``, ``num_new``, ``new`` lengths, ``tokens``
-    S): ``seq_ids`` (the rows' sequences; None for a fresh batch, created at commit),
+    Beyond :class:`~attnkit.caches.CacheStep` (``q_start``, ``num_new``, ``new`` lengths,
+    ``tokens`` S): ``seq_ids`` (the rows' sequences; None for a fresh batch, created at commit),
     ``blocks`` (each row's block list after the step), ``cow`` ((shared block, private copy)
     pairs each layer copies before writing), ``slots`` (T,) and ``src`` (T,) (pool slot of each
     valid new token and its row in the step's B * S tokens; ``src`` None when all are valid).
@@ -120,26 +121,26 @@ class PagedStep(CacheStep):
     an abort leaves the prefix cache as it was.
     """
 
-    def __init__(self, alloc: "BlockAllocator", seq_ids, old: list[int], n: list[int], S: int,
+    def __init__(self, alloc: "BlockAllocator", seq_ids, q_start: list[int], n: list[int], S: int,
                  blocks: list[list[int]], cow: list[tuple[int, int]], taken: list[int], token_ids,
                  base: Tensor | None = None, first_changed: list[int] | None = None,
                  uncache: list[int] | None = None):
-        bs, B = alloc.block_size, len(old)
+        bs, B = alloc.block_size, len(q_start)
         slots, src = [], []
-        for b, (o, k, blks) in enumerate(zip(old, n, blocks)):
+        for b, (o, k, blks) in enumerate(zip(q_start, n, blocks)):
             for j in range(k):
                 p = o + j
                 slots.append(blks[p // bs] * bs + p % bs)
                 src.append(b * S + j)
         dense = len(src) == B * S
-        new = [o + k for o, k in zip(old, n)]
+        new = [o + k for o, k in zip(q_start, n)]
         # one host-to-tensor conversion and one split for the small vectors:
-        # [old | num_new | new | slots | src]
+        # [q_start | num_new | new | slots | src]
         T = len(slots)
         src = [] if dense else src
-        packed = torch.tensor(old + n + new + slots + src, dtype=torch.long)
-        old_t, n_t, new_t, self.slots, src_t = packed.split_with_sizes((B, B, B, T, len(src)))
-        super().__init__(old_t, n_t, S, old_host=old, num_new_host=n, new=new_t)
+        packed = torch.tensor(q_start + n + new + slots + src, dtype=torch.long)
+        start_t, n_t, new_t, self.slots, src_t = packed.split_with_sizes((B, B, B, T, len(src)))
+        super().__init__(start_t, n_t, S, q_start_host=q_start, num_new_host=n, new=new_t)
         self.alloc, self.seq_ids, self.blocks, self.cow, self.taken = alloc, seq_ids, blocks, cow, taken
         self.uncache = [] if uncache is None else uncache
         self.token_ids = token_ids
@@ -163,10 +164,10 @@ class PagedStep(CacheStep):
         self._on: dict = {}
 
     def on(self, device) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor]:
-        """(table, slots, src, old, new) on ``device`` (copied once per device)."""
+        """(table, slots, src, q_start, new) on ``device`` (copied once per device)."""
         got = self._on.get(device)
         if got is None:
-            host = (self.table, self.slots, self.src, self.old, self.new)
+            host = (self.table, self.slots, self.src, self.q_start, self.new)
             # built on the CPU: a CPU cache takes them as they are (no five no-op copies per step)
             got = self._on[device] = host if device.type == "cpu" else tuple(
                 None if t is None else t.to(device) for t in host)
@@ -286,10 +287,16 @@ class BlockAllocator:
         return torch.tensor([s.blocks + [pad] * (width - len(s.blocks)) for s in seqs], dtype=torch.long,
                             device=device).view(len(seqs), width)
 
-    def context_lengths(self, seq_ids: Iterable[int] | None = None, *, device=None) -> Tensor:
+    def lengths(self, seq_ids: Iterable[int] | None = None, *, device=None) -> Tensor:
         """(B,) long tensor of the sequences' lengths (default: the batch)."""
         return torch.tensor([self._get(s).length for s in (self._batch if seq_ids is None else seq_ids)],
                             dtype=torch.long, device=device)
+
+    def context_lengths(self, seq_ids: Iterable[int] | None = None, *, device=None) -> Tensor:
+        """Deprecated name of :meth:`lengths`."""
+        warnings.warn("BlockAllocator.context_lengths() is deprecated; call .lengths()", DeprecationWarning,
+                      stacklevel=2)
+        return self.lengths(seq_ids, device=device)
 
     def __repr__(self) -> str:
         return (f"BlockAllocator(num_blocks={self.num_blocks}, block_size={self.block_size}, used={self.num_used}, "
@@ -523,13 +530,13 @@ class BlockAllocator:
             self._batch = ids
         for b, sid in enumerate(ids):
             seq = self._seqs[sid]
-            old = seq.length
+            held = seq.length  # tokens before this step
             seq.blocks, seq.length = step.blocks[b], step.new_host[b]
             written = None if step.token_ids is None else step.token_ids[b]
-            if written is not None and len(seq.tokens) == old:
+            if written is not None and len(seq.tokens) == held:
                 seq.tokens.extend(written)
             elif step.num_new_host[b]:
-                del seq.tokens[min(len(seq.tokens), old):]  # unconfirmed positions: nothing to register
+                del seq.tokens[min(len(seq.tokens), held):]  # unconfirmed positions: nothing to register
             self._register(seq)
         self._open = None
         self._table = ((self._version, self._batch), step.table) if ids == self._batch else None

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from .base import DynamicCache, KVCache, StaticCache
-from .paged import BlockAllocator, PagedKVCache
+from .allocator import BlockAllocator
+from .contiguous import DynamicCache, StaticCache
+from .paged import PagedKVCache
+from .protocol import KVCache
 from .sliding import SlidingWindowCache
 
 __all__ = ["new_cache"]

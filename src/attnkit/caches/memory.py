@@ -7,8 +7,11 @@ asks for them (``madvise(MADV_HUGEPAGE)``) when ``/sys/kernel/mm/transparent_hug
 is ``always`` or ``madvise``; torch's CPU allocator only does so under the process-wide
 ``THP_MEM_ALLOC_ENABLE``, which a library must not set. So a cache buffer of at least one huge
 page is its own private anonymous mapping, aligned to the huge page and advised, wrapped as a
-tensor (the tensor keeps the mapping alive; it is unmapped with the last view). Everything else,
-other devices and other systems, gets ``torch.zeros``.
+tensor (the tensor keeps the mapping alive; it is unmapped with the last view). The tensor's
+storage is exactly its bytes, from the aligned start: the mapping's slack before it (what finding
+an aligned start takes) is never touched and never part of the storage, so ``torch.save``,
+pickle and ``deepcopy`` copy the buffer and nothing more. Everything else, other devices and
+other systems, gets ``torch.zeros``.
 """
 
 from __future__ import annotations
@@ -53,16 +56,17 @@ def zeros(shape: tuple[int, ...], *, dtype: torch.dtype, device=None) -> Tensor:
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if dev.type != "cpu" or page == 0 or nbytes < page:
         return torch.zeros(shape, dtype=dtype, device=dev)
-    # One page more than needed, so an aligned start exists; its untouched pages cost nothing.
+    # A mapping starts on a base page, so at most one huge page less one base page of slack puts
+    # an aligned start inside it; the slack is never touched, so it costs address space only.
     try:
-        mapping = mmap.mmap(-1, nbytes + page, flags=mmap.MAP_PRIVATE)
+        mapping = mmap.mmap(-1, nbytes + page - mmap.PAGESIZE, flags=mmap.MAP_PRIVATE)
     except OSError:  # no mapping to spare (vm.max_map_count, a strict overcommit limit): torch's
         return torch.zeros(shape, dtype=dtype, device=dev)  # allocator, and its error if memory is short
-    raw = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping (not a copy)
-    start = -raw.data_ptr() % page
+    start = -torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr() % page
     try:
         mapping.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
     except OSError:  # a kernel that refuses the advice still gives plain pages
         pass
-    out = raw[start:start + nbytes].view(dtype).view(shape)
+    # A storage of exactly these bytes, holding the mapping (not a copy) until the last view goes.
+    out = torch.frombuffer(mapping, dtype=torch.uint8, offset=start, count=nbytes).view(dtype).view(shape)
     return out.zero_()  # fault the pages in now (anonymous memory already reads as zero)

@@ -7,11 +7,12 @@ token in a pool (N, bs, Hkv, D) viewed as (N * bs, Hkv, D).
 
 The cache stores; it never computes attention: ``attend`` hands ``attnkit.attention`` a
 :class:`attnkit.PagedKV` (pools, block table, lengths) and the registry picks a kernel that reads
-the pages in place (the ``paged`` CPU engine, the ``triton`` kernel on CUDA) or gathers them.
+the blocks in place (the ``paged`` backend's split-K engine, the ``triton`` kernel on CUDA) or
+gathers them.
 
 One layer (its own allocator; sequences are created by the first step, ids 0..B-1)::
 
-    cache = PagedKVCache(kv_heads, head_dim, num_blocks=1024, block_size=16)
+    cache = PagedKVCache(num_kv_heads, head_dim, num_blocks=1024, block_size=16)
     out = mha(prompt, cache=cache)            # prefill
     out = mha(next_tokens, cache=cache)       # decode: each sequence at its own length
 
@@ -19,7 +20,7 @@ Several layers share one allocator (one block table for the whole model, vLLM st
 forward as one explicit step (:func:`attnkit.caches.step`), committed in every layer or none::
 
     alloc = BlockAllocator(num_blocks=4096, block_size=16, prefix_caching=True)
-    caches = [PagedKVCache(kv_heads, head_dim, allocator=alloc) for _ in layers]
+    caches = [PagedKVCache(num_kv_heads, head_dim, allocator=alloc) for _ in layers]
     a = alloc.add_sequence(token_ids=prompt_a)   # reuses cached full blocks of its prefix
     alloc.set_batch([a])                         # rows of the next forward
     start = alloc.length(a)                      # tokens already cached: feed prompt_a[start:]
@@ -40,22 +41,24 @@ from ..kvlayout import PagedKV, QuantizedKV
 from ..masks import Causal, KeyPadding
 from .allocator import BlockAllocator, OutOfBlocks, PagedStep
 from . import memory
-from .base import KVCache, as_bytes
+from .protocol import KVCache, renamed_kwargs
+from .quant_policy import as_bytes
 
 __all__ = ["BlockAllocator", "PagedKVCache", "OutOfBlocks", "PagedStep"]
 
 
 class PagedKVCache(KVCache):
-    """One layer's K/V pages, following a :class:`BlockAllocator`'s block tables.
+    """One layer's K/V blocks, following a :class:`BlockAllocator`'s block tables.
 
     Args:
-        kv_heads, head_dim, v_head_dim: Hkv, D, Dv (default D).
+        num_kv_heads, head_dim, v_head_dim: Hkv, D, Dv (default D). ``kv_heads=`` is the
+            deprecated name of ``num_kv_heads``.
         num_blocks, block_size: the pool, when this cache makes its own allocator (block_size
             defaults to 16). With ``allocator=`` they may be left out (or must match it).
         allocator: a :class:`BlockAllocator` shared by the layers of a model.
         prefix_caching: for the allocator this cache makes.
         value_from_key: store K only; V is its first ``v_head_dim`` channels (MLA's latent
-            cache: kv_heads=1, head_dim = kv_lora_rank + rope dim, v_head_dim = kv_lora_rank).
+            cache: num_kv_heads=1, head_dim = kv_lora_rank + rope dim, v_head_dim = kv_lora_rank).
         dtype, device: the compute dtype (of the K/V written and of dense views) and the device.
         kv_dtype: None (pools in ``dtype``), "int8" or "fp8_e4m3": pools of quantized rows and
             fp32 scale pools ``k_scale`` / ``v_scale`` (N, bs, Hkv) beside them (one scale pool
@@ -72,8 +75,8 @@ class PagedKVCache(KVCache):
     creates them on its first step. ``lengths``, ``positions``, ``update`` and ``attend`` then
     work as in every cache: ragged batches (``num_new``), multi-token steps (speculative
     verification), chunked prefill. ``update`` returns contiguous (B, Hkv, max_len, ·) copies
-    gathered from the pages (for callers that need plain tensors, e.g. MLA's naive prefill);
-    ``attend`` reads the pages in place.
+    gathered from the blocks (for callers that need plain tensors, e.g. MLA's naive prefill);
+    ``attend`` reads the blocks in place.
 
     A cache whose allocator other caches share takes steps only through
     :func:`attnkit.caches.step` (one step appends for every layer), and ``reorder`` / ``crop``
@@ -84,13 +87,14 @@ class PagedKVCache(KVCache):
     ``nbytes`` is the pools' capacity; ``nbytes_used`` the blocks in use. Eager only.
     """
 
-    def __init__(self, kv_heads: int, head_dim: int, v_head_dim: int | None = None, *,
+    @renamed_kwargs(kv_heads="num_kv_heads")
+    def __init__(self, num_kv_heads: int, head_dim: int, v_head_dim: int | None = None, *,
                  num_blocks: int | None = None, block_size: int | None = None,
                  allocator: BlockAllocator | None = None, prefix_caching: bool = False,
                  value_from_key: bool = False, dtype: torch.dtype = torch.float32, device=None, kv_dtype=None,
                  k_channel_scale=None):
-        super().__init__(kv_heads, head_dim, v_head_dim, value_from_key=value_from_key, dtype=dtype, device=device,
-                         kv_dtype=kv_dtype, k_channel_scale=k_channel_scale)
+        super().__init__(num_kv_heads, head_dim, v_head_dim, value_from_key=value_from_key, dtype=dtype,
+                         device=device, kv_dtype=kv_dtype, k_channel_scale=k_channel_scale)
         # Lengths are the allocator's (shared by the layers); see the ``lengths`` property.
         self._device = self.lengths.device
         del self._buffers["lengths"]
@@ -109,15 +113,15 @@ class PagedKVCache(KVCache):
             if prefix_caching and not allocator.prefix_caching:
                 raise ValueError("prefix_caching=True but the given allocator was built without it")
         self.allocator = allocator
-        N, bs = allocator.num_blocks, allocator.block_size
+        N, bs, H = allocator.num_blocks, allocator.block_size, num_kv_heads
         kw = dict(dtype=self.storage_dtype, device=device)
-        self.register_buffer("k_pool", memory.zeros((N, bs, kv_heads, head_dim), **kw), persistent=False)
-        self.register_buffer("v_pool", memory.zeros((0 if value_from_key else N, bs, kv_heads, self.v_head_dim), **kw),
+        self.register_buffer("k_pool", memory.zeros((N, bs, H, head_dim), **kw), persistent=False)
+        self.register_buffer("v_pool", memory.zeros((0 if value_from_key else N, bs, H, self.v_head_dim), **kw),
                              persistent=False)
         if self.kv_dtype is not None:
             f32 = dict(dtype=torch.float32, device=device)
-            self.register_buffer("k_scale", memory.zeros((N, bs, kv_heads), **f32), persistent=False)
-            self.register_buffer("v_scale", memory.zeros((0 if value_from_key else N, bs, kv_heads), **f32),
+            self.register_buffer("k_scale", memory.zeros((N, bs, H), **f32), persistent=False)
+            self.register_buffer("v_scale", memory.zeros((0 if value_from_key else N, bs, H), **f32),
                                  persistent=False)
         allocator.attach(self)
 
@@ -131,7 +135,7 @@ class PagedKVCache(KVCache):
         """(B,) tokens each batch row holds (committed)."""
         if "allocator" not in self.__dict__:
             raise AttributeError("lengths")  # during __init__ (nn.Module probes attribute names)
-        return self.allocator.context_lengths(device=self.k_pool.device)
+        return self.allocator.lengths(device=self.k_pool.device)
 
     @property
     def step_group(self) -> int:
@@ -162,7 +166,7 @@ class PagedKVCache(KVCache):
 
     def extra_repr(self) -> str:
         a = self.allocator
-        return (f"kv_heads={self.kv_heads}, head_dim={self.head_dim}, v_head_dim={self.v_head_dim}, "
+        return (f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, v_head_dim={self.v_head_dim}, "
                 f"blocks={a.num_blocks}x{a.block_size}, used={a.num_used}, value_from_key={self.value_from_key}"
                 f"{self._kv_repr()}")
 
@@ -230,7 +234,7 @@ class PagedKVCache(KVCache):
         self._unset_channel_scale(step)
 
     def view(self, step, *, dense=False):
-        table, _, _, old, new = step.on(self.k_pool.device)
+        table, _, _, q_start, new = step.on(self.k_pool.device)
         max_len = max(step.new_host, default=0)
         if self.kv_dtype is None:
             kv = PagedKV(self.k_pool, None if self.value_from_key else self.v_pool, table, new,
@@ -242,10 +246,10 @@ class PagedKVCache(KVCache):
                              checked=True, k_channel_scale=self.k_channel_scale)
         if dense:
             k_all, v_all = kv.gather(self.dtype) if self.kv_dtype is not None else kv.gather()
-            return k_all, v_all, Causal(offsets=old) & KeyPadding(new)
+            return k_all, v_all, Causal(q_start=q_start) & KeyPadding(new)
         # attention() adds KeyPadding(lengths); a step of one new token per row needs nothing more
         one = step.tokens == 1 and step.num_new_host is not None and all(x == 1 for x in step.num_new_host)
-        return kv, None, None if one else Causal(offsets=old)
+        return kv, None, None if one else Causal(q_start=q_start)
 
     def commit(self, step):
         self.allocator.commit(step)
@@ -279,7 +283,12 @@ class PagedKVCache(KVCache):
     def crop(self, n) -> None:
         """Keep the first ``n`` tokens of each row (int or (B,) tensor); a negative int drops
         ``-n`` tokens from the end (rejected speculative tokens). Whole blocks past the kept
-        tokens return to the pool."""
+        tokens return to the pool.
+
+        Unlike the contiguous caches, the dropped rows are left as they are: no view reads a
+        row past its sequence's length (:class:`attnkit.PagedKV` gathers zeros there, and the
+        kernels stop at the length), and the blocks may still be another sequence's (a fork) or
+        the prefix cache's, whose rows must not change."""
         self._not_shared("crop", "crop")
         self.crop_group(n)
 

@@ -35,8 +35,7 @@ import torch
 from torch import Tensor
 
 from .._checks import shape_of
-from ..backends.sdpa import CPU_FLASH
-from ..backends.cpu_splitk.engine import finite, merge_partials  # the engine's merge rule, written once
+from ..backends.common import CPU_FLASH, finite, merge_partials  # the split-K engine's merge rule, written once
 from ..masks import Mask, has_bias
 from ..reference import group_heads
 
@@ -48,10 +47,10 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _flat_groups(t: Tensor, kv_heads: int) -> Tensor:
+def _flat_groups(t: Tensor, num_kv_heads: int) -> Tensor:
     """(B, Hq, S, X) -> (B, Hkv, G * S, X): one matmul per KV head covers its whole group."""
     B, Hq, S, X = t.shape
-    return t.reshape(B, kv_heads, (Hq // kv_heads) * S, X)
+    return t.reshape(B, num_kv_heads, (Hq // num_kv_heads) * S, X)
 
 
 def _scores(q: Tensor, k: Tensor, allowed: Tensor | None, scale: float, softcap: float | None = None,

@@ -34,7 +34,7 @@ sequences). Blocks a mask leaves empty are skipped, which is what makes zigzag s
 
 The modifiers of today's models: ``softcap`` caps every tile's scores; ALiBi's distance bias is
 computed per tile from global indices (tile-sized, never over the whole problem); ``sinks``
-enter once, after the last block is merged (:func:`attnkit.backends.cpu_splitk.engine.with_sinks`), and the
+enter once, after the last block is merged (:func:`attnkit.backends.common.with_sinks`), and the
 backward then runs on the final log-sum-exp that includes them. Each rank's sink gradient is its
 queries' share (sum over the group, like the weights of :class:`ContextParallel`).
 """
@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .._checks import check_sinks, positive_number
-from ..backends.cpu_splitk.engine import with_sinks
+from ..backends.common import with_sinks
 from ..functional import check_qkv
 from ..masks import ALiBi, And, Causal, Mask, ReducedMask, as_mask
 from .blocks import block_backward, block_forward, compute_dtype, mask_at, merge_partials, softmax_delta
@@ -85,8 +85,8 @@ class _Plan:
         causal_terms = [mask] if isinstance(mask, Causal) else \
             list(mask.masks) if isinstance(mask, And) else []
         self.causal_offsets = [self.kv_len - self.q_len if c.align == "bottom_right" else 0
-                               for c in causal_terms if isinstance(c, Causal) and c.offsets is None]
-        self.pure_causal = isinstance(mask, Causal) and mask.offsets is None
+                               for c in causal_terms if isinstance(c, Causal) and c.q_start is None]
+        self.pure_causal = isinstance(mask, Causal) and mask.q_start is None
         # ALiBi: slope[h] * (j - p_i) with p_i query i's global position in key coordinates.
         self.slopes = self.q_pos = None
         if alibi is not None:

@@ -1,4 +1,5 @@
-"""Read the tensors of a Hugging Face checkpoint directory, with torch alone.
+"""Read a Hugging Face checkpoint directory, with torch alone: its tensors, and
+(:func:`read_pretrained`) its config and weights checked and named for :class:`attnkit.models.Decoder`.
 
 A checkpoint directory is what ``save_pretrained`` writes: ``config.json`` plus
 ``model.safetensors`` (or sharded ``model-0000i-of-0000n.safetensors`` with
@@ -16,13 +17,18 @@ import json
 import math
 import mmap
 import pickle
+import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-__all__ = ["read_safetensors", "read_checkpoint", "read_json"]
+from .config import DecoderConfig
+from .hf_configs import config_dtype, config_from_hf
+
+__all__ = ["read_safetensors", "read_checkpoint", "read_json", "read_pretrained", "Pretrained"]
 
 _ST_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -128,3 +134,59 @@ def read_checkpoint(directory: str | Path) -> dict[str, Tensor]:
     found = sorted(p.name for p in d.iterdir()) if d.is_dir() else []
     raise FileNotFoundError(f"{d}: no model.safetensors, model.safetensors.index.json, pytorch_model.bin "
                             f"or pytorch_model.bin.index.json (found: {found})")
+
+
+@dataclass(frozen=True)
+class Pretrained:
+    """A checkpoint directory read and checked for :class:`attnkit.models.Decoder`.
+
+    Attributes:
+        path: the directory.
+        hf_config: ``config.json`` as a dict.
+        config: the :class:`DecoderConfig` it describes.
+        dtype: the dtype to build the model in.
+        state_dict: the tensors, under the decoder's names, without the ones it does not run.
+    """
+
+    path: Path
+    hf_config: dict
+    config: DecoderConfig
+    dtype: torch.dtype
+    state_dict: dict[str, Tensor]
+
+
+def read_pretrained(path: str | Path, *, dtype: torch.dtype | None = None) -> Pretrained:
+    """Read the ``save_pretrained`` directory ``path`` for a decoder in ``dtype`` (default: the
+    config's ``dtype`` / ``torch_dtype``, else fp32).
+
+    The only tensors dropped are stale RoPE buffers (``*.rotary_emb.inv_freq``) and DeepSeek's
+    multi-token-prediction layers (indices >= ``num_hidden_layers``), which the decoder does not
+    run; a tied head is filled from the embedding when the checkpoint leaves it out."""
+    d = Path(path)
+    if not d.is_dir():
+        raise FileNotFoundError(f"{d} is not a directory (expected a save_pretrained checkpoint folder)")
+    if not (d / "config.json").is_file():
+        raise FileNotFoundError(f"{d} has no config.json")
+    c = read_json(d / "config.json")
+    cfg = config_from_hf(c)
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise TypeError(f"dtype must be a torch floating dtype, got {dtype!r}")
+    dtype = dtype or config_dtype(c) or torch.float32
+    return Pretrained(d, c, cfg, dtype, _decoder_state_dict(read_checkpoint(d), cfg, c, d))
+
+
+def _decoder_state_dict(sd: dict[str, Tensor], cfg: DecoderConfig, c: dict, path: Path) -> dict[str, Tensor]:
+    sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
+    if c.get("model_type") == "deepseek_v3":  # multi-token-prediction layers live past the last layer
+        layer = re.compile(r"model\.layers\.(\d+)\.")
+        sd = {k: v for k, v in sd.items()
+              if not ((m := layer.match(k)) and int(m.group(1)) >= cfg.num_layers)}
+    if cfg.tie_word_embeddings:
+        emb = sd.get("model.embed_tokens.weight")
+        head = sd.get("lm_head.weight")
+        if emb is not None and head is None:
+            sd["lm_head.weight"] = emb
+        elif emb is not None and head is not None and not torch.equal(emb, head):
+            raise ValueError(f"{path}: tie_word_embeddings is true but lm_head.weight differs from "
+                             "model.embed_tokens.weight")
+    return sd

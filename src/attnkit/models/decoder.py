@@ -34,7 +34,9 @@ from ..modules import FusedLoadHook, MultiHeadAttention, RMSNorm
 from ..modules.linear import Linear
 from ..modules.mla import MLAConfig, MultiHeadLatentAttention
 from ..rope import RotaryEmbedding
+from .checkpoints import read_pretrained
 from .config import DecoderConfig
+from .generation import GenerationMixin
 
 __all__ = ["Decoder", "RMSNorm", "GatedMLP", "SwiGLU", "DecoderLayer", "CACHE_KINDS", "ACTIVATIONS", "make_cache",
            "layer_cache_kind", "paged_allocator"]
@@ -277,7 +279,7 @@ def _key_length(cache, tokens: int) -> int | None:
     return None
 
 
-class Decoder(nn.Module):
+class Decoder(nn.Module, GenerationMixin):
     """A Llama-style decoder whose attention is any attnkit variant (:class:`DecoderConfig`).
 
     ``forward(input_ids, ...)`` gives logits; :meth:`generate` / :meth:`stream` generate with a
@@ -527,20 +529,18 @@ class Decoder(nn.Module):
                                      f"{want} keys ({where})")
         return B, S
 
-    # ------------------------------------------------------------------ generation & loading
-
-    def generate(self, prompts, max_new_tokens: int = 32, **kwargs):
-        """See :func:`attnkit.models.generate`."""
-        from .generation import generate
-        return generate(self, prompts, max_new_tokens, **kwargs)
-
-    def stream(self, prompts, max_new_tokens: int = 32, **kwargs):
-        """See :func:`attnkit.models.stream`."""
-        from .generation import stream
-        return stream(self, prompts, max_new_tokens, **kwargs)
+    # ------------------------------------------------------------------ loading
 
     @classmethod
     def from_pretrained(cls, path, *, dtype: torch.dtype | None = None, device=None) -> "Decoder":
         """See :func:`attnkit.models.load_pretrained`."""
-        from .loading import load_pretrained
-        return load_pretrained(path, dtype=dtype, device=device)
+        ckpt = read_pretrained(path, dtype=dtype)
+        model = cls(ckpt.config, dtype=ckpt.dtype, device=device, init_std=None)
+        try:
+            model.load_state_dict(ckpt.state_dict, strict=True)
+        except RuntimeError as e:
+            kind = ckpt.hf_config["model_type"]
+            raise ValueError(f"{ckpt.path}: the checkpoint does not match attnkit's {kind} decoder (strict name and "
+                             f"shape matching):\n{e}") from None
+        model.hf_config = ckpt.hf_config
+        return model.eval()

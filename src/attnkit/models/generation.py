@@ -5,7 +5,7 @@ Every step is one :meth:`Decoder.forward` (the one path). Ragged batches are rig
 never store padding: the prefill tells the caches how many tokens of each row are real
 (``num_new``), so sequence b's cache holds its ``n_b`` prompt tokens, and each decode step
 appends one token per sequence at that sequence's own length (its own RoPE position and causal
-offset). Every sequence computes what it computes alone. Equal prompts keep every cache uniform
+``q_start``). Every sequence computes what it computes alone. Equal prompts keep every cache uniform
 (one slice write per step, a plain causal mask).
 
 Resources grow with the work done: the output and (with ``cache="dynamic"`` or ``None``) the
@@ -19,24 +19,43 @@ Notation: B prompts, P longest prompt, T = max_new_tokens, V vocabulary.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
+import types
 import warnings
 import weakref
-from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
 
 from ..kvquant import kv_storage_dtype
-from .decoder import Decoder
 
 #: What ``cache=`` takes. "dynamic" builds the decoder's "sliding" caches: they grow like dynamic
 #: ones, and a sliding-window layer keeps just its window (same tokens, less memory).
 CACHES = ("dynamic", "static", "paged")
 
-__all__ = ["generate", "stream", "Generation", "sample_next"]
+__all__ = ["generate", "stream", "Generation", "sample_next", "GenerationMixin"]
+
+
+class GenerationMixin:
+    """:meth:`generate` and :meth:`stream` as methods of :class:`attnkit.models.Decoder`.
+
+    The functions of this module run any model that inherits it and provides the decoder's
+    interface: ``forward(ids, caches=, num_new=, logits_to_keep=)``, ``new_caches``,
+    ``kv_bytes_per_token``, ``config`` (``vocab_size``, ``max_position_embeddings``), ``device``
+    and ``dtype``."""
+
+    def generate(self, prompts, max_new_tokens: int = 32, **kwargs) -> "Generation":
+        """See :func:`attnkit.models.generate`."""
+        return generate(self, prompts, max_new_tokens, **kwargs)
+
+    def stream(self, prompts, max_new_tokens: int = 32, **kwargs) -> Iterator[list[int | None]]:
+        """See :func:`attnkit.models.stream`."""
+        return stream(self, prompts, max_new_tokens, **kwargs)
 
 
 @dataclass
@@ -201,7 +220,7 @@ def _device_memory(device: torch.device) -> int | None:
     return None
 
 
-def _check_capacity(model: Decoder, kind: str, batch: int, capacity: int, kv_dtype=None) -> None:
+def _check_capacity(model: GenerationMixin, kind: str, batch: int, capacity: int, kv_dtype=None) -> None:
     """Refuse a fixed-capacity cache larger than the device's memory, with the arithmetic."""
     per_token = model.kv_bytes_per_token(kv_dtype=kv_dtype)
     need = batch * capacity * per_token
@@ -218,25 +237,94 @@ def _check_capacity(model: Decoder, kind: str, batch: int, capacity: int, kv_dty
 # ---------------------------------------------------------------------------- the session
 
 
-@dataclass
-class _CompiledSteps:
-    """One model's compiled decode steps and the static caches they run on (``compile=``).
+#: Compiled decode steps kept per model (least recently used dropped first). Each holds static
+#: caches of its batch size and capacity, so the bound is also one on their memory.
+MAX_COMPILED_STEPS = 8
 
-    The pool keeps the same cache objects per shape, so a compiled step sees the same objects
-    every call and its guards hold (nothing recompiles across :func:`generate` calls)."""
+_step_names = itertools.count()
 
-    caches: dict = field(default_factory=dict)  # (B, capacity, dtype, device, kv_dtype) -> caches
-    steps: dict = field(default_factory=dict)  # (backend, id of the first cache) -> compiled step
+
+class _CompiledStep:
+    """One configuration's static caches and its decode step compiled with ``fullgraph=True``.
+
+    Dynamo keeps compiled graphs, and counts recompiles against ``torch._dynamo.config``'s
+    ``recompile_limit``, per code object. Every step gets a code object of its own, so the
+    configurations of every model in the process never add up against one limit and nothing
+    recompiles when generation switches between them; dynamo's settings stay as they are. A step
+    that cannot be compiled anyway (the limit, a graph break, a compiler failure) runs eagerly from
+    then on, with a warning that says why: compiling never fails a generation eager would finish.
+    Nothing here holds the model strongly (it is reached through a weakref)."""
+
+    def __init__(self, model: GenerationMixin, caches: list, backend: str, what: str):
+        self.model, self.caches, self.what = weakref.ref(model), caches, what
+        self.backend = backend
+        step = _own_code(_step_function(self.model, caches), f"decode_step_{next(_step_names)}")
+        self.fn: Callable[[Tensor], Tensor] | None = torch.compile(
+            step, backend=backend, fullgraph=True, **compile_settings(backend, model.device.type))
+
+    def __call__(self, ids: Tensor) -> Tensor:
+        if self.fn is not None:
+            try:
+                return self.fn(ids)
+            except Exception as e:  # noqa: BLE001 - only compilation's own refusals are caught
+                if not _compile_refused(e):
+                    raise
+                self.fn = None
+                reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                warnings.warn(f"generate(compile={self.backend!r}): the decode step for {self.what} could not be "
+                              f"compiled ({type(e).__name__}: {reason}); it runs eagerly from now on (the same "
+                              f"tokens, without compilation's speed)", RuntimeWarning, stacklevel=2)
+        return self.model()(ids, caches=self.caches, logits_to_keep=1)[:, -1]
+
+
+def _step_function(model: "weakref.ref[GenerationMixin]", caches: list) -> Callable[[Tensor], Tensor]:
+    def step(ids: Tensor) -> Tensor:
+        return model()(ids, caches=caches, logits_to_keep=1)[:, -1]
+    return step
+
+
+def _own_code(fn: types.FunctionType, name: str) -> types.FunctionType:
+    """``fn`` with a code object of its own named ``name`` (torch's eval_frame does the same to
+    give functions separate recompilation caches)."""
+    names = {"co_name": name, **({"co_qualname": name} if hasattr(fn.__code__, "co_qualname") else {})}
+    out = types.FunctionType(fn.__code__.replace(**names), fn.__globals__, name, fn.__defaults__, fn.__closure__)
+    out.__qualname__ = name
+    return out
+
+
+def _compile_refused(e: BaseException) -> bool:
+    """Whether ``e`` is torch.compile declining a step before running it (the recompile limit, a
+    graph break under ``fullgraph=True``, a failed backend compiler), not an error of the step
+    itself or a recompile the caller asked to be an error (``error_on_recompile``)."""
+    from torch._dynamo import exc
+    return isinstance(e, (exc.FailOnRecompileLimitHit, exc.Unsupported, exc.BackendCompilerFailed))
+
+
+class _CompiledSteps(OrderedDict):
+    """One model's compiled steps: (B, capacity, dtype, device, kv_dtype, backend) -> _CompiledStep,
+    the most recently used last, at most :data:`MAX_COMPILED_STEPS` of them.
+
+    The same cache objects serve every call of a configuration, so its compiled step sees the
+    same objects every call and its guards hold (nothing recompiles across :func:`generate` calls)."""
+
+    def get_or_make(self, key: tuple, make: Callable[[], _CompiledStep]) -> _CompiledStep:
+        if key in self:
+            self.move_to_end(key)
+            return self[key]
+        while len(self) >= MAX_COMPILED_STEPS:
+            self.popitem(last=False)
+        self[key] = got = make()
+        return got
 
 
 #: Per-process helpers of each model, owned here so the model knows nothing of them. Weakly keyed:
 #: they go with the model (never pickled or deep-copied with it: a copy is another key). Nothing
 #: in a value may hold the model strongly (a compiled step reaches it through a weakref), or the
 #: model would keep itself alive.
-_COMPILED: "weakref.WeakKeyDictionary[Decoder, _CompiledSteps]" = weakref.WeakKeyDictionary()
+_COMPILED: "weakref.WeakKeyDictionary[GenerationMixin, _CompiledSteps]" = weakref.WeakKeyDictionary()
 
 
-def _compiled_of(model: Decoder) -> _CompiledSteps:
+def _compiled_of(model: GenerationMixin) -> _CompiledSteps:
     got = _COMPILED.get(model)
     if got is None:
         got = _COMPILED[model] = _CompiledSteps()
@@ -250,7 +338,7 @@ class _Session:
     ``yield`` of :func:`stream` (the caller's code between tokens keeps its own grad mode).
     """
 
-    def __init__(self, model: Decoder, rows: list[list[int]], max_new_tokens: int, temperature: float,
+    def __init__(self, model: GenerationMixin, rows: list[list[int]], max_new_tokens: int, temperature: float,
                  top_k, top_p, eos_ids: list[int], cache, seed, compile, kv_dtype=None):
         self.model, self.rows, self.T = model, rows, max_new_tokens
         self.kv_dtype = kv_storage_dtype(kv_dtype)
@@ -284,46 +372,37 @@ class _Session:
             self.num_new = torch.tensor(lens, device=dev) if self.ragged else None  # (B,) real prompt tokens
             self.eos = torch.tensor(eos_ids, dtype=torch.long, device=dev) if eos_ids else None
             self.finished = torch.zeros(B, dtype=torch.bool, device=dev)
-            self.caches = self._caches() if cache is not None else None
+            self.step = self._compiled_step() if compile else None
+            if self.step is not None:
+                self.caches = self.step.caches
+                for c in self.caches:
+                    c.reset()
+            else:
+                self.caches = self._caches() if cache is not None else None
             if cache is None:  # recompute: every sequence's tokens so far, right-padded; grows by doubling
                 self.seq = self.ids.clone()
-                self.seq_len = torch.tensor(lens, device=dev)  # (B,)
-        self.step_fn = self._compiled_step() if compile else None
+                self.lengths = torch.tensor(lens, device=dev)  # (B,) tokens of each sequence so far
 
     # ............................................................ caches and steps
 
     def _caches(self):
         m, kv = self.model, self.kv_dtype
-        if not self.compile:
-            if self.cache_kind == "dynamic":  # sliding-window layers: a ring of their window (see CACHES)
-                return m.new_caches("sliding", max_batch=self.B, kv_dtype=kv)
-            return m.new_caches(self.cache_kind, max_batch=self.B, max_len=self.capacity, kv_dtype=kv)
-        # One pool of static caches per shape: the compiled step sees the same cache objects
-        # every call, so its guards hold and nothing recompiles.
-        key = (self.B, self.capacity, m.dtype, m.device, kv)
-        pool = _compiled_of(m).caches
-        if key not in pool:
-            pool[key] = m.new_caches("static", max_batch=self.B, max_len=self.capacity, kv_dtype=kv)
-        caches = pool[key]
-        for c in caches:
-            c.reset()
-        return caches
+        if self.cache_kind == "dynamic":  # sliding-window layers: a ring of their window (see CACHES)
+            return m.new_caches("sliding", max_batch=self.B, kv_dtype=kv)
+        return m.new_caches(self.cache_kind, max_batch=self.B, max_len=self.capacity, kv_dtype=kv)
 
-    def _compiled_step(self):
-        m = self.model
+    def _compiled_step(self) -> _CompiledStep:
+        """This configuration's compiled step and static caches, made on first use."""
+        m, kv = self.model, self.kv_dtype
         backend = "inductor" if self.compile is True else self.compile
-        steps = _compiled_of(m).steps
-        key = (backend, id(self.caches[0]))
-        fn = steps.get(key)
-        if fn is None:
-            caches, model = self.caches, weakref.ref(m)  # weak: the registry entry must not keep m alive
+        what = (f"batch {self.B}, capacity {self.capacity}, {str(m.dtype).removeprefix('torch.')}, "
+                f"kv_dtype {kv if kv is None else str(kv).removeprefix('torch.')} on {m.device}")
 
-            def step(ids: Tensor) -> Tensor:
-                return model()(ids, caches=caches, logits_to_keep=1)[:, -1]
+        def make() -> _CompiledStep:
+            caches = m.new_caches("static", max_batch=self.B, max_len=self.capacity, kv_dtype=kv)
+            return _CompiledStep(m, caches, backend, what)
 
-            fn = torch.compile(step, backend=backend, fullgraph=True, **compile_settings(backend, m.device.type))
-            steps[key] = fn
-        return fn
+        return _compiled_of(m).get_or_make((self.B, self.capacity, m.dtype, m.device, kv, backend), make)
 
     def _sample(self, logits: Tensor, t: int) -> Tensor:
         """Token t (B,) from logits (B, V); a non-finite row that is still running is an error."""
@@ -354,21 +433,21 @@ class _Session:
             feed = (tok if self.eos is None else tok.clamp(min=0))[:, None]  # finished: a harmless id
             if self.caches is None:
                 logits = self._recompute(feed)
-            elif self.step_fn is not None:
-                logits = self.step_fn(feed)
+            elif self.step is not None:
+                logits = self.step(feed)
             else:
                 logits = self.model(feed, caches=self.caches, logits_to_keep=1)[:, -1]
             return self._sample(logits, t + 1)
 
     def _recompute(self, feed: Tensor) -> Tensor:
         """Append ``feed`` (B, 1) after each sequence's tokens and run the whole batch again."""
-        n = self.seq_len
+        n = self.lengths
         if int(n.max()) >= self.seq.shape[1]:  # grow by doubling
             grown = self.seq.new_zeros(self.B, 2 * self.seq.shape[1])
             grown[:, :self.seq.shape[1]] = self.seq
             self.seq = grown
         self.seq.scatter_(1, n[:, None], feed)
-        self.seq_len = n = n + 1
+        self.lengths = n = n + 1
         width = int(n.max())
         return self.model(self.seq[:, :width], num_new=n, logits_to_keep=1)[:, -1]
 
@@ -399,7 +478,7 @@ def _sync(device: torch.device) -> None:
 
 def _session(model, prompts, max_new_tokens, temperature, top_k, top_p, eos, cache, seed, compile,
              kv_dtype=None) -> _Session:
-    if not isinstance(model, Decoder):
+    if not isinstance(model, GenerationMixin):
         raise TypeError(f"model must be an attnkit.models.Decoder, got {type(model).__name__}")
     V = model.config.vocab_size
     eos_ids = _check_options(max_new_tokens, temperature, top_k, top_p, eos, cache, compile, V, kv_dtype)
@@ -407,7 +486,7 @@ def _session(model, prompts, max_new_tokens, temperature, top_k, top_p, eos, cac
     return _Session(model, rows, max_new_tokens, temperature, top_k, top_p, eos_ids, cache, seed, compile, kv_dtype)
 
 
-def generate(model: Decoder, prompts, max_new_tokens: int = 32, *, temperature: float = 0.0,
+def generate(model: GenerationMixin, prompts, max_new_tokens: int = 32, *, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, eos=None, cache: str | None = "dynamic",
              seed: int | None = None, compile: bool | str = False, kv_dtype=None) -> Generation:
     """Generate up to ``max_new_tokens`` tokens for each prompt.
@@ -431,7 +510,11 @@ def generate(model: Decoder, prompts, max_new_tokens: int = 32, *, temperature: 
             None uses torch's global RNG.
         compile: True (inductor) or a ``torch.compile`` backend name: the decode step runs
             compiled with ``fullgraph=True`` over a static cache; it compiles on the first call
-            for a batch size and capacity (``P + T`` rounded up to 64) and is reused after.
+            for a batch size and capacity (``P + T`` rounded up to 64) and is reused after. Each
+            configuration (model, batch, capacity, dtype, ``kv_dtype``, backend) has a step of
+            its own, so many models and shapes in one process never meet dynamo's recompile
+            limit; a model keeps its :data:`MAX_COMPILED_STEPS` most recently used ones. A step
+            torch.compile refuses runs eagerly instead, with a ``RuntimeWarning`` saying why.
         kv_dtype: None (the cache holds K/V in the model's dtype), "int8" or "fp8_e4m3": every
             layer's cache stores quantized rows with an fp32 scale per row
             (:mod:`attnkit.kvquant`), about half the bytes of bf16; works with every ``cache``
@@ -475,7 +558,7 @@ def generate(model: Decoder, prompts, max_new_tokens: int = 32, *, temperature: 
                       decode_seconds=t2 - t1, decode_steps=steps)
 
 
-def stream(model: Decoder, prompts, max_new_tokens: int = 32, *, temperature: float = 0.0,
+def stream(model: GenerationMixin, prompts, max_new_tokens: int = 32, *, temperature: float = 0.0,
            top_k: int | None = None, top_p: float | None = None, eos=None, cache: str | None = "dynamic",
            seed: int | None = None, compile: bool | str = False, kv_dtype=None) -> Iterator[list[int | None]]:
     """Like :func:`generate`, but yields each step's tokens as soon as they exist: a list with

@@ -121,6 +121,10 @@ def load_tokenizer(folder) -> _Tokenizer:
     vocabulary files) when transformers is installed, else ``tokenizer.json`` through the
     ``tokenizers`` package. Raises :class:`TokenizerNotFound` saying what is missing."""
     d = Path(folder)
+    if not d.is_dir():
+        what = "does not exist" if not d.exists() else "is not a directory"
+        raise FileNotFoundError(f"{d} {what} (expected a save_pretrained checkpoint folder: config.json, weights and "
+                                f"tokenizer files)")
     has_json = (d / "tokenizer.json").is_file()
     has_hf = (d / "tokenizer_config.json").is_file()
     if not (has_json or has_hf):

@@ -1,4 +1,4 @@
-"""Explicit fusion of Linear layers that read the same input (STYLE 12, as gpt-fast's ``model.py``).
+"""Explicit fusion of Linear layers that read the same input (as gpt-fast's ``model.py``).
 
 A fused module owns one ``nn.Linear`` whose output rows are the parts' rows stacked in order
 (q | k | v, gate | up). Checkpoints name the parts separately (Llama, Mistral, Qwen, DeepSeek) or

@@ -5,11 +5,12 @@ rows of x (the leading dims flattened).
 
 One decode step of a batch of M sequences multiplies M rows by every weight matrix: each weight is
 read once and used M times, so for small M the layer runs at the speed the weights stream from
-memory. torch's CPU GEMM is built for large M (on an AMD Zen 3 with MKL it streams a matrix-vector
-product at 35-40 % of the read bandwidth). The native kernel (``torch.ops.attnkit_cpu.linear_rows``,
-``attnkit/native/linear.cpp``) splits the N output rows over torch's intra-op threads and walks
-each thread's rows a few at a time against all M rows of x held in cache, widening bf16 weights to
-fp32 in registers (or, with AVX-512-BF16, taking bf16 pairs in its dot product), summing in fp32.
+memory. torch's CPU GEMM is built for large M: on a matrix-vector product it can stream the
+weights well below the read bandwidth (bf16 on every CPU measured, fp32 on some). The native kernel
+(``torch.ops.attnkit_cpu.linear_rows``, ``attnkit/native/linear.cpp``) splits the N output rows
+over torch's intra-op threads and walks each thread's rows a few at a time against all M rows of
+x held in cache, widening bf16 weights to fp32 in registers (or, with AVX-512-BF16, taking bf16
+pairs in its dot product), summing in fp32.
 
 When the kernel runs (:func:`native_applies`): a CPU ``x`` and ``weight`` of one dtype, fp32 or
 bf16 (with a bias of that dtype, if any), a contiguous weight, at most :func:`native_max_rows` rows,
@@ -20,9 +21,10 @@ same dtype, results that differ only by the order of the fp32 sums.
 When torch's op is kept (:func:`native_max_rows`, a function of the dtype and the CPU's flags):
 above 8 rows always (torch's GEMM is compute-bound by then and blocks for it); for bf16 above 4
 rows on CPUs with AMX-BF16, whose tile instructions oneDNN uses for torch's bf16 GEMM: the native
-kernel's vector dot products grow with M while the AMX tiles take 16 rows at the cost of one, and
-from about 6 rows (Sapphire Rapids) the tiles win. fp32 has no such unit; there MKL's GEMM and GEMV
-were measured at or below the native kernel for every M up to 8 (benchmarks/bench_linear.py).
+kernel's vector dot products grow with M while the AMX tiles take 16 rows at the cost of one, so
+past a few rows the tiles win. fp32 has no such unit; there the native kernel takes every M up to
+8. (benchmarks/bench_linear.py measures both; one machine's table is
+benchmarks/results/xeon-amx/linear.md.)
 
 Under ``torch.compile`` (``fullgraph=True`` included) the decision traces like any shape check and
 the graph calls the kernel as an op with a Meta kernel for its output shape: the C++ op itself when

@@ -350,12 +350,12 @@ class MultiHeadLatentAttention(nn.Module):
                             f"{type(cache).__name__}")
         c = self.config
         want = (1, c.latent_dim, c.kv_lora_rank, True)
-        got = (cache.kv_heads, cache.head_dim, cache.v_head_dim, cache.value_from_key)
+        got = (cache.num_kv_heads, cache.head_dim, cache.v_head_dim, cache.value_from_key)
         if got != want:
             raise ValueError(
-                f"cache does not fit this MLA layer: it has kv_heads={got[0]}, head_dim={got[1]}, "
+                f"cache does not fit this MLA layer: it has num_kv_heads={got[0]}, head_dim={got[1]}, "
                 f"v_head_dim={got[2]}, value_from_key={got[3]}; the latent cache of this layer needs "
-                f"kv_heads=1, head_dim=kv_lora_rank + qk_rope_head_dim = {c.kv_lora_rank} + "
+                f"num_kv_heads=1, head_dim=kv_lora_rank + qk_rope_head_dim = {c.kv_lora_rank} + "
                 f"{c.qk_rope_head_dim} = {c.latent_dim}, v_head_dim=kv_lora_rank={c.kv_lora_rank}, "
                 f"value_from_key=True (build it with new_cache())")
         if dtype is not None and cache.dtype != dtype:

@@ -11,6 +11,8 @@ Notation: B batch rows, Sk key length, H query heads.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor
 
@@ -19,7 +21,7 @@ from ..caches import BoundCache, SlidingWindowCache
 from ..masks import ALiBi, KeyPadding, Mask, SlidingWindow, as_mask
 
 __all__ = ["check_variant_options", "check_flag", "attention_kwargs", "and_masks", "window_mask", "alibi_mask",
-           "cache_offsets", "torch_key_padding"]
+           "cache_q_start", "torch_key_padding"]
 
 
 def check_variant_options(scale, softcap, window) -> tuple[float | None, float | None, int | None]:
@@ -63,13 +65,21 @@ def and_masks(*masks: Mask | None) -> Mask | None:
     return out
 
 
-def cache_offsets(cache, batch: int, device) -> Tensor:
-    """(B,) tokens each row of ``cache`` holds before this step (a copy: a cache may advance its
-    lengths in place when it commits, before a mask built from them is read)."""
-    old = cache.lengths
-    if old.numel() == 0:
+def cache_q_start(cache, batch: int, device) -> Tensor:
+    """(B,) position of each row's first query this step: the tokens each row of ``cache`` holds
+    before it (a copy: a cache may advance its lengths in place when it commits, before a mask
+    built from them is read)."""
+    q_start = cache.lengths
+    if q_start.numel() == 0:
         return torch.zeros(batch, dtype=torch.long, device=device)
-    return old if isinstance(cache, BoundCache) else old.clone()
+    return q_start if isinstance(cache, BoundCache) else q_start.clone()
+
+
+def cache_offsets(cache, batch: int, device) -> Tensor:
+    """Deprecated name of :func:`cache_q_start`."""
+    warnings.warn("attnkit.modules.options.cache_offsets is deprecated; call cache_q_start", DeprecationWarning,
+                  stacklevel=2)
+    return cache_q_start(cache, batch, device)
 
 
 def window_mask(window: int | None, cache, batch: int, device) -> Mask | None:
@@ -87,7 +97,7 @@ def window_mask(window: int | None, cache, batch: int, device) -> Mask | None:
             raise ValueError(f"this module attends over a window of {window} tokens but the sliding cache keeps "
                              f"window={base.window}; build the cache with window={window}")
         return None
-    return SlidingWindow(window - 1, offsets=cache_offsets(cache, batch, device))
+    return SlidingWindow(window - 1, q_start=cache_q_start(cache, batch, device))
 
 
 def alibi_mask(slopes: Tensor, cache, batch: int, device) -> Mask:
@@ -95,7 +105,7 @@ def alibi_mask(slopes: Tensor, cache, batch: int, device) -> Mask:
     the causal mask (each row's own position with a cache; None: no cache)."""
     if cache is None:
         return ALiBi(slopes)
-    return ALiBi(slopes, offsets=cache_offsets(cache, batch, device))
+    return ALiBi(slopes, q_start=cache_q_start(cache, batch, device))
 
 
 def torch_key_padding(kpm: Tensor, batch: int, kv_len: int | None) -> Mask:

@@ -30,8 +30,9 @@ namespace {
 constexpr int64_t kLanes = 16;  // independent running maxima: no single dependency chain through the row
 
 // One row, x and data D elements, *scale_out its scale: the absmax (NaN when the row holds NaN,
-// as torch's amax), then each element scaled, clamped and rounded. Two reads of the row and no temporaries, where the torch ops write five
-// tensors of its size: measured in benchmarks/results/quantized.md.
+// as torch's amax), then each element scaled, clamped and rounded. Two reads of the row and no
+// temporaries, where the torch ops write five tensors of its size (measured in
+// benchmarks/results/quantized.md).
 template <typename T, typename Q>
 void quantize_row(const T* x, int64_t D, float qmax, Q* data, float* scale_out) {
   float acc[kLanes] = {};

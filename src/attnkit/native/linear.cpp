@@ -17,9 +17,9 @@
 // row of a 1024-wide fp32 layer is one 4 KiB page, where the hardware prefetchers stop and start
 // over. So while a block's rows are read, the next block's rows (the R * K weights after them, in
 // the thread's own range) are requested into L2 a line per row per step, spread over the block's
-// arithmetic. A short distance (512 to 1024 bytes ahead in the same rows, to L1, to L2 or
-// non-temporal) was never faster on a Sapphire Rapids Xeon: the hardware prefetchers already cover
-// it. (benchmarks/bench_linear.py measures the kernel against F.linear and a plain read.)
+// arithmetic. Nothing is requested a short distance ahead in the same rows: the hardware
+// prefetchers already cover that. (benchmarks/bench_linear.py measures the kernel against
+// F.linear and a plain read.)
 //
 // Arithmetic: fp32 products and sums (fused multiply-add), VL partial sums per output summed at
 // the end; the order differs from torch's GEMM, the error bound (K * eps * sum |x||w|) is the same.
@@ -28,9 +28,9 @@
 // Invariants: every shape, dtype and stride is checked on the calling thread; workers only read
 // the checked buffers within [0, N) x [0, K) and write their own outputs, and never throw.
 //
-// Compiled in one translation unit with splitk.cpp, rope.cpp and norm.cpp (see
-// attnkit/native/__init__.py): everything here lives in namespace attnkit_linear, so its vector
-// types and helpers do not meet theirs.
+// Compiled in one translation unit with the other kernels (attnkit/native/build.py): the vector
+// types and helpers are simd.h's, shared with splitk.cpp; everything else here lives in namespace
+// attnkit_linear, so its helpers do not meet theirs.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -43,63 +43,33 @@
 #include <cstdint>
 #include <type_traits>
 
-#if defined(__AVX__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace attnkit_linear {
 namespace {
+
+using attnkit_simd::hsum;
+using attnkit_simd::kDotBF16;
+using attnkit_simd::kVectorRegs;
+using attnkit_simd::VL;
+using attnkit_simd::vf;
+using attnkit_simd::vi;
+using attnkit_simd::vload;
 
 // The most rows of x one call takes; the Python side (attnkit.modules.linear.MAX_ROWS) routes
 // more to torch's GEMM, which is compute-bound by then and does it well.
 constexpr int64_t kMaxRows = 8;
 
-// bf16 x against bf16 weights with AVX-512-BF16's dot product (x kept in bf16), else widened.
-#if defined(__AVX512BF16__)
-constexpr bool kDotBF16 = true;
-#else
-constexpr bool kDotBF16 = false;
-#endif
-
-#if defined(__AVX512F__)
-constexpr int VL = 16;
-constexpr int kRegs = 32;  // zmm0-31
-#else
-constexpr int VL = 8;
-constexpr int kRegs = 16;  // ymm0-15
-#endif
-typedef float vf __attribute__((vector_size(VL * sizeof(float))));
-typedef float vf_u __attribute__((vector_size(VL * sizeof(float)), aligned(sizeof(float))));
-typedef int32_t vi __attribute__((vector_size(VL * sizeof(int32_t))));
-
-inline vf load(const float* p) { return *reinterpret_cast<const vf_u*>(p); }
-
 // 2 * VL bf16 weights as VL 32-bit words.
 typedef int32_t vi_u __attribute__((vector_size(VL * sizeof(int32_t)), aligned(sizeof(uint16_t))));
 inline vi load_words(const c10::BFloat16* p) { return *reinterpret_cast<const vi_u*>(p); }
-
-// The sum of a vector's lanes, pairwise (a few shuffles and adds, not VL dependent adds: with
-// short rows, K of a few hundred, the sums at the end of each block are not negligible).
-inline float sum_lanes(vf v) {
-#if defined(__AVX512F__)
-  return _mm512_reduce_add_ps((__m512)v);
-#elif defined(__AVX__)
-  const __m128 h = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
-  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
-#else
-  float s = 0.0f;
-  for (int i = 0; i < VL; ++i) s += v[i];
-  return s;
-#endif
-}
 
 // Weight rows per pass for M rows of x, when each step holds ``wv`` vectors of a weight row (1; 2
 // for widened bf16, its even and odd elements) and of an x row: M x R accumulators + wv x R weight
 // vectors + wv x vectors must fit in the registers (a spilled accumulator costs more than the
 // narrower block saves).
 constexpr int rows_per_pass(int M, int wv) {
-  return M * 4 + wv * 4 + wv <= kRegs ? 4 : M * 2 + wv * 2 + wv <= kRegs ? 2 : 1;
+  return M * 4 + wv * 4 + wv <= kVectorRegs ? 4 : M * 2 + wv * 2 + wv <= kVectorRegs ? 2 : 1;
 }
 
 // Vectors per weight row in one step of the kernel for x of type X and weights of type W.
@@ -164,12 +134,12 @@ inline void block(const X* x, const W* w, const float* bias, O* out, int64_t n0,
         vf wv[R];
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
-          wv[r] = load(wr[r] + k);
+          wv[r] = vload(wr[r] + k);
           if (ahead) __builtin_prefetch(wr[r] + k + ahead, 0, 1);
         }
 #pragma GCC unroll 8
         for (int m = 0; m < M; ++m) {
-          const vf xv = load(x + m * K + k);
+          const vf xv = vload(x + m * K + k);
 #pragma GCC unroll 4
           for (int r = 0; r < R; ++r) acc[m][r] += xv * wv[r];
         }
@@ -191,7 +161,7 @@ inline void block(const X* x, const W* w, const float* bias, O* out, int64_t n0,
         }
 #pragma GCC unroll 8
         for (int m = 0; m < M; ++m) {
-          const vf xe = load(x + m * K + k), xo = load(x + m * K + k + VL);
+          const vf xe = vload(x + m * K + k), xo = vload(x + m * K + k + VL);
 #pragma GCC unroll 4
           for (int r = 0; r < R; ++r) acc[m][r] += xe * we[r] + xo * wo[r];
         }
@@ -200,7 +170,7 @@ inline void block(const X* x, const W* w, const float* bias, O* out, int64_t n0,
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m)
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) sums[m][r] = sum_lanes(acc[m][r]);
+      for (int r = 0; r < R; ++r) sums[m][r] = hsum(acc[m][r]);
   }
 #pragma GCC unroll 8
   for (int m = 0; m < M; ++m)

@@ -17,7 +17,7 @@
 // its probability by its V scale before P @ V (attention over data * scale, never built).
 //
 // Keys are read through a row locator: contiguous caches (B, Hkv, Sk, D) by their strides, paged
-// pools (N, bs, Hkv, D) through a block table, so scattered pages cost no copy.
+// pools (N, bs, Hkv, D) through a block table, so scattered blocks cost no copy.
 //
 // Query row (b, i) sees keys j with lo[b, i] <= j < hi[b, i] (causal, windows, padding: the mask
 // as a range), plus an optional additive fp32 bias (any other mask), ALiBi (slope[h] * (j -
@@ -30,9 +30,9 @@
 // Bounds: everything the workers will read (each sequence's key range against Sk or its block
 // table, every table entry in that range, the bias's extent) is checked on the calling thread
 // before the parallel region (check_reads), so no read depends on the thread count, the tile
-// size or the ISA. Workers never throw (an exception thrown in several OpenMP workers at once is
-// the suspect of a crash on a 16-core machine, issue 28.5): what they cannot do (an allocation
-// that fails) is flagged and raised on the calling thread after the region.
+// size or the ISA. Workers never throw (exceptions thrown in several OpenMP workers at once can
+// bring the process down): what they cannot do (an allocation that fails) is flagged and raised
+// on the calling thread after the region.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -55,11 +55,19 @@
 
 #include <unistd.h>
 
-#if defined(__F16C__) || defined(__AVX__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace {
+
+using attnkit_simd::hsum;
+using attnkit_simd::kDotBF16;
+using attnkit_simd::VL;
+using attnkit_simd::vf;
+using attnkit_simd::vi;
+using attnkit_simd::vload;
+using attnkit_simd::vsplat;
+using attnkit_simd::vstore;
+using attnkit_simd::vu;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -106,8 +114,8 @@ struct Args {
   const float* vsc;
   int64_t vss0, vss1, vss2;
   bool paged;
-  const int64_t* table;  // (B, W) block ids (paged)
-  int64_t table_s0, block_size, num_blocks, table_w;
+  const int64_t* block_table;  // (B, W) block ids (paged)
+  int64_t block_table_s0, block_size, num_blocks, block_table_w;
   const int64_t* lo;  // (B, Sq), or nullptr: rows start at key 0
   const int64_t* hi;  // (B, Sq), or nullptr: rows end at Sk (dense)
   const float* bias;  // optional, strides (b, h, i, j)
@@ -172,7 +180,7 @@ __attribute__((always_inline)) inline void for_runs(const Args& a, int64_t b, in
   int64_t slot = t0 / a.block_size, off = t0 - slot * a.block_size;
   for (int64_t j0 = 0; j0 < n; ++slot, off = 0) {
     const int64_t run = std::min(n - j0, a.block_size - off);
-    int64_t id = slot < a.table_w ? a.table[b * a.table_s0 + slot] : -1;
+    int64_t id = slot < a.block_table_w ? a.block_table[b * a.block_table_s0 + slot] : -1;
     if (__builtin_expect(id < 0 || id >= a.num_blocks, 0)) {
       // Ruled out by check_reads (which also saw a valid block, so block 0 exists). A worker
       // must not throw: flag it, read block 0, and the call raises after the parallel region.
@@ -184,35 +192,6 @@ __attribute__((always_inline)) inline void for_runs(const Args& a, int64_t b, in
   }
 }
 
-// fp32 SIMD vectors through the compilers' vector extensions (GCC, Clang): the width follows the
-// instruction set the library is compiled for (-march=native): 16 lanes with AVX-512, else 8.
-#if defined(__AVX512F__)
-constexpr int64_t VL = 16;
-#else
-constexpr int64_t VL = 8;
-#endif
-typedef float vf __attribute__((vector_size(VL * sizeof(float))));
-typedef float vf_u __attribute__((vector_size(VL * sizeof(float)), aligned(sizeof(float))));
-
-typedef int32_t vi __attribute__((vector_size(VL * sizeof(int32_t))));
-typedef uint32_t vu __attribute__((vector_size(VL * sizeof(uint32_t))));
-
-inline vf vload(const float* p) { return *reinterpret_cast<const vf_u*>(p); }
-inline void vstore(float* p, vf v) { *reinterpret_cast<vf_u*>(p) = v; }
-inline vf vsplat(float x) {
-#if defined(__AVX512F__)
-  return (vf)_mm512_set1_ps(x);
-#elif defined(__AVX__)
-  return (vf)_mm256_set1_ps(x);
-#else
-  return vf{} + x;
-#endif
-}
-inline float hsum(vf v) {
-  float s = 0.0f;
-  for (int64_t i = 0; i < VL; ++i) s += v[i];
-  return s;
-}
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 // Scores of 4 query rows x 2 bf16 keys with AVX-512-BF16's dot product (VDPBF16PS: pairs of bf16
@@ -220,7 +199,6 @@ inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 // widening, half the instructions of widen-then-FMA. ``q`` holds the 4 rows unscaled in bf16, ``Dp``
 // apart (Dp a multiple of 32); the caller multiplies the sums by the scale.
 #if defined(__AVX512BF16__)
-constexpr bool kDotBF16 = true;
 inline void dot_4x2_bf16(const uint16_t* q, int64_t Dp, const c10::BFloat16* k0, const c10::BFloat16* k1, float* sums) {
   __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00;
   for (int64_t d = 0; d < Dp; d += 32) {
@@ -238,7 +216,6 @@ inline void dot_4x2_bf16(const uint16_t* q, int64_t Dp, const c10::BFloat16* k0,
   sums[6] = _mm512_reduce_add_ps(c30); sums[7] = _mm512_reduce_add_ps(c31);
 }
 #else
-constexpr bool kDotBF16 = false;
 inline void dot_4x2_bf16(const uint16_t*, int64_t, const c10::BFloat16*, const c10::BFloat16*, float*) {}
 #endif
 
@@ -337,8 +314,8 @@ inline bool quantize_q_i16(const float* x, int64_t Dp, int16_t* out, float& rs) 
 // Bytes of key rows one tile holds (all of a unit's heads): 1/16 of the core's L2, 16 to 64 KiB.
 // A tile and the next one (prefetched) of K and V then take 1/4 of L2 at most; longer tiles
 // spread the online softmax's per-tile work over more keys, which matters most to paged units
-// (they walk every KV head of a block: 32 keys of 8 int8 heads in 32 KiB). On Zen 3 (L2 512 KiB)
-// 32 KiB beat 16 and 64 KiB for paged int8 decode; a 2 MiB L2 keeps the 64 KiB it had at 1/32.
+// (they walk every KV head of a block: 32 keys of 8 int8 heads in 32 KiB). The share and the
+// bounds were chosen on paged int8 decode, where the tile length matters most.
 // ATTNKIT_SPLITK_TILE_BYTES (read once per process) forces the size, so tests reach every tile
 // length on any machine.
 int64_t tile_key_bytes() {
@@ -666,7 +643,7 @@ struct TileRows {
   // The n keys from t0 (the unit walks up to ``end``); quantized K/V also put the rows' scales
   // in ``kscale`` / ``vscale`` (NH, TILE). Rows are addressed by arithmetic on locals, a block
   // run at a time: the compiler keeps it in registers (stepping walkers kept in memory, which
-  // every row pointer stored might alias, made an int8 step about 10% slower).
+  // every row pointer stored might alias, are reloaded after every store).
   __attribute__((always_inline)) inline void gather(int64_t t0, int64_t n, int64_t end, const R** krow, const R** vrow,
                                                     const char** kpf, const char** vpf, float* kbuf, float* vbuf,
                                                     float* kscale, float* vscale) const {
@@ -787,11 +764,11 @@ __attribute__((always_inline)) inline float score_1x1_fma(const float* q0, int64
 // rows hh * n .. hh * n + n - 1 in (key, head) order, which is address order in a paged pool
 // (block, slot, head): the core's own prefetcher then streams along with them. One row per key's
 // scores spreads the requests over the tile's arithmetic, where one burst would stall on the
-// core's few outstanding misses (line fill buffers) with nothing to overlap. (A head at a time,
-// rows 1 KiB apart in the pool, which Zen 3's prefetcher did not follow, left paged decode at half
-// the dense speed there: benchmarks/README.md.) Key j's row of head x
-// is ``klen`` (``vlen``) bytes from ``k[j] + x * khead`` (``v[j] + x * vhead``); null entries
-// (past the next tile, V read from K) are skipped.
+// core's few outstanding misses (line fill buffers) with nothing to overlap. (A head at a time
+// would step through the pool rows 1 KiB apart, a stride some cores' prefetchers, Zen 3's among
+// them, do not follow.) Key j's row of head x is ``klen`` (``vlen``) bytes from
+// ``k[j] + x * khead`` (``v[j] + x * vhead``); null entries (past the next tile, V read from K)
+// are skipped.
 struct NextRows {
   const char* const* k;
   const char* const* v;
@@ -1129,8 +1106,8 @@ __attribute__((always_inline)) inline void accumulate_pv_fp32(float* ach, const 
 
 // acc += P @ V for one head's tile, over the keys some row sees (p = 0 for the others, as in
 // P @ V of the math). Each tile's sum starts from zero and is added to acc once (blocked
-// summation): a long single-threaded walk no longer adds every key's term to one running total,
-// whose rounding grows with the number of keys. ``int_pv``: int8 V for a bf16 / fp16 query,
+// summation): a long single-threaded walk does not add every key's term to one running total,
+// whose rounding would grow with the number of keys. ``int_pv``: int8 V for a bf16 / fp16 query,
 // summed by pv_i16 where it can.
 template <typename R>
 __attribute__((always_inline)) inline void accumulate_pv(float* ach, const float* sbuf, const R* const* vrh, int64_t M,
@@ -1254,12 +1231,12 @@ void check_reads(const Args& a, const Ranges& r, const c10::optional<at::Tensor>
       continue;
     }
     const int64_t last = (r.end[b] - 1) / a.block_size;  // the last block the rows reach
-    TORCH_CHECK_VALUE(last < a.table_w, "attnkit paged attention: rows of sequence ", b, " read keys up to ", r.end[b],
-                      " but its block_table row holds ", a.table_w, " blocks of ", a.block_size, " tokens");
+    TORCH_CHECK_VALUE(last < a.block_table_w, "attnkit paged attention: rows of sequence ", b, " read keys up to ", r.end[b],
+                      " but its block_table row holds ", a.block_table_w, " blocks of ", a.block_size, " tokens");
     TORCH_CHECK_VALUE(r.end[b] - r.start[b] <= kMaxKeys, "attnkit paged attention: sequence ", b,
                       " has rows reading keys [", r.start[b], ", ", r.end[b], "): more than 2^52 keys");
     for (int64_t slot = r.start[b] / a.block_size; slot <= last; ++slot) {
-      const int64_t id = a.table[b * a.table_s0 + slot];
+      const int64_t id = a.block_table[b * a.block_table_s0 + slot];
       TORCH_CHECK_VALUE(id >= 0 && id < a.num_blocks, "attnkit paged attention: block_table entry ", id,
                         " (sequence ", b, ", block ", slot, ") is outside the pool of ", a.num_blocks,
                         " blocks");
@@ -1438,7 +1415,7 @@ void run_all(Args a, const Ranges& ranges, at::Tensor& out, float* lse, const fl
 // (optional for a dense cache: bottom-right positions).
 // Returns out (B, Hq, Sq, Dv) in q's dtype and lse (B, Hq, Sq) fp32 (empty unless return_lse).
 // Everything a decode step needs happens in this one op: no scaled copy of q, no default bounds,
-// no output cast (each a dispatch of several microseconds, on every layer of every step).
+// no output cast (each a dispatch of its own, on every layer of every step).
 std::tuple<at::Tensor, at::Tensor> splitk_attention(
     const at::Tensor& q, const at::Tensor& k, const c10::optional<at::Tensor>& v,
     const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale, int64_t v_head_dim,
@@ -1484,9 +1461,9 @@ std::tuple<at::Tensor, at::Tensor> splitk_attention(
     TORCH_CHECK(t.scalar_type() == at::kLong && t.dim() == 2 && t.size(0) == a.B && t.stride(1) == 1 &&
                     t.device().is_cpu(),
                 "block_table must be a (B=", a.B, ", W) int64 CPU tensor with unit stride, got ", t.sizes());
-    a.table = t.data_ptr<int64_t>();
-    a.table_s0 = t.stride(0);
-    a.table_w = t.size(1);
+    a.block_table = t.data_ptr<int64_t>();
+    a.block_table_s0 = t.stride(0);
+    a.block_table_w = t.size(1);
     a.block_size = k.size(1);
     a.num_blocks = k.size(0);
   } else {

@@ -51,7 +51,8 @@ from __future__ import annotations
 
 from .config import ROPE_TYPES, RopeConfig
 from .embedding import RotaryAngles, RotaryEmbedding
-from .frequencies import rope_inv_freq, yarn_get_mscale, yarn_softmax_scale_multiplier
+from .frequencies import rope_inv_freq
+from .mscale import yarn_get_mscale, yarn_softmax_scale_multiplier
 from .rotate import apply_rotary
 
 __all__ = [

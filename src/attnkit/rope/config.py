@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from .frequencies import yarn_get_mscale
+from .mscale import yarn_get_mscale
 
 __all__ = ["ROPE_TYPES", "RopeConfig", "rope_config_from_hf"]
 

@@ -10,7 +10,8 @@ import torch
 from torch import Tensor, nn
 
 from .config import RopeConfig, rope_config_from_hf
-from .frequencies import dynamic_inv_freq, rope_inv_freq, yarn_softmax_scale_multiplier
+from .frequencies import dynamic_inv_freq, rope_inv_freq
+from .mscale import yarn_softmax_scale_multiplier
 from .rotate import rotate_signed, rotation_sign
 
 __all__ = ["RotaryAngles", "RotaryEmbedding"]
@@ -183,7 +184,7 @@ class RotaryEmbedding(nn.Module):
 
         Args:
             positions: (B, S) integer tensor, the position of every token of every sequence
-                (ragged batches, left padding, cache offsets: any non-negative values).
+                (ragged batches, left padding, tokens already cached: any non-negative values).
 
         Layout follows ``interleaved``: rotate-half gives ``cat(c, c)`` (Hugging Face's cos),
         interleaved gives each angle twice in a row.

@@ -1,58 +1,29 @@
 """Rotary frequency math: the inverse frequencies of every rope type (``default``, ``linear``,
-``dynamic`` NTK, ``llama3``, ``yarn``; bit for bit ``transformers.modeling_rope_utils``) and
-YaRN's magnitude corrections. See :mod:`attnkit.rope` for the formulas."""
+``dynamic`` NTK, ``llama3``, ``yarn``; bit for bit ``transformers.modeling_rope_utils``). YaRN's
+magnitude corrections are in :mod:`attnkit.rope.mscale`. See :mod:`attnkit.rope` for the formulas."""
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Mapping
+import warnings
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from .config import RopeConfig
+from .config import RopeConfig
 
-__all__ = ["rope_inv_freq", "dynamic_inv_freq", "yarn_get_mscale", "yarn_softmax_scale_multiplier"]
+__all__ = ["rope_inv_freq", "dynamic_inv_freq"]
 
-
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+_MOVED = ("yarn_get_mscale", "yarn_softmax_scale_multiplier")
 
 
-def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
-    """YaRN's magnitude correction ``0.1 * mscale * ln(scale) + 1`` (1.0 when ``scale <= 1``)."""
-    if scale <= 1:
-        return 1.0
-    return 0.1 * mscale * math.log(scale) + 1.0
-
-
-def yarn_softmax_scale_multiplier(scaling: Mapping[str, Any] | None) -> float:
-    """What DeepSeek-V2/V3 multiply the softmax scale ``qk_head_dim ** -0.5`` by.
-
-    ``mscale(factor, mscale_all_dim) ** 2`` when ``scaling`` is a non-default rope type with a
-    non-zero ``mscale_all_dim``, else 1.0: the same rule as Hugging Face's DeepSeek-V3
-    ``yarn_apply_mscale`` (which, like DeepSeek's official ``inference/model.py``, applies it for
-    YaRN configs; Hugging Face checks only ``rope_type != "default"``). The cos/sin factor is
-    separate: :attr:`RopeConfig.attention_scaling` (1.0 for DeepSeek-V3, whose ``mscale`` equals
-    ``mscale_all_dim``).
-
-    Hugging Face computes ``scale * m * m``; ``scale * yarn_softmax_scale_multiplier(...)`` may
-    differ from it in the last bit of a float64.
-    """
-    if scaling is None:
-        return 1.0
-    if not isinstance(scaling, Mapping):
-        raise TypeError(f"scaling must be a dict or None, got {type(scaling).__name__}")
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    mscale_all_dim = scaling.get("mscale_all_dim") or 0
-    if rope_type == "default" or not mscale_all_dim:
-        return 1.0
-    factor = scaling.get("factor")
-    if not _is_number(factor):
-        raise ValueError(f"scaling['factor'] must be a number when mscale_all_dim is set, got {factor!r}")
-    m = yarn_get_mscale(factor, mscale_all_dim)
-    return m * m
+def __getattr__(name: str):
+    if name in _MOVED:  # deprecated path: the magnitude corrections live in attnkit.rope.mscale
+        warnings.warn(f"attnkit.rope.frequencies.{name} is deprecated; import it from attnkit.rope "
+                      f"(attnkit.rope.mscale.{name})", DeprecationWarning, stacklevel=2)
+        from . import mscale
+        return getattr(mscale, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _default_inv_freq(base: float, dim: int, device=None) -> Tensor:

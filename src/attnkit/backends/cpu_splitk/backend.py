@@ -1,131 +1,15 @@
-"""``decode`` and ``paged``: few-query attention on CPU through the split-K engine
-(:mod:`attnkit.backends.cpu_splitk.engine`), over contiguous K/V (``decode``) or pages (``paged``).
+"""Deprecated import path: use :mod:`attnkit.backends.decode.backend` (this module re-exports its
+old names)."""
 
-Both read each KV head once for all the query heads of its group and every query of the step
-(decode, speculative verification: Sq <= 16; soft-capped or ALiBi calls of any length, which
-SDPA cannot fuse, a chunk of queries at a time), take the mask as key intervals, and run on the
-compiled native kernel when the machine has a compiler (``describe_call(detail=True)`` says
-``decode[native]``, ``decode[native (not built yet)]`` or ``decode[torch]``; without the native
-kernel ``auto`` leaves them only the calls SDPA cannot fuse, see :func:`auto_skip`). They are
-inference paths: calls that need gradients, dropout or the weights go to ``sdpa`` / ``math``
-(paged K/V gathered first).
-"""
+import warnings
 
-from __future__ import annotations
+from ..common import decode_refusals
+from ..decode.backend import MAX_DECODE_Q_LEN, DecodeBackend, auto_skip, min_auto_kv_elems
 
-import torch
+warnings.warn("attnkit.backends.cpu_splitk.backend is deprecated; use attnkit.backends.decode.backend "
+              "(SplitKBackend is now DecodeBackend, decode_refusals is in attnkit.backends.common)",
+              DeprecationWarning, stacklevel=2)
 
-from ... import native
-from ..._sysinfo import cpu_flags
-from ..registry import AttentionCall, BackendBase
-from ..sdpa import sinks_refusals
-from . import engine as splitk
+SplitKBackend = DecodeBackend
 
-#: Largest Sq these backends take: past this the work is matmul-bound and SDPA's tiled kernels win.
-MAX_DECODE_Q_LEN = 16
-
-
-def decode_refusals(call: AttentionCall, max_q_len: int | None = MAX_DECODE_Q_LEN) -> list[str]:
-    """What every decode kernel (these, ``triton``) refuses: long queries (past ``max_q_len``;
-    None: any length), weights, dropout."""
-    why = []
-    if max_q_len is not None and call.q_len > max_q_len:
-        why.append(f"Sq={call.q_len} > {max_q_len} (a decode path: small query lengths only)")
-    if call.return_weights:
-        why.append("return_weights=True")
-    if call.dropout_p > 0:
-        why.append("dropout_p > 0")
-    return why
-
-
-def _bf16_matrix_isa() -> bool:
-    """True when the CPU has bf16 matrix instructions (AVX-512-BF16 or AMX), which SDPA's CPU
-    kernels use for bf16/fp16."""
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
-
-
-def min_auto_kv_elems(engine: str) -> int:
-    """Below this many K+V elements ``auto`` leaves a dense decode call to SDPA, whose single
-    fused call costs less than the engine's per-call set-up (interval bounds, fp32 copy of q,
-    partials). The torch implementation of the engine runs a few ops per key chunk, so it needs
-    more work to pay off than the native kernel."""
-    return 1 << 14 if engine == "native" else 1 << 20
-
-
-def _fuses_what_sdpa_cannot(call: AttentionCall) -> bool:
-    """Calls the engine takes at any length: a soft cap (no SDPA kernel caps scores: the
-    alternative is the math path), ALiBi (SDPA takes it only as a materialized (B, H, Sq, Sk)
-    bias) or sinks SDPA's flash path cannot take (a window, padding). The engine runs them a chunk
-    of queries at a time, several times faster."""
-    if call.softcap is not None or call.reduced.has_alibi:
-        return True
-    return call.sinks is not None and bool(sinks_refusals(call))
-
-
-def auto_skip(call: AttentionCall, engine: str) -> str | None:
-    """Why ``auto`` passes a call the split-K engine supports to another backend (None: ``auto``
-    takes it). ``engine`` is the implementation that would run it, "native" or "torch"; a pure
-    function of the call and the engine, so every machine's choice is testable on any machine."""
-    if _fuses_what_sdpa_cannot(call):
-        return None  # the alternative is the math path, which materializes the scores
-    # The torch implementation runs several ops per key chunk and converts bf16/fp16 chunks to
-    # fp32. Measured side by side (4k-32k keys, fp32 and bf16, GQA, MHA, MLA widths, pages, on a
-    # 2-core Xeon and a 2-core EPYC) it lost to SDPA, and to gathering the pages for SDPA, nearly
-    # everywhere: without the native kernel, the calls SDPA can run go to SDPA.
-    if engine != "native":
-        return ("no native kernel here (`attnkit info` says why), and the engine's torch implementation is "
-                "slower than SDPA; backend='decode' / 'paged' still forces it")
-    if call.kv_layout == "dense" and call.head_dim == call.v_head_dim:
-        kv_elems = call.batch * call.kv_heads * call.kv_len * (call.head_dim + call.v_head_dim)
-        if kv_elems < min_auto_kv_elems(engine):
-            return f"tiny cache ({kv_elems} K/V elements): SDPA's one fused call costs less"
-    return None
-
-
-class SplitKBackend(BackendBase):
-    """One backend over the split-K engine; ``layouts`` are the K/V it reads in place (float and
-    quantized: dense, or paged)."""
-
-    auto_devices = ("cpu",)
-
-    def __init__(self, name: str, layouts: tuple[str, ...]):
-        self.name, self.layouts = name, tuple(layouts)
-
-    def not_supported_reasons(self, call: AttentionCall) -> list[str]:
-        why = decode_refusals(call, None if _fuses_what_sdpa_cannot(call) else MAX_DECODE_Q_LEN)
-        if call.kv_layout not in self.layouts:
-            why.append(f"{call.kv_layout} K/V (this backend reads {' or '.join(self.layouts)} K/V)")
-        if call.device_type != "cpu":
-            why.append(f"{call.device_type} tensors (a CPU engine)")
-        if call.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            why.append(f"dtype {call.dtype} (fp32, bf16, fp16; fp64 goes to math)")
-        if call.needs_grad:
-            why.append("gradients required (an inference path)")
-        return why
-
-    def auto_skip_reason(self, call: AttentionCall) -> str | None:
-        if torch.compiler.is_compiling() and native.library_path() is None:
-            # traced code must not build the library; once it is loaded, the graph calls the op
-            return "under torch.compile before the native kernel is loaded (SDPA traces)"
-        # build=False: deciding (and describe_call) must never start the compile; the first call
-        # that runs the engine does.
-        return auto_skip(call, "native" if torch.compiler.is_compiling() else native.engine(build=False))
-
-    def kernel_name(self, q, k, v, call: AttentionCall) -> str:
-        state = native.status(build=False)  # "native", "native (not built yet)" or "torch (<why>)"
-        return "torch" if state.startswith("torch") else state
-
-    def run(self, q, k, v, call: AttentionCall):
-        mods = dict(scale=call.scale, mask=call.reduced, softcap=call.softcap, sinks=call.sinks)
-        if call.kv_layout == "paged":
-            out, _ = splitk.splitk_attention(q, k.k_pool, k.v_pool, block_table=k.block_table, v_head_dim=k.value_dim,
-                                             kv_len=call.kv_len, **mods)
-        elif call.kv_layout in ("quantized", "quantized_paged"):
-            qc, k, post = k.without_channel_scale(q)
-            out, _ = splitk.splitk_attention(qc, k.k, k.v, block_table=k.block_table, v_head_dim=k.value_dim,
-                                             kv_len=call.kv_len, k_scale=k.k_scale, v_scale=k.v_scale, **mods)
-            if qc is not q:  # K's channel scales were folded into the query (fp32)
-                out = (out if post is None else out * post).to(q.dtype)
-        else:
-            out, _ = splitk.splitk_attention(q, k, v, **mods)
-        return out, None
+__all__ = ["MAX_DECODE_Q_LEN", "SplitKBackend", "auto_skip", "decode_refusals", "min_auto_kv_elems"]

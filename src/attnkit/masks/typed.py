@@ -1,4 +1,4 @@
-"""Typed, composable attention masks.
+"""The user's typed, composable attention masks (and ALiBi, composition, normalisation).
 
 A mask says which key each query may attend to (True = attend). Every mask can
 
@@ -10,17 +10,21 @@ A mask says which key each query may attend to (True = attend). Every mask can
 
 Masks compose with ``&`` (both allow) and ``|`` (either allows).
 
-Positions. A query's position in key coordinates is ``i + offset``. ``align="bottom_right"``
-uses ``offset = Sk - Sq`` (the last query sits on the last key: decode, chunked prefill, cached
-verification), ``align="top_left"`` uses ``offset = 0`` (torch's ``is_causal``), and
-``offsets=`` gives one offset per sequence (a ragged batch where sequence ``b`` has
-``offsets[b]`` cached tokens before this step's queries).
+Positions. A query's position in key coordinates is ``i + q_start``: the position of the
+step's first query. ``align="bottom_right"`` uses ``q_start = Sk - Sq`` (the last query sits on
+the last key: decode, chunked prefill, cached verification), ``align="top_left"`` uses
+``q_start = 0`` (torch's ``is_causal``), and ``q_start=`` gives one per sequence (a ragged batch
+where sequence ``b`` has ``q_start[b]`` cached tokens before this step's queries).
+
+Selections (:class:`SelectedKeys`, :class:`SelectedBlocks`) list, per query, the keys or key
+blocks it sees (a sparse model's top-k); they compose with every other mask.
 
 Notation: B batch, H heads, Sq query length, Sk key length.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
@@ -36,6 +40,9 @@ __all__ = [
     "PrefixLM",
     "Dense",
     "Additive",
+    "Selection",
+    "SelectedKeys",
+    "SelectedBlocks",
     "ALiBi",
     "alibi_slopes",
     "split_alibi",
@@ -44,9 +51,9 @@ __all__ = [
     "as_mask",
     "has_bias",
     "has_alibi",
+    "has_selection",
     "has_structure",
     "shifted_bias",
-    "ReducedMask",
 ]
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -92,7 +99,7 @@ class Mask:
         return False
 
     def tensors(self) -> tuple[Tensor, ...]:
-        """The tensors this mask holds (lengths, offsets, dense masks)."""
+        """The tensors this mask holds (lengths, query starts, dense masks)."""
         return ()
 
     def key_range(self, batch: int, q_len: int, kv_len: int, device=None) -> tuple[Tensor, Tensor] | None:
@@ -148,85 +155,107 @@ def _per_batch(t: Tensor, device: torch.device) -> Tensor:
     return t.to(device).reshape(-1, 1, 1, 1)
 
 
+def _q_start_arg(q_start, offsets, owner: str):
+    """The ``q_start=`` argument of a positional mask, taking the deprecated ``offsets=`` spelling
+    too (with a DeprecationWarning); returns (value, the name the caller used)."""
+    if offsets is None:
+        return q_start, "q_start"
+    if q_start is not None:
+        raise TypeError(f"{owner} got both q_start= and offsets= (the old name of q_start); pass q_start= only")
+    warnings.warn(f"{owner}(offsets=...) is deprecated; pass q_start=... (the position of each sequence's "
+                  f"first query in key coordinates)", DeprecationWarning, stacklevel=3)
+    return offsets, "offsets"
+
+
 class _Positional(Mask):
     """Shared query-position logic for masks that compare a query's position with key indices."""
 
-    def __init__(self, align: str, offsets):
-        if offsets is None and align not in _ALIGNS:
+    def __init__(self, align: str, q_start, arg_name: str = "q_start"):
+        if q_start is None and align not in _ALIGNS:
             raise ValueError(f"align must be one of {_ALIGNS}, got {align!r}")
         self.align = align
-        self.offsets = None if offsets is None else _as_index_tensor(offsets, "offsets")
-        self.has_tensors = self.offsets is not None
+        self._arg_name = arg_name  # errors name the argument as the caller spelled it
+        self.q_start = None if q_start is None else _as_index_tensor(q_start, arg_name)
+        self.has_tensors = self.q_start is not None
 
-    def _offset(self, q_len: int, kv_len: int, device: torch.device) -> Tensor:
-        if self.offsets is not None:
-            return _per_batch(self.offsets, device)
-        off = kv_len - q_len if self.align == "bottom_right" else 0
-        return torch.tensor(off, device=device).reshape(1, 1, 1, 1)
+    @property
+    def offsets(self) -> Tensor | None:
+        """Deprecated name of :attr:`q_start`."""
+        warnings.warn(f"{type(self).__name__}.offsets is deprecated; read .q_start", DeprecationWarning,
+                      stacklevel=2)
+        return self.q_start
+
+    def _start(self, q_len: int, kv_len: int, device: torch.device) -> Tensor:
+        """(B|1, 1, 1, 1) position of each sequence's first query."""
+        if self.q_start is not None:
+            return _per_batch(self.q_start, device)
+        start = kv_len - q_len if self.align == "bottom_right" else 0
+        return torch.tensor(start, device=device).reshape(1, 1, 1, 1)
 
     def query_start(self, q_len: int, kv_len: int, device=None) -> Tensor:
         """(B|1,) int64: the position of each sequence's first query in key coordinates."""
-        return self._offset(q_len, kv_len, torch.device(device or "cpu")).reshape(-1)
+        return self._start(q_len, kv_len, torch.device(device or "cpu")).reshape(-1)
 
     def _grid(self, q_len: int, kv_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
         """Query positions (B|1, 1, Sq, 1) and key indices (1, 1, 1, Sk)."""
         qi = torch.arange(q_len, device=device).reshape(1, 1, -1, 1)
         kj = torch.arange(kv_len, device=device).reshape(1, 1, 1, -1)
-        return qi + self._offset(q_len, kv_len, device), kj
+        return qi + self._start(q_len, kv_len, device), kj
 
     def _positions(self, q_len: int, kv_len: int, device) -> Tensor:
         """(B|1, Sq) int64 position of each query in key coordinates."""
-        return torch.arange(q_len, device=device)[None] + self._offset(q_len, kv_len, device).reshape(-1, 1)
+        return torch.arange(q_len, device=device)[None] + self._start(q_len, kv_len, device).reshape(-1, 1)
 
-    def _offset_fn(self, q_len: int, kv_len: int, device) -> Callable[[Tensor], Tensor]:
-        if self.offsets is not None:
-            offsets = self.offsets.to(device)
-            return lambda b: offsets[b] if offsets.dim() else offsets
-        off = kv_len - q_len if self.align == "bottom_right" else 0
-        return lambda b: off
+    def _start_fn(self, q_len: int, kv_len: int, device) -> Callable[[Tensor], Tensor]:
+        if self.q_start is not None:
+            q_start = self.q_start.to(device)
+            return lambda b: q_start[b] if q_start.dim() else q_start
+        start = kv_len - q_len if self.align == "bottom_right" else 0
+        return lambda b: start
 
     def check(self, batch, heads, q_len, kv_len):
-        _check_per_batch(self.offsets, "offsets", batch)
+        _check_per_batch(self.q_start, self._arg_name, batch)
 
     def tensors(self):
-        return () if self.offsets is None else (self.offsets,)
+        return () if self.q_start is None else (self.q_start,)
 
     def _describe_pos(self) -> str:
-        return "offsets=<tensor>" if self.offsets is not None else f"align={self.align!r}"
+        return "q_start=<tensor>" if self.q_start is not None else f"align={self.align!r}"
 
 
 class Causal(_Positional):
     """Query at position p sees key j iff j <= p.
 
     ``Causal()`` is bottom-right aligned (j <= i + Sk - Sq); ``Causal("top_left")`` is torch's
-    ``is_causal`` (j <= i); ``Causal(offsets=cache_lens)`` is a ragged batch (j <= i + cache_lens[b]).
+    ``is_causal`` (j <= i); ``Causal(q_start=cache_lens)`` is a ragged batch (j <= i + cache_lens[b]).
+    ``offsets=`` is the deprecated name of ``q_start=``.
     """
 
-    def __init__(self, align: str = "bottom_right", *, offsets=None):
-        super().__init__(align, offsets)
+    def __init__(self, align: str = "bottom_right", *, q_start=None, offsets=None):
+        super().__init__(align, *_q_start_arg(q_start, offsets, "Causal"))
 
     def _materialize(self, batch, q_len, kv_len, device):
         qpos, kj = self._grid(q_len, kv_len, device)
         return kj <= qpos
 
     def mask_mod(self, q_len, kv_len, device=None):
-        off = self._offset_fn(q_len, kv_len, device)
-        return lambda b, h, q, kv: kv <= q + off(b)
+        start = self._start_fn(q_len, kv_len, device)
+        return lambda b, h, q, kv: kv <= q + start(b)
 
     def key_range(self, batch, q_len, kv_len, device=None):
         pos = self._positions(q_len, kv_len, torch.device(device or "cpu"))
         return torch.zeros_like(pos), pos + 1
 
     def is_top_left_causal(self, q_len, kv_len):
-        return self.offsets is None and (self.align == "top_left" or q_len == kv_len)
+        return self.q_start is None and (self.align == "top_left" or q_len == kv_len)
 
     def allows_all(self, q_len, kv_len):
-        if self.offsets is not None:
+        if self.q_start is not None:
             return False
         return q_len <= 1 if self.align == "bottom_right" else kv_len <= 1
 
     def cache_key(self):
-        return super().cache_key() if self.offsets is not None else ("causal", self.align)
+        return super().cache_key() if self.q_start is not None else ("causal", self.align)
 
     def __repr__(self):
         return f"Causal({self._describe_pos()})"
@@ -237,14 +266,16 @@ class SlidingWindow(_Positional):
 
     ``left``/``right`` are extents in tokens (None = unbounded), as flash-attention's
     ``window_size``. A Mistral-style window of W tokens including the current one is
-    ``SlidingWindow(W - 1)``; ``right=0`` (the default) keeps it causal.
+    ``SlidingWindow(W - 1)``; ``right=0`` (the default) keeps it causal. ``q_start`` as in
+    :class:`Causal` (``offsets=`` is its deprecated name).
     """
 
-    def __init__(self, left: int | None, right: int | None = 0, *, align: str = "bottom_right", offsets=None):
+    def __init__(self, left: int | None, right: int | None = 0, *, align: str = "bottom_right", q_start=None,
+                 offsets=None):
         for name, val in (("left", left), ("right", right)):
             if val is not None and (not isinstance(val, int) or isinstance(val, bool) or val < 0):
                 raise ValueError(f"{name} must be a non-negative int or None, got {val!r}")
-        super().__init__(align, offsets)
+        super().__init__(align, *_q_start_arg(q_start, offsets, "SlidingWindow"))
         self.left, self.right = left, right
 
     def _materialize(self, batch, q_len, kv_len, device):
@@ -257,11 +288,11 @@ class SlidingWindow(_Positional):
         return ok
 
     def mask_mod(self, q_len, kv_len, device=None):
-        off = self._offset_fn(q_len, kv_len, device)
+        start = self._start_fn(q_len, kv_len, device)
         left, right = self.left, self.right
 
         def mod(b, h, q, kv):
-            p = q + off(b)
+            p = q + start(b)
             ok = kv >= kv  # all-True of the right shape
             if left is not None:
                 ok = ok & (kv >= p - left)
@@ -272,7 +303,7 @@ class SlidingWindow(_Positional):
         return mod
 
     def cache_key(self):
-        if self.offsets is not None:
+        if self.q_start is not None:
             return super().cache_key()
         return ("window", self.left, self.right, self.align)
 
@@ -287,10 +318,11 @@ class SlidingWindow(_Positional):
 
 
 class PrefixLM(_Positional):
-    """Bidirectional over each sequence's prefix, causal after it: j < prefix[b] or j <= p."""
+    """Bidirectional over each sequence's prefix, causal after it: j < prefix[b] or j <= p.
+    ``q_start`` as in :class:`Causal` (``offsets=`` is its deprecated name)."""
 
-    def __init__(self, prefix_lengths, *, align: str = "bottom_right", offsets=None):
-        super().__init__(align, offsets)
+    def __init__(self, prefix_lengths, *, align: str = "bottom_right", q_start=None, offsets=None):
+        super().__init__(align, *_q_start_arg(q_start, offsets, "PrefixLM"))
         self.prefix = _as_index_tensor(prefix_lengths, "prefix_lengths")
         self.has_tensors = True
 
@@ -306,10 +338,10 @@ class PrefixLM(_Positional):
         return (kj <= qpos) | (kj < _per_batch(self.prefix, device))
 
     def mask_mod(self, q_len, kv_len, device=None):
-        off = self._offset_fn(q_len, kv_len, device)
+        start = self._start_fn(q_len, kv_len, device)
         prefix = self.prefix.to(device)
         pre = (lambda b: prefix[b]) if prefix.dim() else (lambda b: prefix)
-        return lambda b, h, q, kv: (kv <= q + off(b)) | (kv < pre(b))
+        return lambda b, h, q, kv: (kv <= q + start(b)) | (kv < pre(b))
 
     def key_range(self, batch, q_len, kv_len, device=None):
         pos = self._positions(q_len, kv_len, torch.device(device or "cpu"))
@@ -561,16 +593,17 @@ class Additive(Mask):
 class ALiBi(_Positional):
     """ALiBi's per-head linear distance bias (Press et al.; BLOOM, MPT): ``slopes[h] * (j - p_i)``
     added to the scores, where ``p_i`` is query i's position in key coordinates, measured like
-    :class:`Causal` (bottom-right ``i + Sk - Sq``, top-left ``i``, or ``i + offsets[b]``), so it
+    :class:`Causal` (bottom-right ``i + Sk - Sq``, top-left ``i``, or ``i + q_start[b]``), so it
     stays right with a cache. It allows every pair (a bias, not a restriction) and composes with
     other masks by ``&`` (not ``|``). Fast kernels compute it on the fly from ``slopes`` and the
     query positions; :meth:`bias` materializes it for the others.
 
     ``slopes``: (H,) one slope per query head (H must equal the call's Hq); see :func:`alibi_slopes`.
+    ``offsets=`` is the deprecated name of ``q_start=``.
     """
 
-    def __init__(self, slopes, *, align: str = "bottom_right", offsets=None):
-        super().__init__(align, offsets)
+    def __init__(self, slopes, *, align: str = "bottom_right", q_start=None, offsets=None):
+        super().__init__(align, *_q_start_arg(q_start, offsets, "ALiBi"))
         t = torch.as_tensor(slopes)
         if not t.dtype.is_floating_point or t.dim() != 1 or t.numel() == 0:
             raise TypeError(f"ALiBi slopes must be a non-empty 1-D float tensor (H,), got "
@@ -640,6 +673,200 @@ def split_alibi(mask: "Mask | None") -> tuple["Mask | None", "ALiBi | None"]:
             rest = [m for m in mask.masks if m is not found[0]]
             return (rest[0] if len(rest) == 1 else And(*rest)), found[0]
     return mask, None
+
+
+# --------------------------------------------------------------------------- selections
+
+
+class Selection(Mask):
+    """Base of the per-query selections (:class:`SelectedKeys`, :class:`SelectedBlocks`): each
+    query lists the key blocks it sees, key ``j`` being in block ``j // block_size`` (a block of
+    one key for :class:`SelectedKeys`).
+
+    ``ids``: integers of shape (B|1, Sq, n), one list per query shared by every head, or
+    (B|1, Hs, Sq, n), one list per selection head, where query head ``h`` reads list
+    ``h // (Hq // Hs)`` (with Hs = Hkv, the KV head's group, as K/V are grouped). Negative entries
+    are unused slots (rows of different lengths are padded with -1, as FlashMLA and transformers
+    pad them). A list is a set: an id listed twice selects its keys once, and the order within a
+    list means nothing. An id past the last block is an error (``ValueError`` when the selection
+    meets a call's Sk, in :meth:`check` and :meth:`materialize`), never read. A call's
+    ``torch.compile`` graph cannot read values, so there the check is left to eager calls.
+
+    ``num_heads``: the call's query heads Hq; needed (and checked) only when 1 < Hs < Hq, where
+    the mask cannot tell each list's group of query heads from its own shape.
+    """
+
+    has_tensors = True
+    #: The name of the ids argument, for error messages.
+    arg_name = "ids"
+
+    def __init__(self, ids, *, block_size: int = 1, num_heads: int | None = None):
+        t = ids if isinstance(ids, Tensor) else torch.as_tensor(ids)
+        if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
+            raise TypeError(f"{self.arg_name} must be an integer tensor, got dtype {t.dtype} of shape "
+                            f"{tuple(t.shape)}")
+        if t.dim() not in (3, 4):
+            raise ValueError(f"{self.arg_name} must be (B, Sq, n) or (B, Hkv, Sq, n), got shape {tuple(t.shape)}")
+        for name, val in (("block_size", block_size), ("num_heads", num_heads)):
+            if val is None and name == "num_heads":
+                continue
+            if not isinstance(val, int) or isinstance(val, bool):
+                raise TypeError(f"{name} must be an int, got {type(val).__name__}")
+            if val < 1:
+                raise ValueError(f"{name} must be >= 1, got {val}")
+        if num_heads is not None and t.dim() == 4 and num_heads % t.shape[1]:
+            raise ValueError(f"num_heads={num_heads} is not a multiple of the {t.shape[1]} selection heads of "
+                             f"{self.arg_name} (shape {tuple(t.shape)})")
+        self.ids, self.block_size, self.num_heads = t, block_size, num_heads
+
+    @property
+    def heads(self) -> int:
+        """Hs: the number of lists per query (1: shared by every head)."""
+        return 1 if self.ids.dim() == 3 else self.ids.shape[1]
+
+    def num_blocks(self, kv_len: int) -> int:
+        """Blocks of ``block_size`` keys covering Sk keys (the last one may be partial)."""
+        return -(-kv_len // self.block_size)
+
+    def tensors(self):
+        return (self.ids,)
+
+    def _shape(self) -> tuple[int, ...]:
+        return tuple(self.ids.shape)
+
+    def _range_error(self, top: int, kv_len: int) -> str:
+        raise NotImplementedError
+
+    def check_range(self, kv_len: int) -> None:
+        """Raise ValueError if an id is past the last block of Sk = ``kv_len`` keys (eager only)."""
+        if self.ids.numel() == 0 or torch.compiler.is_compiling():
+            return
+        top = int(self.ids.max())
+        if top >= self.num_blocks(kv_len):
+            raise ValueError(self._range_error(top, kv_len))
+
+    def check(self, batch, heads, q_len, kv_len):
+        shape, name = self._shape(), self.arg_name
+        if shape[0] not in (1, batch):
+            raise ValueError(f"{name} has shape {shape}: its first dim must be 1 or the batch B={batch}")
+        if shape[-2] != q_len:
+            raise ValueError(f"{name} has shape {shape}: its dim -2 must be the query length Sq={q_len}")
+        if self.num_heads is not None and self.num_heads != heads:
+            raise ValueError(f"{type(self).__name__} was built with num_heads={self.num_heads}, but the call has "
+                             f"{heads} query heads")
+        hs = self.heads
+        if heads % hs:
+            raise ValueError(f"{name} has shape {shape}: its {hs} selection heads do not divide the call's "
+                             f"{heads} query heads")
+        if hs not in (1, heads) and self.num_heads is None:
+            raise ValueError(f"{name} has shape {shape}: {hs} selection heads for {heads} query heads; pass "
+                             f"num_heads={heads} so each list serves its group of {heads // hs} query heads")
+        self.check_range(kv_len)
+
+    def _group(self) -> int:
+        """Query heads per list: query head h reads list h // group."""
+        return 1 if self.num_heads is None else self.num_heads // self.heads
+
+    def _blocks(self, q_len: int, kv_len: int, device: torch.device) -> Tensor:
+        """(B|1, Hs, Sq, num_blocks) bool: the blocks each list selects."""
+        shape = self._shape()
+        if shape[-2] != q_len:
+            raise ValueError(f"{self.arg_name} has shape {shape}: its dim -2 must be the query length Sq={q_len}")
+        self.check_range(kv_len)
+        ids = self.ids.to(device=device, dtype=torch.long)
+        ids = ids.unsqueeze(1) if ids.dim() == 3 else ids
+        nb = self.num_blocks(kv_len)
+        # unused slots (and, in a compiled graph, anything past the last block) go to a spare column
+        ids = torch.where((ids < 0) | (ids >= nb), torch.full_like(ids, nb), ids)
+        out = torch.zeros(*ids.shape[:-1], nb + 1, dtype=torch.bool, device=device)
+        return out.scatter_(-1, ids, True)[..., :nb]
+
+    def _table(self, q_len: int, kv_len: int, device: torch.device) -> Tensor:
+        """(B|1, Hs, Sq, Sk) bool: the keys each list selects (one entry per list, not per head)."""
+        blocks = self._blocks(q_len, kv_len, device)
+        if self.block_size == 1:
+            return blocks
+        return blocks.repeat_interleave(self.block_size, -1)[..., :kv_len]
+
+    def _materialize(self, batch, q_len, kv_len, device):
+        out = self._table(q_len, kv_len, device)
+        g = self._group()
+        return out if g == 1 else out.repeat_interleave(g, 1)
+
+    def mask_mod(self, q_len, kv_len, device=None):
+        # Correctness first: a lookup in the dense table of one entry per list (not per head).
+        t = self._table(q_len, kv_len, torch.device(device or "cpu"))
+        g = self._group()
+        pb = (lambda b: 0) if t.shape[0] == 1 else (lambda b: b)
+        ph = (lambda h: 0) if t.shape[1] == 1 else (lambda h: h) if g == 1 else (lambda h: h // g)
+        return lambda b, h, q, kv: t[pb(b), ph(h), q, kv]
+
+
+class SelectedKeys(Selection):
+    """Each query sees only the keys it lists: a per-query top-k (DeepSeek-V3.2's and
+    GLM-MoE-DSA's lightning indexer, transformers' ``indices=``).
+
+    ``indices``: integer key positions, (B|1, Sq, k) shared by every head or (B|1, Hkv, Sq, k) per
+    KV head (query head h reads list ``h // (Hq // Hkv)``); -1 (any negative) marks an unused
+    slot. A position listed twice counts once; a position >= Sk raises ValueError when the mask
+    meets the call. ``num_heads``: the call's query heads, needed only when 1 < Hkv < Hq. Query i
+    of sequence b, head h, sees key j iff ``j in indices[b, h // G, i]``. Equivalent code::
+
+        allowed = zeros(B, Hs, Sq, Sk + 1, dtype=bool)
+        allowed.scatter_(-1, where(indices < 0, Sk, indices), True)[..., :Sk]
+
+    Compose it like any mask: ``SelectedKeys(idx) & Causal()``, ``| SlidingWindow(63)``.
+    """
+
+    arg_name = "indices"
+
+    def __init__(self, indices, *, num_heads: int | None = None):
+        super().__init__(indices, block_size=1, num_heads=num_heads)
+
+    @property
+    def indices(self) -> Tensor:
+        """The key positions as given."""
+        return self.ids
+
+    def _range_error(self, top, kv_len):
+        return (f"indices holds key position {top}, but the call has Sk={kv_len} keys (indices of shape "
+                f"{self._shape()}; positions must be < Sk, negative entries mark unused slots)")
+
+    def __repr__(self):
+        return f"SelectedKeys(shape={self._shape()})"
+
+
+class SelectedBlocks(Selection):
+    """Each query sees only the key blocks it lists: a per-query block selection (MiniMax-M3's and
+    NSA's top blocks per KV group, transformers' ``block_indices=``).
+
+    ``block_ids``: integer block ids, (B|1, Sq, n) shared by every head or (B|1, Hkv, Sq, n) per
+    KV group (query head h reads list ``h // (Hq // Hkv)``); -1 (any negative) marks an unused
+    slot. Query i sees key j iff ``j // block_size`` is among its ids. The last block may be
+    partial (Sk need not be a multiple of ``block_size``); an id past it raises ValueError when
+    the mask meets the call; an id listed twice counts once. ``num_heads`` as in
+    :class:`SelectedKeys`. "The selected blocks and the local ones before the query" is
+    ``(SelectedBlocks(ids, block_size=64) | SlidingWindow(63)) & Causal()``.
+    """
+
+    arg_name = "block_ids"
+
+    def __init__(self, block_ids, block_size: int, *, num_heads: int | None = None):
+        super().__init__(block_ids, block_size=block_size, num_heads=num_heads)
+
+    @property
+    def block_ids(self) -> Tensor:
+        """The block ids as given."""
+        return self.ids
+
+    def _range_error(self, top, kv_len):
+        n = self.num_blocks(kv_len)
+        return (f"block_ids holds block {top}, but Sk={kv_len} keys in blocks of block_size={self.block_size} "
+                f"make {n} blocks (ids 0..{n - 1}; block_ids of shape {self._shape()}; negative entries mark "
+                f"unused slots)")
+
+    def __repr__(self):
+        return f"SelectedBlocks(shape={self._shape()}, block_size={self.block_size})"
 
 
 # --------------------------------------------------------------------------- composition
@@ -778,9 +1005,16 @@ def has_alibi(m: Mask | None) -> bool:
     return isinstance(m, _Compose) and any(has_alibi(x) for x in m.masks)
 
 
+def has_selection(m: Mask | None) -> bool:
+    """True when ``m`` holds a :class:`Selection` anywhere inside."""
+    if isinstance(m, Selection):
+        return True
+    return isinstance(m, _Compose) and any(has_selection(x) for x in m.masks)
+
+
 def has_structure(m: Mask | None) -> bool:
     """True when ``m`` holds a part whose allowed keys form a pattern (a window, packed documents,
-    a prefix, per-sequence causal offsets, an OR) rather than plain causal, padding, dense or
+    a prefix, per-sequence causal query starts, an OR) rather than plain causal, padding, dense or
     additive parts. Kernels that skip whole blocks of keys (FlexAttention) save work on these;
     SDPA computes every (query, key) pair of them through a materialized mask."""
     if m is None:
@@ -788,7 +1022,7 @@ def has_structure(m: Mask | None) -> bool:
     if isinstance(m, (SlidingWindow, Document, PrefixLM, Or)):
         return True
     if isinstance(m, Causal):
-        return m.offsets is not None
+        return m.q_start is not None
     return isinstance(m, And) and any(has_structure(x) for x in m.masks)
 
 
@@ -797,175 +1031,6 @@ def has_bias(m: Mask) -> bool:
     if isinstance(m, (Additive, ALiBi)):
         return True
     return isinstance(m, _Compose) and any(has_bias(x) for x in m.masks)
-
-
-# --------------------------------------------------------------------------- the reduction backends read
-
-
-class ReducedMask:
-    """A call's mask reduced once, by :func:`attnkit.attention`, into what backends read.
-
-    Backends never walk the mask tree themselves; they read this. The structure is read when the
-    reduction is made (no tensor is touched, so it costs a few attribute reads per call); tensors
-    are built on first use and kept, per device, for the call's lifetime.
-
-    * ``alibi``: the :class:`ALiBi` at the top level of an AND (kernels compute it per score from
-      its slopes and query positions), and ``rest``: the mask without it (None when what is left
-      allows every pair, such as decode's causal part).
-    * ``has_alibi`` / ``has_bias`` / ``has_structure``: see :func:`has_alibi`, :func:`has_bias`,
-      :func:`has_structure`, of the whole mask; ``rest_has_bias``: of ``rest``.
-    * ``is_top_left_causal`` (exactly ``j <= i``: torch's ``is_causal``) and
-      ``is_bottom_right_causal`` (``Causal()`` alone, or ANDs of it: no offsets).
-    * :meth:`intervals`: ``rest`` as one key interval per query row, or None.
-    * :meth:`limits`: ``rest`` as per-sequence limits (first query position, keys), or None.
-    * ``parts``: the parts the mask is an AND of (kernels with their own mask arguments, such as
-      flash-attn's window, read them).
-    * ``padding_lengths``: the (B,) lengths when ``rest`` is exactly right key padding (a paged
-      call's own mask), else None.
-    * :meth:`dense`: the materialized allowed mask and its bias, shifted per row.
-    """
-
-    def __init__(self, mask: Mask | None, batch: int, q_len: int, kv_len: int):
-        # Every property is worked out on first read (a decode step reads two or three of them)
-        # and kept in _made: functools.cached_property takes a lock, which torch.compile cannot
-        # trace.
-        self.mask, self.batch, self.q_len, self.kv_len = mask, batch, q_len, kv_len
-        self._made: dict = {}
-
-    @property
-    def parts(self) -> tuple[Mask, ...]:
-        """The parts the whole mask is an AND of (itself when it is not an AND; () for None)."""
-        m = self.mask
-        return self._once("parts", lambda: () if m is None else m.masks if isinstance(m, And) else (m,))
-
-    @property
-    def rest(self) -> Mask | None:
-        return self._split()[0]
-
-    @property
-    def alibi(self) -> ALiBi | None:
-        return self._split()[1]
-
-    @property
-    def has_alibi(self) -> bool:
-        return self._once("has_alibi", lambda: has_alibi(self.mask))
-
-    @property
-    def has_bias(self) -> bool:
-        return self._once("has_bias", lambda: self.mask is not None and has_bias(self.mask))
-
-    @property
-    def rest_has_bias(self) -> bool:
-        return self._once("rest_has_bias", lambda: self.rest is not None and has_bias(self.rest))
-
-    @property
-    def has_structure(self) -> bool:
-        return self._once("has_structure", lambda: has_structure(self.mask))
-
-    @property
-    def is_top_left_causal(self) -> bool:
-        m = self.mask
-        return self._once("top_left", lambda: m is not None and m.is_top_left_causal(self.q_len, self.kv_len))
-
-    @property
-    def is_bottom_right_causal(self) -> bool:
-        return self._once("bottom_right", lambda: self.mask is not None and _is_bottom_right_causal(self.mask))
-
-    @property
-    def padding_lengths(self) -> Tensor | None:
-        rest = self.rest
-        ok = (type(rest) is KeyPadding and rest.side == "right" and rest.lengths is not None
-              and rest.lengths.numel() == self.batch)
-        return rest.lengths if ok else None
-
-    def _split(self) -> tuple[Mask | None, ALiBi | None]:
-        def make():
-            rest, alibi = split_alibi(self.mask)
-            if rest is not None and alibi is not None and rest.allows_all(self.q_len, self.kv_len):
-                rest = None
-            return rest, alibi
-        return self._once("split", make)
-
-    def _once(self, key, make):
-        if key not in self._made:
-            self._made[key] = make()
-        return self._made[key]
-
-    def intervals(self, device) -> tuple[Tensor, Tensor] | None:
-        """``rest`` as (lo, hi) int64 broadcastable to (B, Sq), query i of sequence b seeing keys
-        ``lo <= j < hi`` (not clamped); (0, Sk) everywhere when ``rest`` is None; None when it is
-        not one interval per row (see :meth:`Mask.key_range`)."""
-        device = torch.device(device)
-
-        def make():
-            if self.rest is None:
-                z = torch.zeros(1, 1, dtype=torch.long, device=device)
-                return z, z + self.kv_len
-            return self.rest.key_range(self.batch, self.q_len, self.kv_len, device)
-        return self._once(("intervals", device), make)
-
-    def limit_parts(self) -> tuple[Causal | None, list[KeyPadding], SlidingWindow | None] | None:
-        """(the Causal, the right KeyPaddings with lengths, the SlidingWindow) ``rest`` is an AND
-        of (at most one Causal and one SlidingWindow; any number of paddings, e.g. a paged
-        layout's lengths and a cache step's), or None when it is anything else. Structure only."""
-        m = self.rest
-        parts = [] if m is None else list(m.masks) if isinstance(m, And) else [m]
-        causal = [p for p in parts if type(p) is Causal]
-        pads = [p for p in parts if type(p) is KeyPadding and p.lengths is not None and p.side == "right"]
-        windows = [p for p in parts if type(p) is SlidingWindow]
-        if len(causal) + len(pads) + len(windows) != len(parts) or max(len(causal), len(windows)) > 1:
-            return None
-        return (causal[0] if causal else None), pads, (windows[0] if windows else None)
-
-    def limits(self, device, no_causal: int) -> tuple[Tensor, Tensor, Tensor | None] | None:
-        """(q_start (B,), seq_lens (B,), window_start (B,) | None) int64: query j of sequence b
-        sees keys ``< min(q_start[b] + j + 1, seq_lens[b])``, and with a window part also only
-        keys within ``[w - left, w + right]`` of its position ``w = window_start[b] + j`` (the
-        window's own anchor, which may differ from the causal part's). ``q_start`` is
-        ``no_causal`` without a causal part. None when :meth:`limit_parts` is None."""
-        parts = self.limit_parts()
-        if parts is None:
-            return None
-        device = torch.device(device)
-
-        def make():
-            causal, pads, window = parts
-            B = self.batch
-            if causal is not None:
-                q_start = causal.query_start(self.q_len, self.kv_len, device).expand(B)
-            else:
-                q_start = torch.full((B,), no_causal, device=device)
-            seq = torch.full((B,), self.kv_len, device=device)
-            for pad in pads:  # keys past the shortest length are masked
-                seq = torch.minimum(seq, pad.lengths.to(device).reshape(-1).expand(B))
-            seq = seq.clamp(0, self.kv_len)
-            w_start = None if window is None else window.query_start(self.q_len, self.kv_len, device).expand(B).long()
-            return q_start.long(), seq.long(), w_start
-        return self._once(("limits", device, no_causal), make)
-
-    def dense(self, device, *, alibi: bool = True, shift: bool = True) -> tuple[Tensor, Tensor | None]:
-        """(allowed (B|1, H|1, Sq, Sk) bool, bias or None): the mask materialized, with
-        ``alibi`` the whole mask, else ``rest``; the bias shifted per row over the allowed keys
-        (:func:`shifted_bias`), or as given with ``shift=False`` (a shift changes a row's ratio
-        to a sink logit)."""
-        device = torch.device(device)
-
-        def make():
-            m = self.mask if alibi else self.rest
-            if m is None:
-                return torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device), None
-            allowed = m.materialize(self.batch, self.q_len, self.kv_len, device)
-            bias = (shifted_bias(m, self.batch, self.q_len, self.kv_len, device, allowed=allowed) if shift
-                    else m.bias(self.batch, self.q_len, self.kv_len, device))
-            return allowed, bias
-        return self._once(("dense", device, alibi, shift), make)
-
-
-def _is_bottom_right_causal(m: Mask) -> bool:
-    """True iff ``m`` is ``Causal()`` (bottom-right, no per-sequence offsets), or an AND of such."""
-    if isinstance(m, And):
-        return all(_is_bottom_right_causal(p) for p in m.masks)
-    return isinstance(m, Causal) and m.offsets is None and m.align == "bottom_right"
 
 
 # --------------------------------------------------------------------------- normalisation

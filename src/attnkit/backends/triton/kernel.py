@@ -1,0 +1,392 @@
+"""The Triton kernels of the ``triton`` backend: decode attention over a paged or contiguous KV
+cache (GQA, MLA latent), split-K. The public entry points, which check their arguments, are in
+:mod:`attnkit.backends.triton.ops`.
+
+One kernel serves every cache layout attnkit has:
+
+* **paged** pools ``(N, block_size, Hkv, D)`` read through a block table ``(B, max_blocks)``;
+* **contiguous** caches ``(B, Hkv, L, D)``: the same pool seen as ``(B, L, Hkv, D)`` through its
+  strides, with block table ``[[0], [1], ...]`` and ``block_size = L`` (no copy);
+* **V from K** (MLA's latent cache, ``V = K[..., :Dv]``): each K tile is loaded once and used
+  for both the scores (``[c_kv | k_rope]`` against the absorbed query ``[q_nope W_UK | q_rope]``)
+  and the output (in latent space). Any ``kv_lora_rank`` / rope width works (padded to powers of
+  two inside the kernel), not only DeepSeek's 512 / 64;
+* **quantized** K/V (:mod:`attnkit.kvquant`: int8 or fp8 e4m3 rows with one fp32 scale each,
+  ``k_scale`` / ``v_scale`` indexed like the rows without their last dim), in any of the layouts
+  above: read in place, one byte per element, widened in registers (see "Quantized K/V" below).
+
+Work split: program ``(b * Hkv + kv_head, row tile, split)``. A row tile holds ``BLOCK_M`` of
+the ``G * S`` query rows that share one KV head (G query heads per KV head, S query tokens:
+decode S = 1, speculative verification S <= 16), so each KV head is read once for its whole query
+group. The context is cut into ``num_splits`` ranges (flash-decoding), each giving an fp32
+partial output and its log-sum-exp; a second kernel merges them exactly. Scores, softmax and
+accumulation are fp32 (base-2 exponentials with the scale folded in); P is rounded to q's dtype
+(the float cache's) for the P @ V product, as every fused kernel does.
+
+Visibility, per query row: query ``j`` of sequence ``b`` sees the keys at positions
+``< min(q_start[b] + j + 1, lengths[b])``. That is the cache protocol's
+``Causal(q_start=q_start) & KeyPadding(lengths)``; ``q_start = lengths - S`` is plain bottom-right
+causal, and a huge ``q_start`` means no causality. A sliding window ``(left, right)`` with its own
+``window_q_start`` (``SlidingWindow(left, right, q_start=window_q_start)``) further keeps the keys
+within ``[w - left, w + right]`` of the row's position ``w = window_q_start[b] + j``, and the
+splits then cover only the keys some row of the sequence can see (a 4k window over a 128k cache
+reads 4k keys). A row that sees nothing gets exactly 0.
+
+Quantized K/V: a tile of int8 or e4m3 rows is widened to fp32 and then to q's dtype, exactly
+(every int8 and every e4m3 value is an fp16 and a bf16 value), so the score dot product is the
+float kernel's, on the stored integers. The scales are then applied per key, not per element:
+
+* each score is multiplied by its key's scale before soft-capping and ALiBi: one multiply per
+  score instead of one per K element, and no rounding of ``data * scale`` to q's dtype (a tile
+  dequantized in registers would round every element before the dot);
+* each probability, once the row's sum ``l`` has it, is multiplied by its value's scale before
+  P @ V (attention over ``data * scale``, as the CPU split-K engine computes it). A V scale is about
+  ``max|v| / 127``, so ``p * scale`` can fall below fp16's normal range (6e-5) and lose its
+  digits when P is rounded to q's dtype: the tile's scales are divided by their largest (finite)
+  one first, and the tile's P @ V multiplied by it after. Only visible keys take their scale
+  (``where``), so a NaN or inf scale reaches the rows that see that key and no other.
+
+fp8 rows are decoded from their bytes with integer ops (sign and exponent|mantissa moved into an
+fp16's fields, then times 2**8): the same code on every GPU (sm_80 has no fp8 conversion) and in
+the interpreter, so nothing about fp8 depends on the device. The bytes 0x7f / 0xff (e4m3fn's NaN)
+decode as NaN, as on the CPU kernel.
+
+Registered as the ``attnkit::decode_attention`` custom op (with a fake implementation), so
+``torch.compile`` keeps it in the graph. Runs on CUDA, or on CPU tensors under Triton's
+interpreter (``TRITON_INTERPRET=1`` set before this module is imported): that is how the tests
+check it on CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .limits import UNBOUNDED, interpreting
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # optional dependency: only this module needs it
+    triton = tl = None
+
+__all__ = ["available", "decode_op", "launch"]
+
+_LOG2E = 1.4426950408889634
+
+
+def available(device: torch.device | str | None = None) -> str | None:
+    """None when the kernels can run on ``device`` (default: CUDA if present), else why not."""
+    if triton is None:
+        return "triton is not installed (pip install triton)"
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cuda":
+        return None if torch.cuda.is_available() else "CUDA is not available"
+    if dev.type == "cpu":
+        return None if interpreting() else "CPU tensors need Triton's interpreter (TRITON_INTERPRET=1 before import)"
+    return f"no Triton kernels for device type {dev.type!r}"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _widen(x, FP8: tl.constexpr):
+        """Quantized elements to fp32, exactly: int8, or e4m3fn given as its bytes (uint8)."""
+        if FP8:
+            # e4m3 is (sign, 4-bit exponent of bias 7, 3-bit mantissa): put the sign in an fp16's
+            # sign bit and the 7 other bits at the top of its exponent|mantissa fields. That fp16
+            # is the value times 2**(7 - 15) (subnormals included: both formats' subnormals have
+            # exponent field 0), so multiplying by 2**8 restores it. int32 ops, truncated to
+            # 16 bits (two's complement keeps the bit pattern) before the bitcast.
+            b = x.to(tl.int32)
+            h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+            f = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+            return tl.where((b & 0x7F) == 0x7F, float("nan"), f)  # e4m3fn's NaN codes
+        else:
+            return x.to(tl.float32)
+
+    @triton.jit
+    def _split_kernel(
+        Q, K, V, TABLE, QSTART, LENGTHS, OP, LSEP, SLOPES, ALIBI_QSTART, KS, VS, WIN_QSTART,
+        scale_log2, softcap,
+        stride_qb, stride_qh, stride_qs,
+        stride_kn, stride_kt, stride_kh,
+        stride_vn, stride_vt, stride_vh,
+        stride_ksn, stride_kst, stride_ksh,
+        stride_vsn, stride_vst, stride_vsh,
+        stride_tb,
+        HKV, G, S, DK, DR, DV, KV_BLOCK_SIZE, SPLIT_LEN, NSPLIT, NUM_KV_BLOCKS, WLEFT, WRIGHT,
+        V_FROM_K: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, QUANT: tl.constexpr, FP8: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_DK: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
+    ):
+        pid_bh = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        pid_s = tl.program_id(2)
+        b = pid_bh // HKV
+        kvh = pid_bh % HKV
+        # Scalar bases in int64 (offsets past 2**31 elements are realistic); per-element offsets
+        # from them stay int32 (a sequence's rows of one head), except cache blocks (int64 below).
+        Qb = Q + b.to(tl.int64) * stride_qb
+        Kh = K + kvh.to(tl.int64) * stride_kh
+        Vh = V + kvh.to(tl.int64) * stride_vh
+        if QUANT:  # the row scales of this KV head (VS is unread when V comes from K)
+            KSh = KS + kvh.to(tl.int64) * stride_ksh
+            VSh = VS + kvh.to(tl.int64) * stride_vsh
+
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # row = g * S + j
+        row_ok = rows < G * S
+        j = rows % S
+        h = kvh * G + rows // S
+        length = tl.load(LENGTHS + b)
+        lim = tl.minimum(tl.load(QSTART + b) + j + 1, length)  # keys < lim are visible
+        if HAS_WINDOW:  # and keys >= low: the window around each row's own position
+            w_qstart = tl.load(WIN_QSTART + b)
+            lim = tl.minimum(lim, w_qstart + j + WRIGHT + 1)
+            low = w_qstart + j - WLEFT
+            base = tl.maximum(w_qstart - WLEFT, 0)  # the first key any row of the sequence sees
+        else:
+            base = 0
+        if HAS_ALIBI:  # slope of each row's head (log2 units), and the row's ALiBi query position
+            slope = tl.load(SLOPES + h, mask=row_ok, other=0.0) * 1.4426950408889634
+            alibi_pos = tl.load(ALIBI_QSTART + b) + j
+
+        dk = tl.arange(0, BLOCK_DK)
+        q_base = Qb + h[:, None] * stride_qh + j[:, None] * stride_qs
+        q = tl.load(q_base + dk[None, :], mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
+        if DOT_F32:
+            q = q.to(tl.float32)
+        if HAS_ROPE:
+            dr = tl.arange(0, BLOCK_DR)
+            q_r = tl.load(q_base + DK + dr[None, :], mask=row_ok[:, None] & (dr[None, :] < DR), other=0.0)
+            if DOT_F32:
+                q_r = q_r.to(tl.float32)
+        dv = tl.arange(0, BLOCK_DV)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+
+        start = base + pid_s * SPLIT_LEN
+        end = tl.minimum(start + SPLIT_LEN, length)
+        for n0 in range(start, end, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            pos_ok = pos < end
+            blk = tl.load(TABLE + b * stride_tb + pos // KV_BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+            # A table entry outside the pool (a caller's check=False table that lies: checking
+            # it would cost a device sync) is never read; its keys count as masked.
+            pos_ok = pos_ok & (blk >= 0) & (blk < NUM_KV_BLOCKS)
+            blk = tl.where(pos_ok, blk, 0)
+            slot = pos % KV_BLOCK_SIZE
+            k_base = Kh + blk * stride_kn + slot * stride_kt
+            k = tl.load(k_base[:, None] + dk[None, :], mask=pos_ok[:, None] & (dk[None, :] < DK), other=0.0)
+            if QUANT:  # exact: int8 and e4m3 values are values of q's dtype
+                k = _widen(k, FP8).to(q.dtype)
+            elif DOT_F32:
+                k = k.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            if HAS_ROPE:
+                k_r = tl.load(k_base[:, None] + DK + dr[None, :], mask=pos_ok[:, None] & (dr[None, :] < DR),
+                              other=0.0)
+                if QUANT:
+                    k_r = _widen(k_r, FP8).to(q_r.dtype)
+                elif DOT_F32:
+                    k_r = k_r.to(tl.float32)
+                s += tl.dot(q_r, tl.trans(k_r), input_precision=PRECISION)
+            if QUANT:  # each key's score times its K row scale, before soft-capping and ALiBi
+                ksc = tl.load(KSh + blk * stride_ksn + slot * stride_kst, mask=pos_ok, other=0.0)
+                s = s * ksc[None, :]
+            if HAS_SOFTCAP:  # c * tanh(scaled score / c), in log2 units after
+                y = s * (scale_log2 * 0.6931471805599453 / softcap)
+                e = tl.exp2(-2.8853900817779268 * tl.abs(y))  # exp(-2|y|)
+                t = (1.0 - e) / (1.0 + e)
+                s = tl.where(y < 0, -t, t) * (softcap * 1.4426950408889634)
+            else:
+                s = s * scale_log2
+            if HAS_ALIBI:
+                s += slope[:, None] * (pos[None, :] - alibi_pos[:, None]).to(tl.float32)
+            vis = (pos[None, :] < lim[:, None]) & pos_ok[None, :]
+            if HAS_WINDOW:
+                vis = vis & (pos[None, :] >= low[:, None])
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if V_FROM_K:
+                v = k  # V = K[..., :Dv]: the tile just read (DK == DV), widened if quantized
+            else:
+                v_base = Vh + blk * stride_vn + slot * stride_vt
+                v = tl.load(v_base[:, None] + dv[None, :], mask=pos_ok[:, None] & (dv[None, :] < DV), other=0.0)
+                if QUANT:
+                    v = _widen(v, FP8).to(q.dtype)
+                elif DOT_F32:
+                    v = v.to(tl.float32)
+            if QUANT:  # each probability (l_i has it) times its V row scale, over the tile's largest
+                if V_FROM_K:
+                    vsc = ksc
+                else:
+                    vsc = tl.load(VSh + blk * stride_vsn + slot * stride_vst, mask=pos_ok, other=0.0)
+                top = tl.max(tl.where(pos_ok & (tl.abs(vsc) < float("inf")), tl.abs(vsc), 0.0), 0)
+                top = tl.where(top > 0.0, top, 1.0)
+                p = tl.where(vis, p * (vsc / top)[None, :], 0.0)
+            # P rounded to q's (the float cache's) dtype, as every fused kernel does (a no-op for fp32).
+            p = p.to(Q.dtype.element_ty)
+            if DOT_F32:
+                p = p.to(tl.float32)
+            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            if QUANT:
+                pv = pv * top
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+
+        seen = l_i > 0.0
+        lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+        out = acc / tl.where(seen, l_i, 1.0)[:, None]
+        # Partials are contiguous (B, Hq, S, NSPLIT[, DV]); row (b, h, j).
+        prow = ((b * HKV * G + h) * S + j).to(tl.int64) * NSPLIT + pid_s
+        tl.store(LSEP + prow, lse, mask=row_ok)
+        tl.store(OP + prow[:, None] * DV + dv[None, :], out, mask=row_ok[:, None] & (dv[None, :] < DV))
+
+    @triton.jit
+    def _merge_kernel(OP, LSEP, OUT, SINKS, NSPLIT, DV, HQ, S, HAS_SINKS: tl.constexpr, BLOCK_SPLIT: tl.constexpr,
+                      BLOCK_DV: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)  # (b, h, j) flattened; OUT is contiguous (B, Hq, S, DV)
+        sp = tl.arange(0, BLOCK_SPLIT)
+        dv = tl.arange(0, BLOCK_DV)
+        lse = tl.load(LSEP + row * NSPLIT + sp, mask=sp < NSPLIT, other=float("-inf"))
+        mx = tl.max(lse, 0)
+        w = tl.exp2(lse - tl.where(mx == float("-inf"), 0.0, mx))  # splits that saw nothing: 0
+        den = tl.sum(w, 0)
+        if HAS_SINKS:  # the head's sink joins the denominator once (a row that saw nothing stays 0)
+            sink = tl.load(SINKS + (row // S) % HQ) * 1.4426950408889634
+            den += tl.where(mx == float("-inf"), 0.0, tl.exp2(sink - mx))
+        o = tl.load(OP + (row * NSPLIT + sp[:, None]) * DV + dv[None, :],
+                    mask=(sp[:, None] < NSPLIT) & (dv[None, :] < DV), other=0.0)
+        res = tl.sum(o * w[:, None], 0) / tl.where(den > 0.0, den, 1.0)
+        tl.store(OUT + row * DV + dv, res.to(OUT.dtype.element_ty), mask=dv < DV)
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, 1 << max(0, n - 1).bit_length())
+
+
+def _config(dtype: torch.dtype, D: int, Dv: int, rows: int, v_from_k: bool) -> dict:
+    """Tile sizes for one call. K channels are scored in a main tile of a power-of-two width
+    (Dv when V is read from K, so that tile is V too) plus a remainder tile (MLA's rope part; 576
+    = 512 + 64, 192 = 128 + 64), so padding stays small. fp32 tiles are small: fp32 dots are plain
+    FMA loops (no tensor cores at "ieee" precision) whose operands live in registers.
+    ``tests/test_triton_kernels.py`` compiles these for sm_80 / sm_90 and checks shared memory."""
+    dk = Dv if v_from_k else (D if D & (D - 1) == 0 else 1 << (D.bit_length() - 1))
+    dr = D - dk
+    bdk, bdr, bdv = _pow2(dk), _pow2(dr), _pow2(Dv)
+    width = bdk + (bdr if dr else 0) + (0 if v_from_k else bdv)  # elements loaded per key
+    if dtype == torch.float32:
+        block_m, block_n = 16, (32 if width <= 128 else 16)
+    else:
+        block_m = min(64 if bdv <= 128 else 32, _pow2(rows))
+        block_n = 64 if width <= 512 else 32
+    return dict(DK=dk, DR=dr, BLOCK_DK=bdk, BLOCK_DR=bdr, BLOCK_DV=bdv, BLOCK_M=block_m, BLOCK_N=block_n,
+                num_warps=4 if width <= 512 else 8, num_stages=3)
+
+
+def _num_splits(device: torch.device, programs: int, max_len: int, block_n: int) -> int:
+    """Enough splits to give every SM about two programs, never a split shorter than a tile."""
+    if device.type != "cuda":
+        return max(1, min(4, -(-max_len // (4 * block_n))))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = -(-2 * sms // max(1, programs))
+    return max(1, min(want, -(-max_len // block_n), 64))
+
+
+def launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tensor, lengths: Tensor,
+           scale: float, v_head_dim: int, max_len: int, num_splits: int, softcap: float = 0.0,
+           slopes: Tensor | None = None, alibi_q_start: Tensor | None = None, sinks: Tensor | None = None,
+           k_scale: Tensor | None = None, v_scale: Tensor | None = None, window_q_start: Tensor | None = None,
+           window_left: int = 0, window_right: int = 0) -> Tensor:
+    """Launch the split and merge kernels on checked arguments: q (B, Hq, S, D); k (N, bs, Hkv, D)
+    and v (N, bs, Hkv, Dv) | None (V = K[..., :Dv]) with bs tokens per cache block, last dims
+    contiguous; table (B, nb) int; q_start, lengths (B,) int32; softcap (0: off); slopes (Hq,)
+    fp32 with alibi_q_start (B,) int32 (ALiBi query position of each sequence's first query);
+    sinks (Hq,) fp32; quantized (int8 / fp8 e4m3) k and v: k_scale (N, bs, Hkv) and v_scale
+    (N, bs, Hkv) | None (with v None) fp32, any strides; window_q_start (B,) int32 with
+    window_left / window_right in [0, UNBOUNDED]: a sliding window. Returns (B, Hq, S, Dv)."""
+    B, Hq, S, D = q.shape
+    block_size, Hkv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    Dv = v_head_dim
+    out = torch.empty((B, Hq, S, Dv), dtype=q.dtype, device=q.device)
+    if out.numel() == 0:
+        return out
+    v_from_k = v is None
+    cfg = _config(q.dtype, D, Dv, G * S, v_from_k)
+    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    m_tiles = -(-G * S // block_m)
+    span = max(1, max_len)  # keys the splits of a sequence cover
+    if window_q_start is not None and max(window_left, window_right) < UNBOUNDED:
+        span = max(1, min(span, window_left + window_right + S))  # what the rows of a window can see
+    longest = -(-span // block_n)  # key tiles of the longest span
+    num_splits = _num_splits(q.device, B * Hkv * m_tiles, span, block_n) if num_splits <= 0 \
+        else min(num_splits, longest, 1024)
+    split_len = -(-span // num_splits)
+    split_len = -(-split_len // block_n) * block_n
+    op = torch.empty((B, Hq, S, num_splits, Dv), dtype=torch.float32, device=q.device)
+    lsep = torch.empty((B, Hq, S, num_splits), dtype=torch.float32, device=q.device)
+    quant = k_scale is not None
+    fp8 = quant and k.dtype != torch.int8
+    if fp8:  # e4m3 rows go in as their bytes: the kernel decodes them (_widen), on any GPU
+        k, v = k.view(torch.uint8), None if v_from_k else v.view(torch.uint8)
+    vv = k if v_from_k else v
+    ks = k_scale if quant else lsep  # unread when not quantized
+    vs = ks if v_scale is None else v_scale
+    scale_strides = (*ks.stride(), *vs.stride()) if quant else (0,) * 6  # (N, bs, Hkv) each
+    _split_kernel[(B * Hkv, m_tiles, num_splits)](
+        q, k, vv, table, q_start, lengths, op, lsep,
+        lengths if slopes is None else slopes, lengths if alibi_q_start is None else alibi_q_start,  # unread if off
+        ks, vs, lengths if window_q_start is None else window_q_start,  # unread if off
+        scale * _LOG2E, float(softcap),
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        vv.stride(0), vv.stride(1), vv.stride(2),
+        *scale_strides,
+        table.stride(0),
+        Hkv, G, S, cfg["DK"], cfg["DR"], Dv, block_size, split_len, num_splits, k.shape[0], window_left,
+        window_right,
+        V_FROM_K=v_from_k, HAS_ROPE=cfg["DR"] > 0, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        # Triton 3.9's interpreter computes bf16 dots wrongly: there, operands go up to fp32 (exact
+        # products, fp32 sums: what the GPU's bf16 dot with fp32 accumulation gives).
+        DOT_F32=q.dtype == torch.bfloat16 and interpreting(),
+        HAS_SOFTCAP=softcap > 0, HAS_ALIBI=slopes is not None, QUANT=quant, FP8=fp8,
+        HAS_WINDOW=window_q_start is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DK=cfg["BLOCK_DK"],
+        BLOCK_DR=cfg["BLOCK_DR"], BLOCK_DV=cfg["BLOCK_DV"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    _merge_kernel[(B * Hq * S,)](op, lsep, out, lsep if sinks is None else sinks, num_splits, Dv, Hq, S,
+                                 HAS_SINKS=sinks is not None, BLOCK_SPLIT=_pow2(num_splits, 2), BLOCK_DV=_pow2(Dv))
+    return out
+
+
+# ------------------------------------------------------------------ custom op (torch.compile)
+
+@torch.library.custom_op("attnkit::decode_attention", mutates_args=())
+def decode_op(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tensor, lengths: Tensor,
+              scale: float, v_head_dim: int, max_len: int, num_splits: int, softcap: float = 0.0,
+              slopes: Tensor | None = None, alibi_q_start: Tensor | None = None,
+              sinks: Tensor | None = None, k_scale: Tensor | None = None, v_scale: Tensor | None = None,
+              window_q_start: Tensor | None = None, window_left: int = 0, window_right: int = 0) -> Tensor:
+    """:func:`launch` as the custom op ``attnkit::decode_attention``, which torch.compile keeps in
+    its graph."""
+    why = available(q.device)
+    if why:
+        raise RuntimeError(f"attnkit::decode_attention: {why}")
+    return launch(q, k, v, table, q_start, lengths, scale, v_head_dim, max_len, num_splits, softcap, slopes,
+                  alibi_q_start, sinks, k_scale, v_scale, window_q_start, window_left, window_right)
+
+
+@decode_op.register_fake
+def _(q, k, v, table, q_start, lengths, scale, v_head_dim, max_len, num_splits, softcap=0.0, slopes=None,
+      alibi_q_start=None, sinks=None, k_scale=None, v_scale=None, window_q_start=None, window_left=0,
+      window_right=0):
+    B, Hq, S, _ = q.shape
+    return q.new_empty((B, Hq, S, v_head_dim))
