@@ -176,7 +176,7 @@ def _seed():
 
 
 @pytest.fixture(params=["native", "torch"])
-def engine(request, monkeypatch):
+def implementation(request, monkeypatch):
     """Which implementation the split-K engine runs: the compiled kernel, or the torch fallback."""
     from attnkit import native
 

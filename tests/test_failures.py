@@ -72,7 +72,7 @@ def _pages(k: torch.Tensor, v: torch.Tensor, lengths: list[int], bs: int, seed: 
 def lying_table_battery(thread_counts=(1, 2, 16)) -> list[str]:
     """Valid paged and dense calls match the oracle, and paged calls whose ``checked=True`` table
     lies (an entry in use outside the pool, or -1) raise ValueError naming the block table on
-    every path (the native kernel, the torch engine, SDPA and math through the gather), at each
+    every path (the native kernel, the torch implementation, SDPA and math through the gather), at each
     thread count; direct kernel calls whose bounds lie raise too. Returns a line per failure."""
     import attnkit
     from attnkit import masks as M

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -146,6 +147,51 @@ def test_new_calls_of_the_same_shape_reuse_the_compiled_kernel():
                                        M.ALiBi(M.alibi_slopes(4) * 0.5) & M.Causal() & M.KeyPadding(torch.tensor([20])),
                                        softcap=20.0)
     torch.testing.assert_close(again.double(), gold, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.slow
+@needs_cpu_flex
+@pytest.mark.parametrize("heads", [(2, 2), (4, 2)], ids=["mha", "gqa"])
+def test_a_mask_that_varies_by_head_keeps_every_heads_blocks(heads):
+    """A mask whose allowed keys differ by head gets a block mask per query head: head 0 sees key
+    0 only, the other heads only keys in the last 128-key block, and every head holds rule R (a
+    block mask built from head 0 alone would skip the last block for every head). A mask shared
+    by every head keeps one block mask for all of them."""
+    Hq, Hkv = heads
+    Sq, Sk = 130, 300
+    q, k, v = make_qkv(1, Hq, Hkv, Sq, Sk, 16, seed=11)
+    g = torch.Generator().manual_seed(11)
+    allowed = torch.zeros(1, Hq, Sq, Sk, dtype=torch.bool)
+    allowed[:, 0, :, 0] = True
+    allowed[:, 1:, :, 270:] = torch.rand(1, Hq - 1, Sq, Sk - 270, generator=g) > 0.5
+    allowed[:, 1:, :, Sk - 1] = True
+    mask = M.Dense(allowed)
+    check_against_oracle(q, k, v, mask, backend="flex", grad=False)
+    call = AttentionCall(1, Hq, Hkv, Sq, Sk, 16, 16, torch.float32, torch.device("cpu"), mask, 0.25, 0.0,
+                         False, False)
+    assert flex.block_mask_for(call, "cpu").kv_num_blocks.shape[:2] == (1, Hq)
+    shared = replace(call, mask=M.Dense(allowed[:, :1]))
+    assert flex.block_mask_for(shared, "cpu").kv_num_blocks.shape[:2] == (1, 1)
+
+
+def test_block_masks_are_built_per_head_only_for_masks_that_differ_by_head():
+    """Which calls get a block mask per query head (a pure function of the call): a dense or
+    additive mask with a head dim > 1 and a selection with a list per KV head, also inside an AND
+    or OR; a mask shared by every head, ALiBi (a bias, allowing every key) and no mask get one
+    block mask broadcast to every head."""
+    def heads(mask):
+        return flex.block_mask_heads(AttentionCall(1, 4, 2, 8, 8, 16, 16, torch.float32, torch.device("cpu"),
+                                                   mask, 0.25, 0.0, False, False))
+
+    per_head = M.Dense(torch.ones(4, 8, 8, dtype=torch.bool))
+    for mask in (per_head, M.Additive(torch.zeros(1, 4, 8, 8)), M.Causal() & per_head,
+                 M.SelectedKeys(torch.zeros(1, 2, 8, 3, dtype=torch.long), num_heads=4),
+                 (M.SelectedBlocks(torch.zeros(1, 2, 8, 1, dtype=torch.long), 4, num_heads=4) | M.SlidingWindow(2))
+                 & M.Causal()):
+        assert heads(mask) == 4, mask
+    for mask in (None, M.Causal(), M.Dense(torch.ones(1, 1, 8, 8, dtype=torch.bool)), M.Dense(torch.ones(8, 8) > 0),
+                 M.ALiBi(M.alibi_slopes(4)) & M.Causal(), M.SelectedKeys(torch.zeros(1, 8, 3, dtype=torch.long))):
+        assert heads(mask) is None, mask
 
 
 @needs_cpu_flex

@@ -362,11 +362,10 @@ class _Layer(torch.nn.Module):
 
 
 @pytest.mark.parametrize("name, value", [
-    ("block_indices", torch.zeros(2, 1, 5, 2, dtype=torch.long)),  # MiniMax-M3's sparse blocks
     ("topk_indices", torch.zeros(2, 5, 3, dtype=torch.long)),
     ("some_new_argument", 1.5),
     ("a_flag", False),
-], ids=["block_indices", "topk_indices", "unknown-float", "unknown-false"])
+], ids=["topk_indices", "unknown-float", "unknown-false"])
 def test_unknown_keyword_argument_is_refused_naming_it(name, value):
     q, k, v = _qkv()
     with pytest.raises(NotImplementedError, match=rf"{name}=.*_Layer.*attn_implementation='eager'"):
@@ -409,8 +408,8 @@ def test_per_query_sinks_are_refused():
 
 @pytest.mark.parametrize("model_type, over, argument", [
     ("inkling2_text", {}, "sinks="),
-    ("minimax_m3_vl_text", dict(layer_types=["minimax_m3_sparse", "full_attention"]), "block_indices="),
-], ids=["inkling2", "minimax_m3-sparse"])
+    ("inkling2_loop_text", {}, "sinks="),
+], ids=["inkling2", "inkling2_loop"])
 def test_models_passing_refused_arguments_are_refused_when_built(model_type, over, argument):
     """Known at load time, so the error comes before any forward; the attention function would
     refuse the argument at the first forward otherwise (the tests above)."""
@@ -442,6 +441,105 @@ def test_sparse_indices_keep_only_the_selected_keys():
         keep[:, :, i, [j for j in row if j >= 0]] = True
     want = attnkit.attention_reference(q.double(), k.double(), v.double(), keep)
     torch.testing.assert_close(got, want.float().transpose(1, 2))
+
+
+def _mask_leaves(mask) -> list:
+    """The leaf masks of an And / Or tree."""
+    if isinstance(mask, (M.And, M.Or)):
+        return [leaf for m in mask.masks for leaf in _mask_leaves(m)]
+    return [mask]
+
+
+def _record_masks(monkeypatch) -> list:
+    """A list that collects the mask of every attnkit.attention call the integration makes."""
+    seen, real = [], hf_attention.attention
+
+    def recording(q, k, v, mask, **kw):
+        seen.append(mask)
+        return real(q, k, v, mask, **kw)
+
+    monkeypatch.setattr(hf_attention, "attention", recording)
+    return seen
+
+
+def test_sparse_indices_reach_attention_as_a_selection_not_a_dense_mask(monkeypatch):
+    """``indices=`` becomes a SelectedKeys ANDed with the translated mask: the integration builds
+    no (Sq, Sk) tensor for it."""
+    seen = _record_masks(monkeypatch)
+    q, k, v = _qkv(Sq=4, Sk=6)
+    idx = torch.tensor([[0, 2], [1, 5], [3, 3], [4, -1]]).expand(2, 4, 2)
+    hf.attention_forward(_Layer(), q, k, v, None, indices=idx)
+    leaves = _mask_leaves(seen[0])
+    assert [type(m) for m in leaves] == [M.Causal, M.SelectedKeys] and leaves[1].indices.shape == (2, 4, 2)
+
+
+class _BlockLayer(_Layer):
+    class indexer:  # noqa: N801 - MiniMax-M3's attention layer holds its indexer here
+        block_size = 2
+
+
+def test_sparse_block_indices_keep_only_the_selected_blocks():
+    """MiniMax-M3's (B, H_sel, Sq, n) block ids, one list per KV group, of the layer's
+    ``indexer.block_size`` keys: keys outside the listed blocks are masked, as transformers'
+    ``build_block_mask`` does, and the causal mask still applies."""
+    q, k, v = _qkv(Sq=4, Sk=6)
+    ids = torch.tensor([[[0, -1], [1, 0], [1, 1], [2, -1]], [[2, 0], [0, -1], [1, -1], [-1, -1]]])  # (Hkv, Sq, n)
+    ids = ids.expand(2, 2, 4, 2)
+    got, _ = hf.attention_forward(_BlockLayer(), q, k, v, None, block_indices=ids)
+    keep = torch.zeros(2, 4, 4, 6, dtype=torch.bool)
+    for h in range(4):
+        for i, row in enumerate(ids[0, h // 2].tolist()):
+            for blk in row:
+                if blk >= 0:
+                    keep[:, h, i, 2 * blk:2 * blk + 2] = True
+    keep &= torch.ones(4, 6, dtype=torch.bool).tril(2)  # bottom-right causal: Sk - Sq = 2 keys before
+    want = attnkit.attention_reference(q.double(), k.double(), v.double(), keep)
+    torch.testing.assert_close(got, want.float().transpose(1, 2))
+    with pytest.raises(NotImplementedError, match=r"block_indices=.*names no block size"):
+        hf.attention_forward(_Layer(), q, k, v, None, block_indices=ids)
+
+
+_MINIMAX_SPARSE = dict(layer_types=["minimax_m3_sparse", "full_attention"], index_block_size=2, index_topk_blocks=2,
+                       index_local_blocks=1)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_minimax_m3_sparse_layers_match_eager(cache, monkeypatch):
+    """MiniMax-M3's sparse layers (blocks of 2 keys, the top 2 blocks per query and KV group, the
+    local block among them): logits and greedy tokens equal eager's, and the layers hand
+    attention() a SelectedBlocks, no dense mask. The batch is unpadded: the model's indexer
+    anchors blocks to positions, so under left padding a query's blocks can all be padding, a
+    row with no key (0 on attnkit, the mean of every value on eager; see the integration's
+    docstring)."""
+    ours = _tiny("minimax_m3_vl_text", **_MINIMAX_SPARSE)
+    eager = copy.deepcopy(ours)
+    eager.set_attn_implementation("eager")
+    ids, am = _batch(lengths=(11, 11))
+    seen = _record_masks(monkeypatch)
+    with torch.no_grad():
+        lo, le = ours(ids, attention_mask=am).logits, eager(ids, attention_mask=am).logits
+        kw = dict(attention_mask=am, max_new_tokens=6, do_sample=False, pad_token_id=0, cache_implementation=cache)
+        go, ge = ours.generate(ids, **kw), eager.generate(ids, **kw)
+    real_pos = am.bool()
+    torch.testing.assert_close(lo[real_pos], le[real_pos])
+    assert go.tolist() == ge.tolist()
+    kinds = [{type(m) for m in _mask_leaves(mask)} for mask in seen]
+    assert any(M.SelectedBlocks in k for k in kinds) and not any(M.Dense in k for k in kinds)
+    blocks = next(m for mask in seen for m in _mask_leaves(mask) if isinstance(m, M.SelectedBlocks))
+    assert (blocks.block_ids >= 0).sum(-1).max() == 2 and blocks.block_ids.shape[-1] == 2  # a selection, not all
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
+def test_dsa_indices_reach_attention_as_a_selection(model_type, monkeypatch):
+    """DeepSeek sparse attention models hand attention() their top-k as a SelectedKeys ANDed with
+    the typed mask (no Dense part), and still match eager (see test_models_that_read_the_mask_match_eager)."""
+    ours = _tiny(model_type)
+    seen = _record_masks(monkeypatch)
+    ids, am = _batch(lengths=(9, 6))
+    with torch.no_grad():
+        ours(ids, attention_mask=am)
+    kinds = [{type(m) for m in _mask_leaves(mask)} for mask in seen]
+    assert kinds and all(M.SelectedKeys in k and M.Dense not in k for k in kinds), kinds
 
 
 # -- 2. models that read the mask object themselves; models attnkit cannot serve

@@ -84,7 +84,7 @@ def test_modifiers_match_the_oracle(backend, Sq, Sk, mask_name, mod):
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_both_engines_and_paged_kv_apply_every_modifier(engine, dtype):
+def test_both_engines_and_paged_kv_apply_every_modifier(implementation, dtype):
     g = torch.Generator().manual_seed(3)
     Hq, Hkv, Sk, D = 8, 2, 200, 24
     q, k, v = make_qkv(3, Hq, Hkv, 2, Sk, D, dtype=DTYPES[dtype], seed=4)
@@ -108,7 +108,7 @@ def test_both_engines_and_paged_kv_apply_every_modifier(engine, dtype):
     gold = attnkit.attention(q.double(), k.double(), v.double(), mask, backend="math", softcap=3.0,
                              sinks=kw["sinks"].double())
     rule_r(got, want, gold, n_terms=Sk)
-    assert attnkit.describe_call(q, paged, None, mask_p, detail=True, **kw) == f"paged[{engine}]"
+    assert attnkit.describe_call(q, paged, None, mask_p, detail=True, **kw) == f"paged[{implementation}]"
 
 
 def test_sinks_on_sdpas_flash_kernel_keep_fp64_precision():
@@ -121,7 +121,7 @@ def test_sinks_on_sdpas_flash_kernel_keep_fp64_precision():
 
 
 @pytest.mark.parametrize("case", ["causal", "window_alibi_padding", "cross_sinks", "paged"])
-def test_soft_capped_prefill_runs_the_engine_a_chunk_of_queries_at_a_time(engine, case):
+def test_soft_capped_prefill_runs_the_engine_a_chunk_of_queries_at_a_time(implementation, case):
     """Soft-capped calls longer than a decode step take the split-K engine (SDPA cannot cap) in
     chunks of queries; every chunk keeps its rows' intervals, bias and ALiBi positions."""
     from attnkit.backends.decode import splitk
@@ -149,13 +149,13 @@ def test_soft_capped_prefill_runs_the_engine_a_chunk_of_queries_at_a_time(engine
             pool_k[table[b, rows // bs], rows % bs] = k[b].transpose(0, 1)
             pool_v[table[b, rows // bs], rows % bs] = v[b].transpose(0, 1)
         paged = attnkit.PagedKV(pool_k, pool_v, table, torch.tensor([Sk, Sk]))
-        assert attnkit.describe_call(q, paged, None, causal=True, detail=True, **kw) == f"paged[{engine}]"
+        assert attnkit.describe_call(q, paged, None, causal=True, detail=True, **kw) == f"paged[{implementation}]"
         got = attnkit.attention(q, paged, None, causal=True, **kw)
         want = attnkit.attention(q, k, v, causal=True, backend="math", **kw)
         gold = attnkit.attention_reference(q.double(), k.double(), v.double(), causal=True, softcap=3.0)
         rule_r(got, want, gold, n_terms=Sk)
         return
-    assert attnkit.describe_call(q, k, v, mask, causal=causal, detail=True, **kw) == f"decode[{engine}]"
+    assert attnkit.describe_call(q, k, v, mask, causal=causal, detail=True, **kw) == f"decode[{implementation}]"
     out = check_against_oracle(q, k, v, mask, causal=causal, backend="decode", **kw)
     if case == "cross_sinks":
         assert (out[0] == 0).all()

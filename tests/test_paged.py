@@ -104,11 +104,11 @@ def test_attend_equals_contiguous_cache_on_ragged_steps(variant, block_size, sca
         assert flat != sorted(flat)
 
 
-@pytest.mark.parametrize("engine", ["native", "torch"])
-def test_both_engine_implementations_read_scattered_pages(monkeypatch, engine):
+@pytest.mark.parametrize("implementation", ["native", "torch"])
+def test_both_engine_implementations_read_scattered_pages(monkeypatch, implementation):
     """The paged backend on the native kernel and on the torch fallback, over scattered tables."""
     from attnkit import native
-    if engine == "torch":
+    if implementation == "torch":
         monkeypatch.setattr(native, "load", lambda: None)
     elif native.status() != "native":
         pytest.skip(native.status())
@@ -118,7 +118,7 @@ def test_both_engine_implementations_read_scattered_pages(monkeypatch, engine):
     for got, want, q, *_ in run_both(paged, Hq, steps, seed=3, backend="paged"):
         torch.testing.assert_close(got, want)
     kv = paged.view(paged.begin(3, 0))[:2]
-    assert attnkit.describe_call(q[:, :, :1], *kv, backend="paged", detail=True) == f"paged[{engine}]"
+    assert attnkit.describe_call(q[:, :, :1], *kv, backend="paged", detail=True) == f"paged[{implementation}]"
     paged.abort(paged.allocator.open_step)
 
 
@@ -408,13 +408,13 @@ def _allocator_blocks(lengths, block_size, Hkv, D, seed):
     return alloc, pk, pv, k, v
 
 
-@pytest.mark.parametrize("engine", ["native", "torch"])
-def test_table_padding_past_a_sequences_last_block_is_never_read(monkeypatch, engine):
+@pytest.mark.parametrize("implementation", ["native", "torch"])
+def test_table_padding_past_a_sequences_last_block_is_never_read(monkeypatch, implementation):
     """BlockAllocator.block_table() pads rows with -1, which PagedKV documents as ignored: with
     a ragged batch and a Dense or additive mask (where every row spans max(lengths) keys), only
     the blocks below each sequence's own length are read, on every backend."""
     from attnkit import native
-    if engine == "torch":
+    if implementation == "torch":
         monkeypatch.setattr(native, "load", lambda: None)
     elif native.status() != "native":
         pytest.skip(native.status())
@@ -463,13 +463,13 @@ def test_checked_tables_still_have_their_lengths_and_max_len_checked():
                 attnkit.attention(q, kv, None)
 
 
-@pytest.mark.parametrize("engine", ["native", "torch"])
-def test_a_lying_checked_table_raises_on_every_path(monkeypatch, engine):
+@pytest.mark.parametrize("implementation", ["native", "torch"])
+def test_a_lying_checked_table_raises_on_every_path(monkeypatch, implementation):
     """A ``checked=True`` table entry outside the pool raises on every path (the native kernel,
     the gather for SDPA / math / gradients, the torch implementation): none clamps it to the
     last block and returns a plausible wrong result."""
     from attnkit import native
-    if engine == "torch":
+    if implementation == "torch":
         monkeypatch.setattr(native, "load", lambda: None)
     elif native.status() != "native":
         pytest.skip(native.status())

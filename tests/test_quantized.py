@@ -144,7 +144,7 @@ def test_kv_dtype_spellings():
 @pytest.mark.parametrize("case", range(len(CASES)))
 @pytest.mark.parametrize("kv", list(KV_DTYPES))
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_engine_on_quantized_kv_matches_the_oracle(engine, dtype, kv, case, mask_name):
+def test_engine_on_quantized_kv_matches_the_oracle(implementation, dtype, kv, case, mask_name):
     (B, Hkv, G), Sq, (D, Dv) = CASES[case]
     seed = stable_seed("quantized", dtype, kv, case, mask_name)
     Sk = 93 if D < 576 else 60
@@ -160,7 +160,7 @@ def test_engine_on_quantized_kv_matches_the_oracle(engine, dtype, kv, case, mask
 
 @pytest.mark.parametrize("kv", list(KV_DTYPES))
 @pytest.mark.parametrize("mods", ["softcap", "sinks", "alibi", "alibi+softcap+sinks"])
-def test_engine_applies_modifiers_to_the_dequantized_scores(engine, kv, mods):
+def test_engine_applies_modifiers_to_the_dequantized_scores(implementation, kv, mods):
     B, Hq, Hkv, Sq, Sk, D = 2, 8, 2, 3, 70, 32
     q, k, v = make_qkv(B, Hq, Hkv, Sq, Sk, D, seed=stable_seed(kv, mods))
     k = k * 3  # scores large enough for the cap to bite
@@ -181,7 +181,7 @@ def test_engine_applies_modifiers_to_the_dequantized_scores(engine, kv, mods):
 @pytest.mark.parametrize("kv", list(KV_DTYPES))
 @pytest.mark.parametrize("block_size", [1, 3, 16])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_paged_quantized_pools_match_the_oracle(engine, dtype, kv, block_size):
+def test_paged_quantized_pools_match_the_oracle(implementation, dtype, kv, block_size):
     g = torch.Generator().manual_seed(block_size)
     B, Hkv, G, Sq, D, L = 3, 2, 4, 2, 32, 50
     lens = torch.tensor([L, 0, 33])
@@ -207,7 +207,7 @@ def test_paged_quantized_pools_match_the_oracle(engine, dtype, kv, block_size):
         assert (out[1] == 0).all()
 
 
-def test_scales_with_any_strides_are_read_as_given(engine):
+def test_scales_with_any_strides_are_read_as_given(implementation):
     """Scales that are a view (a transposed buffer), as a cache may hold them."""
     q, k, v = make_qkv(2, 4, 2, 1, 40, 16, seed=3)
     kq, ks = quantize(k, "int8")
@@ -222,7 +222,7 @@ def test_scales_with_any_strides_are_read_as_given(engine):
 # ----------------------------------------------------------------------------- bad values
 
 
-def test_nan_rows_poison_the_queries_that_see_them_only(engine):
+def test_nan_rows_poison_the_queries_that_see_them_only(implementation):
     B, Hq, Hkv, Sq, Sk, D = 1, 4, 2, 4, 16, 16
     q, k, v = make_qkv(B, Hq, Hkv, Sq, Sk, D, seed=7)
     k[0, 0, 13] = float("nan")  # visible to the causal rows 1.. of KV head 0 (key 13 = i + 12 for i >= 1)
@@ -233,7 +233,7 @@ def test_nan_rows_poison_the_queries_that_see_them_only(engine):
     assert torch.isfinite(out[0, :2, 0]).all() and torch.isfinite(out[0, 2:]).all()
 
 
-def test_hand_built_scales_nan_inf_zero_and_fp8_nan_codes(engine):
+def test_hand_built_scales_nan_inf_zero_and_fp8_nan_codes(implementation):
     q, k, v = make_qkv(1, 2, 1, 1, 12, 16, seed=9)
     kq, ks = quantize(k, "int8")
     vq, vs = quantize(v, "int8")
@@ -258,7 +258,7 @@ def test_hand_built_scales_nan_inf_zero_and_fp8_nan_codes(engine):
 
 
 @pytest.mark.skipif(KV_DTYPES["fp8"] is None, reason="this torch has no float8_e4m3fn")
-def test_every_fp8_code_reads_as_torchs_e4m3_value(engine):
+def test_every_fp8_code_reads_as_torchs_e4m3_value(implementation):
     """The kernel decodes e4m3 bytes itself (sign, exponent and mantissa moved by integer
     operations; subnormals; the two NaN codes): one key whose V row holds all 256 codes, scale
     1, so each output channel is one code's value (exactly, p = 1), against torch's decoding."""
@@ -304,10 +304,10 @@ def test_layout_errors_name_the_argument_and_shapes():
 # ----------------------------------------------------------------------------- routing
 
 
-def test_auto_reads_quantized_kv_in_place_and_other_backends_get_dequantized_tensors(engine):
+def test_auto_reads_quantized_kv_in_place_and_other_backends_get_dequantized_tensors(implementation):
     q, k, v = make_qkv(2, 8, 2, 1, 64, 32, seed=4)
     qkv = QuantizedKV.quantize(k, v, "int8")
-    want = "decode" if engine == "native" else "sdpa"  # the torch engine loses to SDPA (auto_skip)
+    want = "decode" if implementation == "native" else "sdpa"  # the torch implementation loses to SDPA (auto_skip)
     assert attnkit.describe_call(q, qkv, None) == want
     gold, base = _oracle(q, qkv)
     for backend in ("auto", "sdpa", "math", "decode"):
@@ -319,7 +319,7 @@ def test_auto_reads_quantized_kv_in_place_and_other_backends_get_dequantized_ten
     rule_r(attnkit.attention(q2, qkv, None, causal=True), base, gold, n_terms=64)
     paged = QuantizedKV.quantize(k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(), "int8",
                                  block_table=torch.tensor([[0], [1]]), lengths=torch.tensor([64, 30]))
-    assert attnkit.describe_call(q, paged, None) == ("paged" if engine == "native" else "sdpa")
+    assert attnkit.describe_call(q, paged, None) == ("paged" if implementation == "native" else "sdpa")
 
 
 # ----------------------------------------------------------------------------- channel scales
@@ -327,7 +327,7 @@ def test_auto_reads_quantized_kv_in_place_and_other_backends_get_dequantized_ten
 
 @pytest.mark.parametrize("latent", [False, True])
 @pytest.mark.parametrize("paged", [False, True])
-def test_channel_scales_fold_into_the_query_and_match_the_oracle(engine, paged, latent):
+def test_channel_scales_fold_into_the_query_and_match_the_oracle(implementation, paged, latent):
     B, Hq, Hkv, Sq, S, D = 2, 8, 2, 2, 48, 32
     q, k, v = make_qkv(B, Hq, Hkv, Sq, S, D, seed=11)
     q = q.bfloat16()
@@ -369,7 +369,7 @@ def test_channel_scale_errors():
 
 @pytest.mark.parametrize("qdtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("D", [32, 128, 256, 288, 80])
-def test_int8_keys_scored_by_integer_dot_products_match_the_oracle(engine, qdtype, D):
+def test_int8_keys_scored_by_integer_dot_products_match_the_oracle(implementation, qdtype, D):
     """With AVX-512-VNNI (VPDPWSSD) or AVX2 (VPMADDWD) the native kernel scores int8 keys
     against bf16 / fp16 queries held as int16 (to 2^-16 of each row's largest element) for
     D <= 256 in whole 32-lane steps; the other widths (288, 80) take the fp32 path. Either way rule R holds, also for a query row
@@ -397,7 +397,7 @@ def test_int8_keys_scored_by_integer_dot_products_match_the_oracle(engine, qdtyp
 
 @pytest.mark.parametrize("qdtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("G", [1, 3, 4, 5])
-def test_int8_values_summed_by_integer_multiply_adds_match_the_oracle(engine, qdtype, G):
+def test_int8_values_summed_by_integer_multiply_adds_match_the_oracle(implementation, qdtype, G):
     """AVX2 builds sum P @ V over int8 V with integer multiply-adds (each row's probabilities, times
     the values' scales, as int16 to 2^-16 of the row's largest, two keys per lane): groups of 4
     query rows and single rows (G 1, 3, 5), odd and ragged numbers of visible keys per tile (a

@@ -236,6 +236,6 @@ def test_attention_call_keeps_its_old_head_count_names_deprecated():
         assert call.q_heads == 8
     with pytest.warns(DeprecationWarning, match="num_kv_heads"):
         assert call.kv_heads == 2
-    with pytest.raises(TypeError, match="num_kv_heads= only"):
+    with pytest.raises(TypeError, match="pass num_kv_heads="):
         registry.AttentionCall(num_heads=8, num_kv_heads=2, kv_heads=2, **kw)
     assert replace(call, q_len=2).num_kv_heads == 2

@@ -283,17 +283,39 @@ def test_describe_call_names_the_backend_that_runs_a_selection():
             attnkit.attention(q, k, v, mask, backend="triton")
 
 
+def test_auto_sends_cuda_prefill_with_a_selection_to_a_kernel_that_skips_blocks():
+    """`auto`'s decision for CUDA calls, made on CPU from the call's description: prefill with a
+    selection (alone, under causal, with a local window) is one SDPA has no fused kernel for, so
+    it goes to FlexAttention, which skips the key blocks no query of a tile selects, not to SDPA
+    over a materialized mask; a call without a selection stays with SDPA. A selection per KV head
+    gets a block mask per query head."""
+    from dataclasses import replace
+
+    from attnkit.backends import flex, registry
+
+    def call(mask, Sq=2048):
+        return registry.AttentionCall(1, 16, 4, Sq, 2048, 128, 128, torch.bfloat16, torch.device("cuda"), mask,
+                                      0.1, 0.0, False, False)
+
+    shared = M.SelectedKeys(torch.zeros(1, 2048, 8, dtype=torch.long))
+    per_head = M.SelectedBlocks(torch.zeros(1, 4, 2048, 2, dtype=torch.long), 64, num_heads=16)
+    for mask in (shared, shared & M.Causal(), (per_head | M.SlidingWindow(63)) & M.Causal()):
+        c = call(mask)
+        assert "selection" in flex.sdpa_cannot_fuse(c)
+        if get_backend("flex").available() is None:
+            assert registry.select(c).name in ("triton", "flex"), mask  # a kernel reading it, never SDPA
+            assert registry.select(replace(c, needs_grad=True)).name == "flex", f"{mask} (backward)"
+    assert flex.block_mask_heads(call(shared)) is None and flex.block_mask_heads(call(per_head)) == 16
+    assert flex.sdpa_cannot_fuse(call(M.Causal())) is None
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(get_backend("flex").available() is not None, reason="no FlexAttention in this torch")
-@pytest.mark.parametrize("kind", [
-    "keys-shared",
-    pytest.param("keys-per_head", marks=pytest.mark.xfail(
-        strict=True, reason="the flex backend builds its block mask for head 0 only (create_block_mask with "
-                            "H=None), so blocks another head's list selects are skipped")),
-])
+@pytest.mark.parametrize("kind", ["keys-shared", "keys-per_head"])
 def test_flex_reads_the_selection_through_its_mask_mod(kind):
     """FlexAttention (forced, CPU forward) computes a selection from its mask_mod, under rule R,
-    with lists that leave whole 128-key blocks empty for some heads and not for others."""
+    with lists that leave whole 128-key blocks empty for some heads and not for others: a list
+    per KV head gets a block mask per head."""
     Hq, Hkv, Sq, Sk = 2, 2, 130, 300
     q, k, v = make_qkv(1, Hq, Hkv, Sq, Sk, 16, seed=9)
     if kind == "keys-shared":

@@ -46,7 +46,7 @@ CASES = [((1, 1, 1), 1, (16, 16)), ((1, 2, 4), 4, (7, 7)), ((3, 1, 8), 16, (80, 
 @pytest.mark.parametrize("mask_name", MASKS)
 @pytest.mark.parametrize("case", range(len(CASES)))
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_engine_matches_the_oracle(engine, dtype, case, mask_name):
+def test_engine_matches_the_oracle(implementation, dtype, case, mask_name):
     (B, Hkv, G), Sq, (D, Dv) = CASES[case]
     seed = stable_seed(dtype, case, mask_name)
     Sk = 93 if D < 576 else 60
@@ -64,7 +64,7 @@ def test_engine_matches_the_oracle(engine, dtype, case, mask_name):
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_a_decode_step_reads_right_padding_lengths_as_they_are(engine, dtype):
+def test_a_decode_step_reads_right_padding_lengths_as_they_are(implementation, dtype):
     """One query per row over dense K/V with a right KeyPadding (a static cache's decode step):
     the engine hands the lengths to the kernel as its key bounds. A length past Sk allows every key
     (never a read past the buffer), 0 none (an exact zero row); the caller's lengths stay as given."""
@@ -80,7 +80,7 @@ def test_a_decode_step_reads_right_padding_lengths_as_they_are(engine, dtype):
 
 @pytest.mark.parametrize("block_size", [1, 3, 16])
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_paged_pages_match_the_oracle(engine, dtype, block_size):
+def test_paged_pages_match_the_oracle(implementation, dtype, block_size):
     g = torch.Generator().manual_seed(block_size)
     B, Hkv, G, Sq, D = 3, 2, 4, 3, 24
     lens = torch.tensor([50, 0, 33])
@@ -104,7 +104,7 @@ def test_paged_pages_match_the_oracle(engine, dtype, block_size):
     rule_r(latent, base_attention(q, k, k[..., :16], full), want, n_terms=50)
 
 
-def test_nan_in_a_visible_row_gives_nan_there_only(engine):
+def test_nan_in_a_visible_row_gives_nan_there_only(implementation):
     q, k, v = make_qkv(2, 4, 2, 2, 40, 16, seed=1)
     q[0, 1, 0, 3] = float("nan")  # one query row
     k[1, 0, 7, 0] = float("nan")  # a key every query of sequence 1, KV head 0 sees
@@ -119,7 +119,7 @@ def test_nan_in_a_visible_row_gives_nan_there_only(engine):
 
 
 @pytest.mark.parametrize("Sk", [1, 5, 13, 17, 31])
-def test_a_short_call_after_a_long_one_reads_only_its_own_keys(engine, Sk):
+def test_a_short_call_after_a_long_one_reads_only_its_own_keys(implementation, Sk):
     """A tile's softmax reads its n keys rounded up to whole vectors, not the tile's capacity: the
     scratch a long call left (probabilities past n) must not reach a short call, and a NaN in its
     last key still poisons the heads that see it."""
@@ -133,7 +133,7 @@ def test_a_short_call_after_a_long_one_reads_only_its_own_keys(engine, Sk):
     assert torch.isnan(out[0, 4:]).all() and torch.isfinite(out[0, :4]).all()
 
 
-def test_softcap_sinks_and_lse_against_an_fp64_reference(engine):
+def test_softcap_sinks_and_lse_against_an_fp64_reference(implementation):
     g = torch.Generator().manual_seed(2)
     B, Hkv, G, Sq, Sk, D = 2, 2, 3, 2, 70, 16
     q, k, v = make_qkv(B, Hkv * G, Hkv, Sq, Sk, D, seed=3)
@@ -154,7 +154,7 @@ def test_softcap_sinks_and_lse_against_an_fp64_reference(engine):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_long_contexts_strided_caches_and_ragged_lengths(engine, dtype):
+def test_long_contexts_strided_caches_and_ragged_lengths(implementation, dtype):
     """Several threads' worth of slices of unequal length, read through a preallocated buffer's
     strides (a slice of a cache), at the engine's default settings."""
     buf_k = torch.randn(3, 2, 6000, 64).to(DTYPES[dtype])
@@ -166,7 +166,7 @@ def test_long_contexts_strided_caches_and_ragged_lengths(engine, dtype):
     rule_r(out, base_attention(q, k, v, mask), attnkit.attention_reference(q, k, v, mask), n_terms=5000)
 
 
-def test_never_changes_torch_threads_in_this_or_other_threads(engine):
+def test_never_changes_torch_threads_in_this_or_other_threads(implementation):
     """The engine never changes torch's thread count, not even while it runs: a thread whose first
     torch op overlapped a change would keep the changed count for life. Whoever looks, whenever,
     sees the count unchanged."""
@@ -203,7 +203,7 @@ def test_never_changes_torch_threads_in_this_or_other_threads(engine):
     assert late == [before]
 
 
-def test_calls_from_several_threads_at_once_are_correct(engine):
+def test_calls_from_several_threads_at_once_are_correct(implementation):
     cases = [make_qkv(2, 8, 2, 1, 3000, 32, seed=s) for s in range(4)]
     want = [attnkit.attention_reference(*c) for c in cases]
     got = [None] * 4
@@ -220,19 +220,19 @@ def test_calls_from_several_threads_at_once_are_correct(engine):
         torch.testing.assert_close(g.double(), w, atol=1e-5, rtol=1e-5)
 
 
-def test_describe_call_names_the_implementation(engine):
+def test_describe_call_names_the_implementation(implementation):
     """A forced backend names the engine it runs on; ``auto`` takes the engine only where it is
     native (without it, the calls SDPA can run go to SDPA)."""
     q, k, v = make_qkv(1, 8, 2, 1, 5000, 64)
-    assert splitk.implementation() == engine
+    assert splitk.implementation() == implementation
     for dtype in (torch.float32, torch.bfloat16):
         q, k, v = (t.to(dtype) for t in (q, k, v))
-        assert attnkit.describe_call(q, k, v, backend="decode", detail=True) == f"decode[{engine}]"
+        assert attnkit.describe_call(q, k, v, backend="decode", detail=True) == f"decode[{implementation}]"
         got = attnkit.describe_call(q, k, v, detail=True)
-        assert got == "decode[native]" if engine == "native" else got.startswith("sdpa"), got
+        assert got == "decode[native]" if implementation == "native" else got.startswith("sdpa"), got
 
 
-def test_bad_paged_tables_are_refused(engine):
+def test_bad_paged_tables_are_refused(implementation):
     """A table entry in use outside the pool raises a ValueError naming the block table, also when
     the caller vouched for it (``checked=True``): the engine never reads outside the pool."""
     pk = torch.zeros(4, 2, 1, 8)
@@ -246,7 +246,7 @@ def test_bad_paged_tables_are_refused(engine):
             attnkit.attention(q, trusted, None, backend="paged")
 
 
-def test_head_dim_one_keys_with_any_last_stride_are_accepted(engine):
+def test_head_dim_one_keys_with_any_last_stride_are_accepted(implementation):
     """A size-1 last dim has no meaningful stride (torch calls k contiguous whatever it is): the
     engine reads it as it is instead of refusing "k must be 4-D with unit stride"."""
     g = torch.Generator().manual_seed(0)

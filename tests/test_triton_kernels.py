@@ -17,6 +17,7 @@ from attnkit.caches import DynamicCache, StaticCache
 from attnkit.caches.paged import PagedKVCache
 from attnkit import masks as M
 from attnkit.masks import Causal, KeyPadding, SlidingWindow
+from attnkit.backends.triton.plan import split_plan
 
 from conftest import base_attention, compile_ahead, rule_r, scattered_table, stable_seed
 
@@ -143,6 +144,189 @@ def test_split_count_changes_nothing_but_rounding():
     ref = triton_ops.decode_attention(q, k, v, num_splits=1)
     for n in (2, 5, 7):
         torch.testing.assert_close(triton_ops.decode_attention(q, k, v, num_splits=n), ref)
+
+
+# --------------------------------------------------------------------------- the split rule
+
+H100 = dict(num_sms=132, programs_per_sm=2, block_n=64)
+
+
+def test_split_plan_decisions_for_h100_shapes():
+    """The wave rule on an H100's 132 SMs (two 4-warp programs each): GQA 32/8 at B 32 fills the
+    wave unsplit at 4k and 32k (256 of 264 programs), B 128 more than fills it; one long sequence
+    is cut into the fewest chunks that fill one wave; a short sequence is never cut below 128 keys;
+    MLA's 4 row tiles of 32 heads at B 32 fill 132 SMs of one program each."""
+    assert split_plan(32, 8, 1, 4096, **H100) == (1, 4096)
+    assert split_plan(32, 8, 1, 32768, **H100) == (1, 32768)
+    assert split_plan(128, 8, 1, 4096, **H100) == (1, 4096)
+    assert split_plan(1, 8, 1, 131072, **H100) == (33, 4032)  # 8 x 33 = 264 programs: one wave
+    assert split_plan(1, 8, 1, 32768, **H100) == (32, 1024)
+    assert split_plan(4, 8, 1, 4096, **H100) == (8, 512)
+    assert split_plan(1, 8, 1, 300, **H100) == (3, 128)  # the smallest chunk: 128 keys
+    assert split_plan(1, 8, 1, 100, **H100) == (1, 128)  # one tile-rounded chunk covers it
+    assert split_plan(32, 1, 4, 4096, num_sms=132, programs_per_sm=1, block_n=32) == (1, 4096)
+    assert split_plan(32, 1, 4, 32768, num_sms=132, programs_per_sm=1, block_n=32) == (1, 32768)
+    assert split_plan(128, 1, 4, 4096, num_sms=132, programs_per_sm=1, block_n=32) == (1, 4096)
+    assert split_plan(1, 1, 4, 32768, num_sms=132, programs_per_sm=1, block_n=32) == (32, 1024)
+    # Per-sequence lengths: a short sequence's single chunk is all it adds to the wave.
+    assert split_plan(2, 8, 1, [32768, 100], **H100) == (32, 1024)
+    assert split_plan(2, 8, 1, 32768, **H100) == (16, 2048)
+    assert split_plan(0, 8, 1, [], **H100) == (1, 64)
+
+
+def _programs(B, Hkv, tiles, lens, chunk):
+    return Hkv * tiles * sum(max(1, -(-n // chunk)) for n in lens)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_split_plan_properties(seed):
+    """For random shapes and devices: chunks are whole tiles of at least 128 keys (or one chunk
+    covering the longest sequence); a split call's programs fit one wave and one tile less per
+    chunk would not; never more splits than chunks; a call that fills the wave is not split.
+    Monotone: more sequences, heads or row tiles never add splits, more SMs or resident programs
+    never remove one, and a longer context never shortens the chunk."""
+    rng = random.Random(seed)
+    for _ in range(300):
+        B, Hkv, tiles = rng.randint(1, 160), rng.choice([1, 2, 4, 8, 16]), rng.choice([1, 2, 4])
+        L, sms, pps, bn = rng.randint(0, 200_000), rng.choice([8, 108, 132, 170]), rng.choice([1, 2, 4]), rng.choice([16, 32, 64, 128])
+        n, chunk = split_plan(B, Hkv, tiles, L, sms, pps, bn)
+        assert n >= 1 and chunk % bn == 0 and n * chunk >= L
+        wave = sms * pps
+        if n == 1:
+            assert chunk >= L
+        else:
+            assert chunk >= 128 and n == -(-L // chunk) and n <= -(-L // bn)
+            assert B * Hkv * tiles < wave and _programs(B, Hkv, tiles, [L] * B, chunk) <= wave
+            if chunk - bn >= 128:
+                assert _programs(B, Hkv, tiles, [L] * B, chunk - bn) > wave
+        if B * Hkv * tiles >= wave:
+            assert n == 1
+        assert split_plan(B + rng.randint(1, 9), Hkv, tiles, L, sms, pps, bn)[0] <= n
+        assert split_plan(B, Hkv * 2, tiles, L, sms, pps, bn)[0] <= n
+        assert split_plan(B, Hkv, tiles * 2, L, sms, pps, bn)[0] <= n
+        assert split_plan(B, Hkv, tiles, L, sms + rng.randint(1, 64), pps, bn)[0] >= n
+        assert split_plan(B, Hkv, tiles, L, sms, pps * 2, bn)[0] >= n
+        assert split_plan(B, Hkv, tiles, L + rng.randint(1, 5000), sms, pps, bn)[1] >= chunk
+
+
+class _CountMerges:
+    """Stands in for the merge kernel: counts its launches and runs the real one."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("splits", ["single", "forced", "planned"])
+@pytest.mark.parametrize("layout", ["dense", "paged"])
+def test_single_and_multi_split_paths_match_oracle_with_modifiers(layout, splits, dtype, monkeypatch):
+    """The single split writes the normalized output itself (the merge kernel never runs); the
+    multi-split path (a forced count, or the wave rule on an H100-sized device) writes partials
+    and merges them. Both against the oracle, dense and paged, plain and with every modifier at
+    once (sinks, soft-cap, ALiBi, a sliding window with its own anchor), ragged lengths with an
+    empty sequence (exact zeros)."""
+    from attnkit.backends.triton import kernel as td
+
+    seed = stable_seed("split-paths", layout, splits, str(dtype))
+    B, Hkv, G, S, D, page = 3, 2, 2, 2, 32, 16
+    lens = [0, 45, 290] if layout == "paged" else [S, 45, 290]
+    k_pool, v_pool, table, k, v = _pools(B, Hkv, D, D, page, lens, dtype, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(B, Hkv * G, S, D, generator=g, dtype=torch.float64).to(dtype)
+    seq = torch.tensor(lens)
+    q_start = seq - S
+    w_start = q_start - torch.tensor([0, 1, 5])
+    slopes, sinks = M.alibi_slopes(Hkv * G), torch.randn(Hkv * G, generator=g)
+    num_splits = {"single": 1, "forced": 3, "planned": 0}[splits]
+    if splits == "planned":  # the wave rule on an H100's size: 6 programs, so it splits 290 keys
+        monkeypatch.setattr(td, "_INTERPRETER_WAVE", (132, 2))
+        assert split_plan(B, Hkv, 1, max(lens), 132, 2, td._config(dtype, D, D, G * S, False)["BLOCK_N"])[0] > 1
+    merges = _CountMerges(td._merge_kernel)
+    monkeypatch.setattr(td, "_merge_kernel", merges)
+    plain = Causal(q_start=q_start) & KeyPadding(seq)
+    for mods, mask in (({}, plain),
+                       (dict(sinks=sinks, softcap=6.0, alibi_slopes=slopes, window=(200, 0), window_q_start=w_start),
+                        M.ALiBi(slopes, q_start=q_start) & plain & SlidingWindow(200, 0, q_start=w_start))):
+        dev_mods = {key: val.to(DEV) if isinstance(val, torch.Tensor) else val for key, val in mods.items()}
+        if layout == "paged":
+            out = triton_ops.paged_decode_attention(q.to(DEV), k_pool, v_pool, table, seq.to(DEV),
+                                                    q_start=q_start.to(DEV), num_splits=num_splits, **dev_mods)
+        else:
+            out = triton_ops.decode_attention(q.to(DEV), k.to(DEV), v.to(DEV), lengths=seq.to(DEV),
+                                              q_start=q_start.to(DEV), num_splits=num_splits, **dev_mods)
+        gold = attnkit.attention_reference(q.double(), k.double(), v.double(), mask, softcap=mods.get("softcap"),
+                                           sinks=None if "sinks" not in mods else sinks.double())
+        base = base_attention(q, k, v, mask, softcap=mods.get("softcap"), sinks=mods.get("sinks"))
+        rule_r(out.cpu(), base, gold)
+        if layout == "paged":
+            assert (out[0] == 0).all(), "a sequence with no keys gives exact zeros"
+    # The window (202 keys the rows see together) still spans several 128-key chunks.
+    assert merges.launches == (0 if splits == "single" else 2), "the merge runs exactly when there are splits"
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_mla_latent_single_and_multi_split(num_splits):
+    """V read from K (MLA's latent layout, rank 64 + rope 16) with sinks, through the single split
+    that writes the output itself and through three merged splits."""
+    k_pool, _, table, k, v = _pools(2, 1, 80, 64, 16, [150, 300], torch.bfloat16, seed=21, value_from_key=True)
+    g = torch.Generator().manual_seed(22)
+    q = torch.randn(2, 16, 1, 80, generator=g).to(torch.bfloat16)
+    sinks = torch.randn(16, generator=g)
+    seq = torch.tensor([150, 300])
+    mask = Causal(q_start=seq - 1) & KeyPadding(seq)
+    out = triton_ops.paged_decode_attention(q.to(DEV), k_pool, None, table, seq.to(DEV), v_head_dim=64,
+                                            num_splits=num_splits, sinks=sinks.to(DEV))
+    gold = attnkit.attention_reference(q.double(), k.double(), v.double(), mask, sinks=sinks.double())
+    rule_r(out.cpu(), base_attention(q, k, v, mask, sinks=sinks), gold)
+
+
+def test_pool_past_two_to_the_31_elements_is_addressed_in_int64():
+    """Block offsets are 64-bit: in an int8 pool of more than 2**31 elements (allocated, only the
+    used blocks written), a sequence whose blocks lie past element 2**31 reads them, not a
+    wrapped-around address."""
+    bs, D, Dv = 16, 80, 64
+    N = (1 << 31) // (bs * D) + 4
+    pool = torch.empty(N, bs, 1, D, dtype=torch.int8, device=DEV)
+    scale = torch.empty(N, bs, 1, dtype=torch.float32, device=DEV)
+    g = torch.Generator().manual_seed(5)
+    blocks = [N - 1, 0, N - 3]
+    for blk in blocks:
+        pool[blk] = torch.randint(-127, 128, (bs, 1, D), generator=g, dtype=torch.int8).to(DEV)
+        scale[blk] = (torch.rand(bs, 1, generator=g) / 64).to(DEV)
+    L = 40
+    q = torch.randn(1, 4, 1, D, generator=g)
+    for splits in (1, 2):
+        out = triton_ops.paged_decode_attention(q.to(DEV), pool, None, torch.tensor([blocks], dtype=torch.int32,
+                                                device=DEV), torch.tensor([L], device=DEV), v_head_dim=Dv,
+                                                k_scale=scale, num_splits=splits)
+        k = torch.cat([pool[b, :, 0].cpu().float() * scale[b].cpu() for b in blocks])[:L][None, None]
+        mask = Causal(q_start=torch.tensor([L - 1]))
+        gold = attnkit.attention_reference(q.double(), k.double(), k[..., :Dv].double(), mask)
+        rule_r(out.cpu(), base_attention(q, k, k[..., :Dv], mask), gold)
+    del pool
+
+
+def test_contiguous_sequence_past_two_to_the_31_elements_is_addressed_in_int64():
+    """Slot offsets are 64-bit: a contiguous cache is one block of L slots, so one long sequence
+    (here more than 2**31 int8 elements, only its last keys written) has slots whose offsets pass
+    int32. A sliding window makes the kernel read just those keys."""
+    D, Dv, W = 80, 64, 20
+    L = (1 << 31) // D + 64
+    k = torch.empty(1, 1, L, D, dtype=torch.int8, device=DEV)
+    scale = torch.empty(1, 1, L, dtype=torch.float32, device=DEV)
+    g = torch.Generator().manual_seed(6)
+    k[0, 0, L - W - 1:] = torch.randint(-127, 128, (W + 1, D), generator=g, dtype=torch.int8).to(DEV)
+    scale[0, 0, L - W - 1:] = (torch.rand(W + 1, generator=g) / 64).to(DEV)
+    q = torch.randn(1, 4, 1, D, generator=g)
+    out = triton_ops.decode_attention(q.to(DEV), k, None, v_head_dim=Dv, k_scale=scale, window=(W, 0))
+    tail = (k[0, 0, L - W - 1:].cpu().float() * scale[0, 0, L - W - 1:, None].cpu())[None, None]
+    gold = attnkit.attention_reference(q.double(), tail.double(), tail[..., :Dv].double(), None)
+    rule_r(out.cpu(), base_attention(q, tail, tail[..., :Dv], None), gold)
+    del k
 
 
 def test_non_causal_empty_and_fully_masked_rows():
@@ -311,32 +495,58 @@ def test_bad_input_names_the_argument():
 _SMEM = {80: 166912, 90: 232448}  # shared memory per block (bytes) on A100 and H100/H200
 
 _AOT = r"""
-import json, sys, torch, triton
+import inspect, json, os, re, subprocess, sys, tempfile, torch, triton
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 from attnkit.backends.triton import kernel as td
 fn = td._split_kernel
-ints = ["stride_qb", "stride_qh", "stride_qs", "stride_kn", "stride_kt", "stride_kh", "stride_vn", "stride_vt",
-        "stride_vh", "stride_tb", "stride_ksn", "stride_kst", "stride_ksh", "stride_vsn", "stride_vst", "stride_vsh", "HKV", "G", "S", "DK", "DR", "DV", "KV_BLOCK_SIZE", "SPLIT_LEN", "NSPLIT", "NUM_KV_BLOCKS", "WLEFT", "WRIGHT"]
-# Pointers and strides get the 16-byte divisibility hints a real launch specialises on.
-aligned = ["Q", "K", "V", "TABLE", "QSTART", "LENGTHS", "OP", "LSEP", "SLOPES", "ALIBI_QSTART", "KS", "VS", "WIN_QSTART"] + ints[:16] + \
-    ["DK", "DV", "KV_BLOCK_SIZE", "SPLIT_LEN"]
+params = inspect.signature(fn.fn).parameters
+consts = [n for n, p in params.items() if "constexpr" in str(p.annotation)]
+ptrs = {"Q", "K", "V", "TABLE", "QSTART", "LENGTHS", "OP", "LSEP", "SLOPES", "ALIBI_QSTART", "KS", "VS", "WIN_QSTART",
+        "OUT", "SINKS"}
+ints = [n for n in params if n not in consts and n not in ptrs and n not in ("scale_log2", "softcap")]
+# Pointers, strides and sizes get the 16-byte divisibility hints a real launch specialises on.
+aligned = sorted(ptrs) + [n for n in ints if n.startswith("stride")] + ["DK", "DV", "KV_BLOCK_SIZE", "SPLIT_LEN"]
 attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+
+
+def ptxas_report(ptx, cap):
+    # ptxas -v on the kernel's PTX: registers and spill bytes (the metadata holds them only once a
+    # GPU driver has loaded the binary).
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        r = subprocess.run([get_ptxas(cap).path, "-v", "--regAllocOptLevel=2", f"--gpu-name={sm_arch_from_capability(cap)}",
+                            src, "-o", os.path.join(d, "k.o")], capture_output=True, text=True, check=True)
+    log = r.stdout + r.stderr
+    assert "spill" in log and "registers" in log, log
+    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
+    regs = max((int(n) for n in re.findall(r"Used (\d+) registers", log)), default=-1)
+    return spills, regs
+
+
 out = []
-for dt, D, Dv, vfk, cap in json.loads(sys.argv[1]):
-    cfg = td._config(getattr(torch, dt), D, Dv, 128, vfk)
+for dt, D, Dv, vfk, rows, direct, cap in json.loads(sys.argv[1]):
+    cfg = td._config(getattr(torch, dt), D, Dv, rows, vfk)
     short = {"float32": "fp32", "bfloat16": "bf16"}[dt]
     sig = dict(Q="*" + short, K="*" + short, V="*" + short, TABLE="*i32", QSTART="*i32", LENGTHS="*i32",
-               OP="*fp32", LSEP="*fp32", SLOPES="*fp32", ALIBI_QSTART="*i32", KS="*fp32", VS="*fp32", WIN_QSTART="*i32", scale_log2="fp32",
-               softcap="fp32",
+               OP="*fp32", LSEP="*fp32", SLOPES="*fp32", ALIBI_QSTART="*i32", KS="*fp32", VS="*fp32",
+               WIN_QSTART="*i32", OUT="*" + short, SINKS="*fp32", scale_log2="fp32", softcap="fp32",
                **{n: "i32" for n in ints})
-    # The heaviest variant: soft-capping, ALiBi and a window on (more registers per score tile).
-    consts = dict(V_FROM_K=vfk, HAS_ROPE=cfg["DR"] > 0, PRECISION="ieee" if short == "fp32" else "tf32",
-                  DOT_F32=False, HAS_SOFTCAP=True, HAS_ALIBI=True, QUANT=False, FP8=False, HAS_WINDOW=True,
-                  **{k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_DK", "BLOCK_DR", "BLOCK_DV")})
-    sig.update({k: "constexpr" for k in consts})
-    k = triton.compile(triton.compiler.ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", cap, 32),
+    # The heaviest variant: soft-capping, ALiBi and a window on (more registers per score tile);
+    # the single split also applies sinks and writes the output itself.
+    cv = dict(V_FROM_K=vfk, HAS_ROPE=cfg["DR"] > 0, PRECISION="ieee" if short == "fp32" else "tf32",
+              DOT_F32=False, HAS_SOFTCAP=True, HAS_ALIBI=True, QUANT=False, FP8=False, HAS_WINDOW=True,
+              DIRECT=direct, HAS_SINKS=direct,
+              **{k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_DK", "BLOCK_DR", "BLOCK_DV")})
+    assert set(cv) == set(consts), sorted(set(consts) ^ set(cv))
+    sig.update({k: "constexpr" for k in cv})
+    k = triton.compile(triton.compiler.ASTSource(fn, sig, cv, attrs), target=GPUTarget("cuda", cap, 32),
                        options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
-    out.append([dt, D, Dv, vfk, cap, k.metadata.shared])
+    spills, regs = ptxas_report(k.asm["ptx"], cap)
+    out.append(dict(case=[dt, D, Dv, vfk, rows, direct, cap], shared=k.metadata.shared, spills=spills, regs=regs,
+                    wgmma="wgmma" in k.asm["ptx"], block_m=cfg["BLOCK_M"]))
 print(json.dumps(out))
 """
 
@@ -347,11 +557,44 @@ def test_kernel_configs_compile_within_shared_memory_for_sm80_and_sm90():
     backend and its bundled ptxas), with the tile sizes _config picks, at the largest head dims
     the kernel accepts, and check shared memory fits an A100 and an H100 / H200. In a child
     process: the interpreter mode of this one cannot compile."""
-    cases = [[dt, D, Dv, vfk, cap] for dt in ("float32", "bfloat16")
+    cases = [[dt, D, Dv, vfk, 128, False, cap] for dt in ("float32", "bfloat16")
              for D, Dv, vfk in ((128, 128, False), (576, 512, True), (576, 512, False), (1024, 512, False))
              for cap in _SMEM]
-    for dt, D, Dv, vfk, cap, shared in compile_ahead(_AOT, cases):
-        assert shared <= _SMEM[cap], f"{dt} D={D} Dv={Dv} v_from_k={vfk}: {shared} B shared on sm_{cap}"
+    for r in compile_ahead(_AOT, cases):
+        assert r["shared"] <= _SMEM[r["case"][-1]], f"{r['case']}: {r['shared']} B shared"
+
+
+# bf16 GQA 32/8 at D 128 (8 query rows per KV head) and absorbed MLA (128 heads on one latent
+# head, 512 + 64), the multi-split and the single-split variant, for sm_80 and sm_90.
+_DECODE_CASES = [["bfloat16", D, Dv, vfk, rows, direct, cap]
+                 for D, Dv, vfk, rows in ((128, 128, False, 8), (576, 512, True, 128))
+                 for direct in (False, True) for cap in _SMEM]
+_compiled: dict = {}
+
+
+def _compiled_decode_kernels() -> list:
+    if "decode" not in _compiled:
+        _compiled["decode"] = compile_ahead(_AOT, _DECODE_CASES)
+    return _compiled["decode"]
+
+
+@pytest.mark.slow
+def test_bf16_gqa_and_mla_kernels_fit_without_spills_on_sm80_and_sm90():
+    """The bf16 GQA and MLA decode kernels, compiled ahead for sm_80 and sm_90 with the heaviest
+    modifiers, use no more shared memory than one block may have and spill no registers (ptxas's
+    report on the kernel's PTX)."""
+    for r in _compiled_decode_kernels():
+        assert r["shared"] <= _SMEM[r["case"][-1]], f"{r['case']}: {r['shared']} B shared"
+        assert r["spills"] == 0, f"{r['case']}: {r['spills']} bytes of register spills ({r['regs']} registers)"
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="MLA row tile is 32 heads; wgmma needs M multiple of 64")
+def test_mla_dots_use_warpgroup_mma_on_sm90():
+    """On sm_90 the MLA kernel's dots are warpgroup MMAs (wgmma in the PTX): a row tile of 64
+    heads, so Hopper's tensor cores run at full rate."""
+    mla = [r for r in _compiled_decode_kernels() if r["case"][3] and r["case"][-1] == 90]
+    assert mla and all(r["wgmma"] for r in mla), [(r["case"], r["block_m"], r["wgmma"]) for r in mla]
 
 
 def test_table_padding_past_a_sequences_pages_is_accepted_and_a_lying_entry_is_never_read():

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from ._checks import shape_of
 from .kvquant import QUANTIZED_DTYPES, dequantize
+from ._deprecation import renamed_property
 
 __all__ = ["PagedKV", "QuantizedKV"]
 
@@ -66,11 +67,7 @@ class PagedKV:
     def num_kv_heads(self) -> int:
         return self.k_pool.shape[2]
 
-    @property
-    def kv_heads(self) -> int:
-        """Deprecated name of :attr:`num_kv_heads`."""
-        warnings.warn("PagedKV.kv_heads is deprecated; read .num_kv_heads", DeprecationWarning, stacklevel=2)
-        return self.num_kv_heads
+    kv_heads = renamed_property("num_kv_heads")
 
     @property
     def head_dim(self) -> int:
@@ -253,11 +250,7 @@ class QuantizedKV:
     def num_kv_heads(self) -> int:
         return self.k.shape[2] if self.paged else self.k.shape[1]
 
-    @property
-    def kv_heads(self) -> int:
-        """Deprecated name of :attr:`num_kv_heads`."""
-        warnings.warn("QuantizedKV.kv_heads is deprecated; read .num_kv_heads", DeprecationWarning, stacklevel=2)
-        return self.num_kv_heads
+    kv_heads = renamed_property("num_kv_heads")
 
     @property
     def head_dim(self) -> int:

@@ -1,8 +1,9 @@
 """``flex``: torch FlexAttention compiled from the mask's ``mask_mod``, block masks cached.
 
-The block mask of a call is built once per (mask key, batch, Sq, Sk, device) and kept in an LRU
-cache (:func:`block_mask_for`); the kernel is ``torch.compile``d once per guard signature
-(:func:`guard_signature`: shapes, dtypes, the mask's and modifiers' code and constants), with
+The block mask of a call is built once per (mask key, batch, heads, Sq, Sk, device) and kept in
+an LRU cache (:func:`block_mask_for`): per query head when the mask differs by head
+(:func:`block_mask_heads`), else once for every head. The kernel is ``torch.compile``d once per
+guard signature (:func:`guard_signature`: shapes, dtypes, the mask's and modifiers' code and constants), with
 ``dynamic=False`` (torch 2.13's CPU template fails to compile some dynamic-shape kernels). Each
 signature compiles its own copy of the calling function (:func:`compiled_for`): dynamo keeps
 compiled entries on a code object and, past its recompile limit (8 per code object by default),
@@ -18,14 +19,15 @@ counts the compiles on CPU). Forward runs on CPU and CUDA; backward on CUDA only
 CPU kernel is forward-only). Grouped heads go in unrepeated (``enable_gqa``). On CPU it refuses
 the calls torch's compiled CPU kernel computes wrongly (:func:`cpu_refusals`).
 
-``auto`` picks it on CUDA for the calls SDPA has no fused kernel for (:func:`sdpa_cannot_fuse`):
-a soft cap or sinks (SDPA cannot express them), a bias (ALiBi is computed per score from its
-slopes instead of a materialized (B, H, Sq, Sk) bias, and any bias is added in fp32 inside the
-kernel rather than rounded to the input dtype), and masks with a pattern of whole blocks to skip
-(windows, packed documents, prefix-LM, ragged causal ``q_start``: SDPA computes every pair of
-them). Decode-sized calls (Sq <= 16) are left to the Triton decode kernel and the others: each
-decode step has a new Sk, which would compile a new kernel per step. On CPU ``auto`` never picks
-it: its first call per shape compiles, and the split-K engine runs these modifiers fused already.
+``auto`` picks it on CUDA for the calls SDPA has no fused kernel for (:func:`sdpa_cannot_fuse`): a
+soft cap or sinks (SDPA cannot express them), a bias (ALiBi is computed per score from its slopes
+instead of a materialized (B, H, Sq, Sk) bias, and any bias is added in fp32 inside the kernel
+rather than rounded to the input dtype), and masks with a pattern of whole blocks to skip (windows,
+packed documents, prefix-LM, ragged causal ``q_start``, per-query selections: SDPA computes every
+pair of them, through a materialized mask). Decode-sized calls (Sq <= 16) are left to the Triton
+decode kernel and the others: each decode step has a new Sk, which would compile a new kernel per
+step. On CPU ``auto`` never picks it: its first call per shape compiles, and the split-K engine
+runs these modifiers fused already.
 
 With the optional ``flash_attn`` package installed, a sliding window (with or without padding)
 on fp16/bf16 CUDA also runs on the ``flash`` backend, which needs no compile.
@@ -44,8 +46,8 @@ from .._sysinfo import cpu_flags
 from .common import MAX_DECODE_Q_LEN
 from .registry import AttentionCall, BackendBase, BackendCompileFailed
 
-__all__ = ["FlexBackend", "MAX_DECODE_Q_LEN", "block_mask_for", "compiled_for", "cpu_refusals", "cpu_vector_isa",
-           "guard_signature", "sdpa_cannot_fuse", "wants_lse"]
+__all__ = ["FlexBackend", "MAX_DECODE_Q_LEN", "block_mask_for", "block_mask_heads", "compiled_for", "cpu_refusals",
+           "cpu_vector_isa", "guard_signature", "sdpa_cannot_fuse", "wants_lse"]
 
 
 def cpu_vector_isa(flags: frozenset[str] | None = None, capability: str | None = None,
@@ -105,7 +107,7 @@ def sdpa_cannot_fuse(call: AttentionCall) -> str | None:
     if call.reduced.has_bias:
         return "a bias (ALiBi or additive)"
     if call.reduced.has_structure:
-        return "a mask with blocks to skip (window, documents, prefix, ragged q_start)"
+        return "a mask with blocks to skip (window, documents, prefix, ragged q_start, a per-query selection)"
     return None
 
 #: Compiled copies of :func:`_flex_call`, one per guard signature, least recently used first.
@@ -186,18 +188,26 @@ def compiled_for(signature):
     return fn
 
 
+def block_mask_heads(call: AttentionCall) -> int | None:
+    """The heads the block mask of ``call`` is built over: the call's query heads when the mask's
+    allowed keys can differ by head (a per-head dense mask, a selection per KV head), else None
+    (one block mask broadcast to every head; building it from head 0 is exact then)."""
+    return call.num_heads if call.reduced.varies_by_head else None
+
+
 def block_mask_for(call: AttentionCall, device):
-    """The BlockMask for ``call.mask``, cached (LRU) per mask key, shape and device. A mask holding
-    tensors is keyed by identity and tensor versions (see ``Mask.cache_key``); the cache keeps
-    such a mask alive so its id cannot be reused while its entry exists."""
+    """The BlockMask for ``call.mask``, cached (LRU) per mask key, shape, heads and device. A mask
+    holding tensors is keyed by identity and tensor versions (see ``Mask.cache_key``); the cache
+    keeps such a mask alive so its id cannot be reused while its entry exists."""
     m = call.mask
-    key = (m.cache_key(), call.batch, call.q_len, call.kv_len, str(device))
+    heads = block_mask_heads(call)
+    key = (m.cache_key(), call.batch, heads, call.q_len, call.kv_len, str(device))
     hit = _BLOCK_MASKS.get(key)
     if hit is not None:
         _BLOCK_MASKS.move_to_end(key)
         return hit[0]
     bm = _flex_module().create_block_mask(m.mask_mod(call.q_len, call.kv_len, device),
-                                          call.batch if m.has_tensors else None, None,
+                                          call.batch if m.has_tensors else None, heads,
                                           call.q_len, call.kv_len, device=device)
     _BLOCK_MASKS[key] = (bm, m)
     if len(_BLOCK_MASKS) > _MAX_CACHED:

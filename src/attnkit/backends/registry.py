@@ -18,8 +18,6 @@ backend can still run the call on the gathered (dequantized) dense K/V (:meth:`a
 
 from __future__ import annotations
 
-import functools
-import warnings
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -27,6 +25,7 @@ import torch
 from torch import Tensor
 
 from ..masks import Mask, ReducedMask
+from .._deprecation import renamed_kwargs, renamed_property
 
 
 @dataclass(frozen=True)
@@ -75,37 +74,12 @@ class AttentionCall:
     def is_empty(self) -> bool:
         return self.batch == 0 or self.q_len == 0 or self.kv_len == 0 or self.num_heads == 0
 
-    @property
-    def q_heads(self) -> int:
-        """Deprecated spelling of :attr:`num_heads`."""
-        warnings.warn("AttentionCall.q_heads is deprecated; use num_heads", DeprecationWarning, stacklevel=2)
-        return self.num_heads
+    q_heads = renamed_property("num_heads")
 
-    @property
-    def kv_heads(self) -> int:
-        """Deprecated spelling of :attr:`num_kv_heads`."""
-        warnings.warn("AttentionCall.kv_heads is deprecated; use num_kv_heads", DeprecationWarning, stacklevel=2)
-        return self.num_kv_heads
+    kv_heads = renamed_property("num_kv_heads")
 
 
-def _accept_old_head_names(init):
-    """``AttentionCall(q_heads=..., kv_heads=...)``: the deprecated keywords of ``num_heads`` /
-    ``num_kv_heads``, with a DeprecationWarning."""
-    @functools.wraps(init)
-    def __init__(self, *args, **kwargs):
-        if "q_heads" in kwargs or "kv_heads" in kwargs:
-            for old, new in (("q_heads", "num_heads"), ("kv_heads", "num_kv_heads")):
-                if old in kwargs:
-                    if new in kwargs:
-                        raise TypeError(f"AttentionCall got both {old}= and {new}=; pass {new}= only")
-                    warnings.warn(f"AttentionCall({old}=...) is deprecated; use {new}=", DeprecationWarning,
-                                  stacklevel=2)
-                    kwargs[new] = kwargs.pop(old)
-        init(self, *args, **kwargs)
-    return __init__
-
-
-AttentionCall.__init__ = _accept_old_head_names(AttentionCall.__init__)
+AttentionCall.__init__ = renamed_kwargs(q_heads="num_heads", kv_heads="num_kv_heads")(AttentionCall.__init__)
 
 
 class Backend(Protocol):

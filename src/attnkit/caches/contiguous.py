@@ -14,7 +14,8 @@ from .._checks import positive_int
 from ..kvlayout import QuantizedKV
 from ..masks import Causal, KeyPadding
 from . import memory
-from .protocol import CacheStep, KVCache, renamed_kwargs
+from .._deprecation import renamed_kwargs
+from .protocol import CacheStep, KVCache
 from .quant_policy import as_bytes
 
 __all__ = ["DynamicCache", "StaticCache"]

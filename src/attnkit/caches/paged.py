@@ -41,7 +41,8 @@ from ..kvlayout import PagedKV, QuantizedKV
 from ..masks import Causal, KeyPadding
 from .allocator import BlockAllocator, OutOfBlocks, PagedStep
 from . import memory
-from .protocol import KVCache, renamed_kwargs
+from .._deprecation import renamed_kwargs
+from .protocol import KVCache
 from .quant_policy import as_bytes
 
 __all__ = ["BlockAllocator", "PagedKVCache", "OutOfBlocks", "PagedStep"]

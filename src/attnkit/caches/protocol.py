@@ -37,8 +37,6 @@ Quantized storage (``kv_dtype``, ``k_channel_scale``): :mod:`attnkit.caches.quan
 from __future__ import annotations
 
 import contextlib
-import functools
-import warnings
 from typing import Iterator, Sequence
 
 import torch
@@ -49,28 +47,9 @@ from ..functional import attention
 from ..kvquant import kv_storage_dtype
 from ..masks import Causal, KeyPadding, Mask, as_mask
 from .quant_policy import QuantizedStorage
+from .._deprecation import renamed_kwargs, renamed_property
 
 __all__ = ["KVCache", "CacheStep", "BoundCache", "step", "reorder", "crop", "reset"]
-
-
-def renamed_kwargs(**renames: str):
-    """Decorate a function so that each old keyword name in ``renames`` (old="new") still works,
-    with a DeprecationWarning naming the new spelling; giving both is a TypeError."""
-    def wrap(fn):
-        owner = fn.__qualname__.replace(".__init__", "")
-
-        @functools.wraps(fn)
-        def inner(*args, **kwargs):
-            for old, new in renames.items():
-                if old in kwargs:
-                    if new in kwargs:
-                        raise TypeError(f"{owner}() got both {new}= and {old}= (its deprecated name); pass {new}=")
-                    warnings.warn(f"{owner}({old}=...) is deprecated; pass {new}=...", DeprecationWarning,
-                                  stacklevel=2)
-                    kwargs[new] = kwargs.pop(old)
-            return fn(*args, **kwargs)
-        return inner
-    return wrap
 
 
 class CacheStep:
@@ -91,17 +70,9 @@ class CacheStep:
         self.writers: set[int] = set()  # caches that wrote this step (each writes once)
         self.channel_scale_set: set[int] = set()  # caches whose K channel scale this step set (abort unsets it)
 
-    @property
-    def old(self) -> Tensor:
-        """Deprecated name of :attr:`q_start`."""
-        warnings.warn("CacheStep.old is deprecated; read .q_start", DeprecationWarning, stacklevel=2)
-        return self.q_start
+    old = renamed_property("q_start")
 
-    @property
-    def old_host(self) -> list[int] | None:
-        """Deprecated name of :attr:`q_start_host`."""
-        warnings.warn("CacheStep.old_host is deprecated; read .q_start_host", DeprecationWarning, stacklevel=2)
-        return self.q_start_host
+    old_host = renamed_property("q_start_host")
 
     @property
     def uniform(self) -> bool:
@@ -165,11 +136,7 @@ class KVCache(QuantizedStorage, nn.Module):
         self.register_buffer("lengths", torch.zeros(0, dtype=torch.long, device=device), persistent=False)
         self._init_channel_scale(k_channel_scale, self.lengths.device)
 
-    @property
-    def kv_heads(self) -> int:
-        """Deprecated name of :attr:`num_kv_heads`."""
-        warnings.warn("cache.kv_heads is deprecated; read cache.num_kv_heads", DeprecationWarning, stacklevel=2)
-        return self.num_kv_heads
+    kv_heads = renamed_property("num_kv_heads")
 
     # ---------------------------------------------------------------- accounting
 

@@ -15,7 +15,8 @@ from torch import Tensor
 from ..kvlayout import QuantizedKV
 from ..masks import Dense, Mask
 from . import memory
-from .protocol import CacheStep, KVCache, renamed_kwargs
+from .._deprecation import renamed_kwargs
+from .protocol import CacheStep, KVCache
 from .quant_policy import as_bytes
 
 __all__ = ["SlidingWindowCache"]

@@ -14,10 +14,19 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .typed import (ALiBi, And, Causal, KeyPadding, Mask, Or, PrefixLM, QueryPadding, Selection, SlidingWindow,
-                    has_alibi, has_bias, has_selection, has_structure, shifted_bias, split_alibi)
+from .typed import (ALiBi, Additive, And, Causal, Dense, KeyPadding, Mask, Or, PrefixLM, QueryPadding, Selection,
+                    SlidingWindow, has_alibi, has_bias, has_selection, has_structure, shifted_bias, split_alibi)
 
 __all__ = ["ReducedMask", "ReducedSelection"]
+
+
+def _varies_by_head(m: Mask | None) -> bool:
+    """True when the keys ``m`` allows can differ between heads (see ``ReducedMask.varies_by_head``)."""
+    if isinstance(m, (Dense, Additive)):
+        return m.tensor.dim() >= 3 and m.tensor.shape[-3] > 1
+    if isinstance(m, Selection):
+        return m.heads > 1
+    return isinstance(m, (And, Or)) and any(_varies_by_head(x) for x in m.masks)
 
 
 class ReducedMask:
@@ -31,7 +40,11 @@ class ReducedMask:
       its slopes and query positions), and ``rest``: the mask without it (None when what is left
       allows every pair, such as decode's causal part).
     * ``has_alibi`` / ``has_bias`` / ``has_structure``: see :func:`has_alibi`, :func:`has_bias`,
-      :func:`has_structure`, of the whole mask; ``rest_has_bias``: of ``rest``.
+      :func:`has_structure`, of the whole mask; ``rest_has_bias``: of ``rest``. A selection counts
+      as structure too: whole blocks of keys that no query of a tile selects can be skipped.
+    * ``varies_by_head``: the allowed keys can differ between heads (a dense or additive mask with
+      a head dim > 1, a selection with a list per KV head), so a per-block summary of the mask
+      (FlexAttention's block mask) must be built per head, not from head 0.
     * ``is_top_left_causal`` (exactly ``j <= i``: torch's ``is_causal``) and
       ``is_bottom_right_causal`` (``Causal()`` alone, or ANDs of it: no per-sequence ``q_start``).
     * :meth:`intervals`: ``rest`` as one key interval per query row, or None.
@@ -86,7 +99,11 @@ class ReducedMask:
 
     @property
     def has_structure(self) -> bool:
-        return self._once("has_structure", lambda: has_structure(self.mask))
+        return self._once("has_structure", lambda: has_structure(self.mask) or has_selection(self.mask))
+
+    @property
+    def varies_by_head(self) -> bool:
+        return self._once("varies_by_head", lambda: _varies_by_head(self.mask))
 
     @property
     def is_top_left_causal(self) -> bool:

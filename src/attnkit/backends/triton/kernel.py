@@ -19,7 +19,10 @@ Work split: program ``(b * Hkv + kv_head, row tile, split)``. A row tile holds `
 the ``G * S`` query rows that share one KV head (G query heads per KV head, S query tokens:
 decode S = 1, speculative verification S <= 16), so each KV head is read once for its whole query
 group. The context is cut into ``num_splits`` ranges (flash-decoding), each giving an fp32
-partial output and its log-sum-exp; a second kernel merges them exactly. Scores, softmax and
+partial output and its log-sum-exp; a second kernel merges them exactly. The split count comes
+from a wave rule (:func:`attnkit.backends.triton.plan.split_plan`): split only while the
+unsplit grid does not fill one wave of resident programs. With one split the kernel writes the
+normalized output itself (sinks included), with no partials and no merge. Scores, softmax and
 accumulation are fp32 (base-2 exponentials with the scale folded in); P is rounded to q's dtype
 (the float cache's) for the P @ V product, as every fused kernel does.
 
@@ -63,6 +66,7 @@ import torch
 from torch import Tensor
 
 from .limits import UNBOUNDED, interpreting
+from .plan import split_plan
 
 try:
     import triton
@@ -107,7 +111,7 @@ if triton is not None:
 
     @triton.jit
     def _split_kernel(
-        Q, K, V, TABLE, QSTART, LENGTHS, OP, LSEP, SLOPES, ALIBI_QSTART, KS, VS, WIN_QSTART,
+        Q, K, V, TABLE, QSTART, LENGTHS, OP, LSEP, SLOPES, ALIBI_QSTART, KS, VS, WIN_QSTART, OUT, SINKS,
         scale_log2, softcap,
         stride_qb, stride_qh, stride_qs,
         stride_kn, stride_kt, stride_kh,
@@ -118,7 +122,8 @@ if triton is not None:
         HKV, G, S, DK, DR, DV, KV_BLOCK_SIZE, SPLIT_LEN, NSPLIT, NUM_KV_BLOCKS, WLEFT, WRIGHT,
         V_FROM_K: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, QUANT: tl.constexpr, FP8: tl.constexpr,
-        HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, HAS_SINKS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_DK: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
     ):
         pid_bh = tl.program_id(0)
@@ -127,7 +132,8 @@ if triton is not None:
         b = pid_bh // HKV
         kvh = pid_bh % HKV
         # Scalar bases in int64 (offsets past 2**31 elements are realistic); per-element offsets
-        # from them stay int32 (a sequence's rows of one head), except cache blocks (int64 below).
+        # from them stay int32 (a sequence's rows of one head), except cache blocks and slots
+        # (int64 below).
         Qb = Q + b.to(tl.int64) * stride_qb
         Kh = K + kvh.to(tl.int64) * stride_kh
         Vh = V + kvh.to(tl.int64) * stride_vh
@@ -178,7 +184,8 @@ if triton is not None:
             # it would cost a device sync) is never read; its keys count as masked.
             pos_ok = pos_ok & (blk >= 0) & (blk < NUM_KV_BLOCKS)
             blk = tl.where(pos_ok, blk, 0)
-            slot = pos % KV_BLOCK_SIZE
+            # int64 too: a contiguous cache is one block of L slots, and L x its slot stride can pass 2**31.
+            slot = (pos % KV_BLOCK_SIZE).to(tl.int64)
             k_base = Kh + blk * stride_kn + slot * stride_kt
             k = tl.load(k_base[:, None] + dk[None, :], mask=pos_ok[:, None] & (dk[None, :] < DK), other=0.0)
             if QUANT:  # exact: int8 and e4m3 values are values of q's dtype
@@ -243,12 +250,22 @@ if triton is not None:
             m_i = m_new
 
         seen = l_i > 0.0
-        lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
-        out = acc / tl.where(seen, l_i, 1.0)[:, None]
-        # Partials are contiguous (B, Hq, S, NSPLIT[, DV]); row (b, h, j).
-        prow = ((b * HKV * G + h) * S + j).to(tl.int64) * NSPLIT + pid_s
-        tl.store(LSEP + prow, lse, mask=row_ok)
-        tl.store(OP + prow[:, None] * DV + dv[None, :], out, mask=row_ok[:, None] & (dv[None, :] < DV))
+        if DIRECT:  # the only split: the normalized output, in OUT's dtype (what the merge would give)
+            den = l_i
+            if HAS_SINKS:  # the head's sink joins the denominator (a row that saw nothing stays 0)
+                sink = tl.load(SINKS + h, mask=row_ok, other=0.0) * 1.4426950408889634
+                den += tl.where(seen, tl.exp2(sink - tl.where(seen, m_i, 0.0)), 0.0)
+            out = acc / tl.where(seen, den, 1.0)[:, None]
+            orow = ((b * HKV * G + h) * S + j).to(tl.int64)  # OUT is contiguous (B, Hq, S, DV)
+            tl.store(OUT + orow[:, None] * DV + dv[None, :], out.to(OUT.dtype.element_ty),
+                     mask=row_ok[:, None] & (dv[None, :] < DV))
+        else:
+            lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+            out = acc / tl.where(seen, l_i, 1.0)[:, None]
+            # Partials are contiguous (B, Hq, S, NSPLIT[, DV]); row (b, h, j).
+            prow = ((b * HKV * G + h) * S + j).to(tl.int64) * NSPLIT + pid_s
+            tl.store(LSEP + prow, lse, mask=row_ok)
+            tl.store(OP + prow[:, None] * DV + dv[None, :], out, mask=row_ok[:, None] & (dv[None, :] < DV))
 
     @triton.jit
     def _merge_kernel(OP, LSEP, OUT, SINKS, NSPLIT, DV, HQ, S, HAS_SINKS: tl.constexpr, BLOCK_SPLIT: tl.constexpr,
@@ -292,13 +309,21 @@ def _config(dtype: torch.dtype, D: int, Dv: int, rows: int, v_from_k: bool) -> d
                 num_warps=4 if width <= 512 else 8, num_stages=3)
 
 
-def _num_splits(device: torch.device, programs: int, max_len: int, block_n: int) -> int:
-    """Enough splits to give every SM about two programs, never a split shorter than a tile."""
+#: The interpreter's stand-in for a GPU's size (SMs, programs per SM) in the split rule.
+_INTERPRETER_WAVE = (4, 1)
+
+
+def _programs_per_sm(cfg: dict) -> int:
+    """Programs of one configuration an SM holds at once: an estimate from the warps (a 4-warp
+    program's tiles fit twice in an SM's registers and shared memory, an 8-warp one's once)."""
+    return 2 if cfg["num_warps"] <= 4 else 1
+
+
+def _wave(device: torch.device, cfg: dict) -> tuple[int, int]:
+    """(SM count, programs per SM) of ``device`` for the split rule."""
     if device.type != "cuda":
-        return max(1, min(4, -(-max_len // (4 * block_n))))
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = -(-2 * sms // max(1, programs))
-    return max(1, min(want, -(-max_len // block_n), 64))
+        return _INTERPRETER_WAVE
+    return torch.cuda.get_device_properties(device).multi_processor_count, _programs_per_sm(cfg)
 
 
 def launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tensor, lengths: Tensor,
@@ -328,24 +353,31 @@ def launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tenso
     if window_q_start is not None and max(window_left, window_right) < UNBOUNDED:
         span = max(1, min(span, window_left + window_right + S))  # what the rows of a window can see
     longest = -(-span // block_n)  # key tiles of the longest span
-    num_splits = _num_splits(q.device, B * Hkv * m_tiles, span, block_n) if num_splits <= 0 \
-        else min(num_splits, longest, 1024)
-    split_len = -(-span // num_splits)
-    split_len = -(-split_len // block_n) * block_n
-    op = torch.empty((B, Hq, S, num_splits, Dv), dtype=torch.float32, device=q.device)
-    lsep = torch.empty((B, Hq, S, num_splits), dtype=torch.float32, device=q.device)
+    if num_splits <= 0:  # the wave rule (plan.split_plan)
+        num_splits, split_len = split_plan(B, Hkv, m_tiles, span, *_wave(q.device, cfg), block_n)
+    else:
+        num_splits = min(num_splits, longest, 1024)
+        split_len = -(-span // num_splits)
+        split_len = -(-split_len // block_n) * block_n
+    direct = num_splits == 1  # the split kernel writes the output: no partials, no merge
+    if direct:
+        op = lsep = lengths  # unread
+    else:
+        op = torch.empty((B, Hq, S, num_splits, Dv), dtype=torch.float32, device=q.device)
+        lsep = torch.empty((B, Hq, S, num_splits), dtype=torch.float32, device=q.device)
     quant = k_scale is not None
     fp8 = quant and k.dtype != torch.int8
     if fp8:  # e4m3 rows go in as their bytes: the kernel decodes them (_widen), on any GPU
         k, v = k.view(torch.uint8), None if v_from_k else v.view(torch.uint8)
     vv = k if v_from_k else v
-    ks = k_scale if quant else lsep  # unread when not quantized
+    ks = k_scale if quant else q  # unread when not quantized
     vs = ks if v_scale is None else v_scale
     scale_strides = (*ks.stride(), *vs.stride()) if quant else (0,) * 6  # (N, bs, Hkv) each
     _split_kernel[(B * Hkv, m_tiles, num_splits)](
         q, k, vv, table, q_start, lengths, op, lsep,
         lengths if slopes is None else slopes, lengths if alibi_q_start is None else alibi_q_start,  # unread if off
         ks, vs, lengths if window_q_start is None else window_q_start,  # unread if off
+        out, lengths if sinks is None else sinks,  # sinks read only by the single split
         scale * _LOG2E, float(softcap),
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -359,9 +391,11 @@ def launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tenso
         # products, fp32 sums: what the GPU's bf16 dot with fp32 accumulation gives).
         DOT_F32=q.dtype == torch.bfloat16 and interpreting(),
         HAS_SOFTCAP=softcap > 0, HAS_ALIBI=slopes is not None, QUANT=quant, FP8=fp8,
-        HAS_WINDOW=window_q_start is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DK=cfg["BLOCK_DK"],
+        HAS_WINDOW=window_q_start is not None, DIRECT=direct, HAS_SINKS=sinks is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DK=cfg["BLOCK_DK"],
         BLOCK_DR=cfg["BLOCK_DR"], BLOCK_DV=cfg["BLOCK_DV"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+    if direct:
+        return out
     _merge_kernel[(B * Hq * S,)](op, lsep, out, lsep if sinks is None else sinks, num_splits, Dv, Hq, S,
                                  HAS_SINKS=sinks is not None, BLOCK_SPLIT=_pow2(num_splits, 2), BLOCK_DV=_pow2(Dv))
     return out

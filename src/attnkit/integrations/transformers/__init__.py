@@ -24,12 +24,14 @@ Every attention layer then runs :func:`attnkit.attention`:
   (values at or below the dtype's minimum, transformers' "masked" sentinel, mean masked).
 * ``scaling``, dropout (``dropout`` is already 0 in eval), ``softcap`` (Gemma 2's
   ``attn_logit_softcapping``), ``s_aux`` / ``sinks`` of one logit per head (gpt-oss),
-  ``position_bias`` (T5-style) and ``indices`` (DeepSeek sparse attention's top-k keys) pass
-  through to :func:`attnkit.attention`; attention weights come back whenever transformers
+  ``position_bias`` (T5-style), ``indices`` (DeepSeek sparse attention's top-k keys, as a
+  ``SelectedKeys`` mask) and ``block_indices`` (MiniMax-M3's key blocks per KV group, as a
+  ``SelectedBlocks`` mask) pass through to :func:`attnkit.attention`, nothing (Sq, Sk)-sized
+  built for the selections; attention weights come back whenever transformers
   records them (``output_attentions=True``).
 * Every other keyword argument a model passes is either known to leave the result unchanged
   (:data:`HARMLESS_KWARGS`) or refused with an error naming it: silently ignoring, say, a
-  sparse block selection would give dense attention and different outputs.
+  sparse selection would give dense attention and different outputs.
 * A model attnkit cannot serve is refused when it is built (``from_pretrained`` /
   ``from_config`` / ``set_attn_implementation``), naming the model: one whose attention layers
   do not call transformers' attention interface (BLOOM, Falcon, GIT) would never run attnkit

@@ -14,7 +14,7 @@ except ImportError:  # pragma: no cover - older/newer transformers: only the out
 
 from ..._checks import shape_of
 from ...functional import attention
-from ...masks import Additive, Causal, Dense, Mask, SlidingWindow
+from ...masks import Additive, Causal, Dense, Mask, SelectedBlocks, SelectedKeys, SlidingWindow
 from .masks import AttnkitMask
 
 __all__ = ["NAME", "HARMLESS_KWARGS", "attention_forward"]
@@ -55,7 +55,6 @@ HARMLESS_KWARGS: dict[str, str] = {
 
 # Refused arguments whose meaning we know: the error says what the model wanted.
 _REFUSAL_HINTS = {
-    "block_indices": "MiniMax-M3's sparse block selection: per query, the key blocks it may attend to",
     "sinks": "attention-sink logits of another shape than one per query head, (Hq,), which is what attnkit takes; "
              "Inkling 2 passes one per query",
     "s_aux": "attention-sink logits of another shape than one per query head, (Hq,), which is what attnkit takes",
@@ -92,18 +91,45 @@ def _per_head_sinks(module, name: str, value: Tensor, heads: int) -> Tensor:
     return value
 
 
-def _selected_keys(module, indices: Tensor, batch: int, q_len: int, kv_len: int, device) -> Mask:
+def _selected_keys(module, indices: Tensor, batch: int, q_len: int, device) -> Mask:
     """DeepSeek sparse attention (DeepSeek-V3.2, GLM-MoE-DSA, ...): (B, Sq, k) indices of the keys
-    each query keeps (negative = an unused slot, flash-mla's padding), as the bool (B, 1, Sq, Sk)
-    mask transformers' eager and sdpa paths AND into the attention mask themselves."""
-    if not isinstance(indices, Tensor) or indices.dtype.is_floating_point or indices.dim() != 3 \
-            or tuple(indices.shape[:2]) not in ((batch, q_len), (1, q_len)):
+    each query keeps (negative = an unused slot, flash-mla's padding), as a :class:`SelectedKeys`
+    the caller ANDs with the attention mask, as transformers' eager and sdpa paths AND their dense
+    form into it. Nothing (Sq, Sk)-sized is built here: a backend that needs a dense mask
+    materializes it itself."""
+    if not isinstance(indices, Tensor) or indices.dtype.is_floating_point or indices.dtype == torch.bool \
+            or indices.dim() != 3 or tuple(indices.shape[:2]) not in ((batch, q_len), (1, q_len)):
         raise _refuse(module, "indices", indices, f"a sparse key selection, expected integer (B, Sq, k) = "
                                                   f"({batch}, {q_len}, k)")
-    idx = indices.to(device=device, dtype=torch.long)
-    idx = idx.masked_fill(idx < 0, kv_len)  # unused slots land in one extra column, dropped below
-    keep = torch.zeros(idx.shape[0], q_len, kv_len + 1, dtype=torch.bool, device=device)
-    return Dense(keep.scatter_(-1, idx, True)[..., :kv_len].unsqueeze(1))
+    return SelectedKeys(indices.to(device=device))
+
+
+def _block_size_of(module) -> int | None:
+    """The key-block size of a layer's block selection: its indexer's ``block_size`` (MiniMax-M3),
+    else its config's ``index_block_size``; None when the layer names none."""
+    size = getattr(getattr(module, "indexer", None), "block_size", None)
+    if size is None:
+        size = getattr(getattr(module, "config", None), "index_block_size", None)
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
+
+
+def _selected_blocks(module, block_indices: Tensor, batch: int, heads: int, q_len: int, device) -> Mask:
+    """MiniMax-M3's sparse layers: (B, H_sel, Sq, n) ids of the key blocks each query of a KV
+    group keeps (negative = an unused slot; the indexer has already put the local blocks before
+    the query among them), as a :class:`SelectedBlocks` the caller ANDs with the attention mask:
+    what transformers' eager path builds densely (``build_block_mask``: each query head reads its
+    group's list, ANDed with the causal / padding mask)."""
+    size = _block_size_of(module)
+    if not isinstance(block_indices, Tensor) or block_indices.dtype.is_floating_point \
+            or block_indices.dtype == torch.bool or block_indices.dim() != 4 \
+            or block_indices.shape[0] not in (1, batch) or block_indices.shape[2] != q_len \
+            or heads % max(block_indices.shape[1], 1) or size is None:
+        why = "" if size is not None else "; the layer names no block size (indexer.block_size or " \
+                                          "config.index_block_size)"
+        raise _refuse(module, "block_indices", block_indices,
+                      f"a sparse key-block selection, expected integer (B, H_sel, Sq, n) = ({batch}, H_sel, {q_len}, "
+                      f"n) with H_sel dividing Hq = {heads}{why}")
+    return SelectedBlocks(block_indices.to(device=device), size, num_heads=heads)
 
 
 def _weights_requested(kwargs: dict) -> bool:
@@ -145,7 +171,7 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
                       sliding_window: int | None = None, softcap: float | None = None,
                       s_aux: Tensor | None = None, sinks: Tensor | None = None,
                       position_bias: Tensor | None = None, indices: Tensor | None = None,
-                      **kwargs) -> tuple[Tensor, Tensor | None]:
+                      block_indices: Tensor | None = None, **kwargs) -> tuple[Tensor, Tensor | None]:
     """transformers' attention-interface signature.
 
     Args:
@@ -162,7 +188,11 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         s_aux, sinks: (Hq,) sink logits joining each head's softmax denominator (gpt-oss);
             any other shape (Inkling 2's per-query sinks) is refused.
         position_bias: an additive (B|1, Hq|1, Sq, Sk) score bias (T5-style models).
-        indices: (B, Sq, k) keys each query keeps (DeepSeek sparse attention), ANDed with the mask.
+        indices: (B, Sq, k) keys each query keeps (DeepSeek sparse attention), ANDed with the mask
+            as a :class:`~attnkit.masks.SelectedKeys`.
+        block_indices: (B, H_sel, Sq, n) key blocks each query of a KV group keeps (MiniMax-M3),
+            of the layer's ``indexer.block_size`` keys, ANDed with the mask as a
+            :class:`~attnkit.masks.SelectedBlocks`.
         **kwargs: ``output_attentions`` and :data:`HARMLESS_KWARGS`; any other argument that is
             not None raises NotImplementedError naming it.
 
@@ -196,7 +226,9 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         raise TypeError(f"attention_mask must be an AttnkitMask, a tensor or None, got {type(attention_mask).__name__}: "
                         f"build the model's masks with attn_implementation='{NAME}'")
     if indices is not None:
-        mask = _and(mask, _selected_keys(module, indices, B, Sq, Sk, query.device))
+        mask = _and(mask, _selected_keys(module, indices, B, Sq, query.device))
+    if block_indices is not None:
+        mask = _and(mask, _selected_blocks(module, block_indices, B, Hq, Sq, query.device))
     if position_bias is not None:
         mask = _and(mask, Additive(position_bias))
     want_weights = _weights_requested(kwargs)

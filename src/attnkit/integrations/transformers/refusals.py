@@ -29,9 +29,6 @@ _UNSERVED_MODEL_TYPES: dict[str, tuple[Callable, str]] = {
                                            "attnkit takes one sink logit per query head"),
     "inkling2_loop_text": (lambda config: True, "passes per-query attention-sink logits, sinks= of shape "
                                                 "(B, Hq, Sq, 1); attnkit takes one sink logit per query head"),
-    "minimax_m3_vl_text": (lambda config: "minimax_m3_sparse" in (getattr(config, "layer_types", None) or ()),
-                           "its sparse layers pass block_indices= (a per-query selection of key blocks), which "
-                           "attnkit does not implement"),
 }
 
 
