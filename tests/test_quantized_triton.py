@@ -349,7 +349,8 @@ from attnkit.backends.triton import kernel as td
 fn = td._split_kernel
 params = inspect.signature(fn.fn).parameters
 consts = [n for n, p in params.items() if "constexpr" in str(p.annotation)]
-ptrs = {"Q", "K", "V", "TABLE", "QSTART", "LENGTHS", "OP", "LSEP", "SLOPES", "ALIBI_QSTART", "KS", "VS", "WIN_QSTART", "OUT", "SINKS"}
+ptrs = {"Q", "K", "V", "TABLE", "QSTART", "LENGTHS", "OP", "LSEP", "SLOPES", "ALIBI_QSTART", "KS", "VS", "WIN_QSTART",
+        "OUT", "SINKS"}
 ints = [n for n in params if n not in consts and n not in ptrs and n not in ("scale_log2", "softcap")]
 # Pointers, strides and sizes get the 16-byte divisibility hints a real launch specialises on.
 aligned = sorted(ptrs) + [n for n in ints if n.startswith("stride")] + ["DK", "DV", "KV_BLOCK_SIZE", "SPLIT_LEN"]
@@ -360,8 +361,8 @@ for dt, storage, D, Dv, vfk, cap in json.loads(sys.argv[1]):
     short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dt]
     data = {"int8": "*i8", "fp8": "*u8"}[storage]  # fp8 rows go in as bytes
     sig = dict(Q="*" + short, K=data, V=data, TABLE="*i32", QSTART="*i32", LENGTHS="*i32", OP="*fp32",
-               LSEP="*fp32", SLOPES="*fp32", ALIBI_QSTART="*i32", KS="*fp32", VS="*fp32", WIN_QSTART="*i32", OUT="*" + short,
-               SINKS="*fp32", scale_log2="fp32", softcap="fp32", **{n: "i32" for n in ints})
+               LSEP="*fp32", SLOPES="*fp32", ALIBI_QSTART="*i32", KS="*fp32", VS="*fp32", WIN_QSTART="*i32",
+               OUT="*" + short, SINKS="*fp32", scale_log2="fp32", softcap="fp32", **{n: "i32" for n in ints})
     # The heaviest variant: soft-capping, ALiBi and a window on, partials for the merge.
     cv = dict(V_FROM_K=vfk, HAS_ROPE=cfg["DR"] > 0, PRECISION="ieee" if short == "fp32" else "tf32",
               DOT_F32=False, HAS_SOFTCAP=True, HAS_ALIBI=True, QUANT=True, FP8=storage == "fp8", HAS_WINDOW=True,

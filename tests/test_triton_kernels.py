@@ -174,6 +174,27 @@ def test_split_plan_decisions_for_h100_shapes():
     assert split_plan(0, 8, 1, [], **H100) == (1, 64)
 
 
+def test_launch_plans_the_issue_shapes_from_the_kernel_configs():
+    """What a launch on an H100 (132 SMs) decides, from the tile sizes _config picks: bf16 GQA
+    32/8 at D 128 is one 16-row tile per KV head and 64-key tiles, two 4-warp programs per SM;
+    absorbed MLA (128 heads, 512 + 64) is 4 row tiles of 32 heads, 32-key tiles, one 8-warp
+    program per SM. Neither splits at B 32 or B 128; one sequence is cut to fill the wave."""
+    from attnkit.backends.triton import kernel as td
+
+    gqa = td._config(torch.bfloat16, 128, 128, 8, False)
+    mla = td._config(torch.bfloat16, 576, 512, 128, True)
+    assert (gqa["BLOCK_M"], gqa["BLOCK_N"], td._programs_per_sm(gqa)) == (16, 64, 2)
+    assert (mla["BLOCK_M"], mla["BLOCK_N"], td._programs_per_sm(mla)) == (32, 32, 1)
+
+    def plan(cfg, B, Hkv, rows, L):
+        return split_plan(B, Hkv, -(-rows // cfg["BLOCK_M"]), L, 132, td._programs_per_sm(cfg), cfg["BLOCK_N"])
+
+    for B, L in ((32, 4096), (32, 32768), (128, 4096)):
+        assert plan(gqa, B, 8, 8, L) == (1, L) and plan(mla, B, 1, 128, L) == (1, L)
+    assert plan(gqa, 1, 8, 8, 32768) == (32, 1024)
+    assert plan(mla, 1, 1, 128, 32768) == (32, 1024)
+
+
 def _programs(B, Hkv, tiles, lens, chunk):
     return Hkv * tiles * sum(max(1, -(-n // chunk)) for n in lens)
 
@@ -188,7 +209,8 @@ def test_split_plan_properties(seed):
     rng = random.Random(seed)
     for _ in range(300):
         B, Hkv, tiles = rng.randint(1, 160), rng.choice([1, 2, 4, 8, 16]), rng.choice([1, 2, 4])
-        L, sms, pps, bn = rng.randint(0, 200_000), rng.choice([8, 108, 132, 170]), rng.choice([1, 2, 4]), rng.choice([16, 32, 64, 128])
+        L, sms = rng.randint(0, 200_000), rng.choice([8, 108, 132, 170])
+        pps, bn = rng.choice([1, 2, 4]), rng.choice([16, 32, 64, 128])
         n, chunk = split_plan(B, Hkv, tiles, L, sms, pps, bn)
         assert n >= 1 and chunk % bn == 0 and n * chunk >= L
         wave = sms * pps
@@ -517,8 +539,9 @@ def ptxas_report(ptx, cap):
         src = os.path.join(d, "k.ptx")
         with open(src, "w") as f:
             f.write(ptx)
-        r = subprocess.run([get_ptxas(cap).path, "-v", "--regAllocOptLevel=2", f"--gpu-name={sm_arch_from_capability(cap)}",
-                            src, "-o", os.path.join(d, "k.o")], capture_output=True, text=True, check=True)
+        r = subprocess.run([get_ptxas(cap).path, "-v", "--regAllocOptLevel=2",
+                            f"--gpu-name={sm_arch_from_capability(cap)}", src, "-o", os.path.join(d, "k.o")],
+                           capture_output=True, text=True, check=True)
     log = r.stdout + r.stderr
     assert "spill" in log and "registers" in log, log
     spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))

@@ -67,7 +67,9 @@ def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor | None, blo
         scale: default 1 / sqrt(D).
         v_head_dim: Dv when ``v_pool`` is None (required then).
         max_len: max(lengths) if known on the host (saves a device sync).
-        num_splits: context splits per sequence (0: chosen from the GPU's SM count).
+        num_splits: context splits per sequence (0: the wave rule of
+            :func:`attnkit.backends.triton.plan.split_plan`, from the GPU's SM count; one split
+            writes the output directly, with no merge).
         check: validate lengths and block table entries against the pool (a device sync); callers
             that built them on the host (the caches, the ``triton`` backend) pass False.
         softcap: c of ``c * tanh(score / c)`` on the scaled scores (Gemma 2).
