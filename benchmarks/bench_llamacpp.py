@@ -211,7 +211,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 # --------------------------------------------------------------------------------- equality
 
 
-def check_equal(hf, ours, gguf_f32: Path, threads: int, quick: bool) -> dict:
+def check_equal(hf, ours, gguf_f32: Path, threads: int) -> dict:
     """Rule R on the prompt's logits (fp64 gold, transformers fp32 as base) for attnkit fp32 and
     llama.cpp F32 (F32 K/V, flash attention off), and greedy tokens of both."""
     import copy
@@ -287,7 +287,7 @@ def run(quick: bool, on_row=None) -> dict:
         write_gguf(hf, ggufs["16-bit"], f16=True)
         models = {"fp32": Decoder.from_pretrained(tmp / "hf", dtype=torch.float32)}
         print("checking equality ...", flush=True)
-        equality = check_equal(hf, models["fp32"], ggufs["fp32"], threads, quick)
+        equality = check_equal(hf, models["fp32"], ggufs["fp32"], threads)
 
         def result(rows: list) -> dict:
             import llama_cpp
