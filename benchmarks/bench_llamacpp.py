@@ -409,11 +409,12 @@ def to_markdown(res: dict) -> str:
         "bytes per step x tokens/s / the read bandwidth of a plain fp32 sum over "
         f"{res['read_bytes'] / 2**20:.0f} MiB in the same repetitions, "
         f"{min(bws):.1f}-{max(bws):.1f} GB/s over the rows). Ratios: attnkit / the faster llama.cpp setting "
-        "of the row (FA = flash attention). K/V: llama.cpp / attnkit. Medians of the repetitions.",
+        "of the row (FA = flash attention). K/V: llama.cpp / attnkit. Medians of the repetitions. A row's read "
+        "bandwidth well below the others' means the machine was busy with other work during that row.",
         "",
         "| context | weights | K/V | llama.cpp FA on | llama.cpp FA off | attnkit eager | attnkit `compile=True` | "
-        "eager / llama.cpp | compiled / llama.cpp | reps |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+        "eager / llama.cpp | compiled / llama.cpp | reps | read GB/s |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def cell(r, name, key="decode_tok_s", share=True):
         if name not in r:
@@ -431,7 +432,8 @@ def to_markdown(res: dict) -> str:
         lines.append("| " + " | ".join([*ident(r), cell(r, "llamacpp_fa_on"), cell(r, "llamacpp_fa_off"),
                                          cell(r, "attnkit_eager"), cell(r, "attnkit_compiled"),
                                          ratio(r, "attnkit_eager", "decode_ratio"),
-                                         ratio(r, "attnkit_compiled", "decode_ratio"), str(r["repetitions"])]) + " |")
+                                         ratio(r, "attnkit_compiled", "decode_ratio"), str(r["repetitions"]),
+                                         f"{r['read_gb_s']:.1f}"]) + " |")
     lines += ["", "Prompt tokens/s (to the first new token; `compile=True` compiles only the decode step, so its "
               "prompt runs eagerly over a static cache).", "",
               "| context | weights | K/V | llama.cpp FA on | llama.cpp FA off | attnkit eager | "
