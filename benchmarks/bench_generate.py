@@ -11,7 +11,7 @@ compile on a machine takes longer). "Weights only" applies every weight matrix o
 batch once per token and nothing else: the memory traffic any fp32 implementation pays per decode
 step, so an upper bound on tokens/s (batch-1 decoding on a CPU is bound by it).
 
-Roofline (issue 16's size: hidden 1024, 8 layers, 16 heads, 4 KV heads, intermediate 2816,
+Roofline (a Llama of hidden 1024, 8 layers, 16 heads, 4 KV heads, intermediate 2816,
 vocab 32000), batch 1, fp32 and bf16: the steady decode rate, (N - 1) tokens over the time a
 generation of N tokens takes beyond one of a single token (prefill cancels), for attnkit and
 Hugging Face side by side, against the weight-streaming roofline: the bytes of the weights a step

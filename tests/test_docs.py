@@ -97,7 +97,6 @@ _TIMING = re.compile(rf"{_NUMBER} ?(?:[µu]s|ms|ns|[KMGT]i?B/s|tok(?:en)?s/s|it/
                      rf"{_NUMBER}(?:x(?![\w*])| ?%)(?=[^.;:\n]{{0,30}}?{_SPEED})")
 # Figures and references the check would flag but that stay: (file, the text matched) -> why.
 _ALLOWED: dict[tuple[str, str], str] = {
-    ("tests/test_torch_mha_suite.py", "issue 163640"): "PyTorch's own tracker: the upstream bug the test reproduces",
 }
 
 CODE = sorted([*(ROOT / "src").rglob("*.py"), *(ROOT / "src").rglob("*.cpp"), *(ROOT / "src").rglob("*.h"),

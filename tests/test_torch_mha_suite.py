@@ -390,7 +390,7 @@ def test_multihead_attn_fast_path_small_test():
 def test_fast_path_check_with_mask_does_not_break_in_compile():
     """torch.compile(fullgraph=True) of TransformerEncoder with a src_key_padding_mask (the
     encoder turns the bool mask into a float one for its layers): no graph break, same output as
-    torch's encoder (the case of PyTorch's issue 163640)."""
+    torch's encoder."""
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(d_model=512, nhead=8, batch_first=True, dropout=0.1, dtype=torch.double)
     encoder = nn.TransformerEncoder(layer, num_layers=2).eval()

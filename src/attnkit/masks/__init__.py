@@ -8,28 +8,6 @@ from .typed import (ALiBi, Additive, And, Causal, Dense, Document, KeyPadding, M
                     SelectedBlocks, SelectedKeys, Selection, SlidingWindow, alibi_slopes, as_mask, has_alibi,
                     has_bias, has_selection, has_structure, shifted_bias, split_alibi)
 
-__all__ = [
-    "Mask",
-    "Causal",
-    "SlidingWindow",
-    "KeyPadding",
-    "QueryPadding",
-    "Document",
-    "PrefixLM",
-    "Dense",
-    "Additive",
-    "Selection",
-    "SelectedKeys",
-    "SelectedBlocks",
-    "ALiBi",
-    "alibi_slopes",
-    "split_alibi",
-    "And",
-    "Or",
-    "as_mask",
-    "has_bias",
-    "has_alibi",
-    "has_selection",
-    "has_structure",
-    "shifted_bias",
-]
+from . import typed as _typed
+
+__all__ = list(_typed.__all__)  # the user's mask types; ReducedMask is importable, not public
