@@ -220,6 +220,18 @@ def _is_bottom_right_causal(m: Mask) -> bool:
     return isinstance(m, Causal) and m.q_start is None and m.align == "bottom_right"
 
 
+#: Unused slots and duplicates sort last.
+_TOP = torch.iinfo(torch.long).max
+
+
+def _distinct_ascending(ids: Tensor) -> Tensor:
+    """int64 ids (..., n) as each list's distinct non-negative ids ascending, then :data:`_TOP`."""
+    x = torch.where(ids < 0, _TOP, ids).sort(-1).values
+    dup = torch.zeros_like(x, dtype=torch.bool)
+    dup[..., 1:] = x[..., 1:] == x[..., :-1]
+    return torch.where(dup, _TOP, x).sort(-1).values
+
+
 def _is_interval(m: Mask) -> bool:
     """True when ``m`` is one key interval per row by its structure (no tensor read): causal,
     windows, prefix-LM, padding given by lengths, and ANDs of them. A bias (ALiBi nested where
@@ -292,18 +304,59 @@ class ReducedSelection:
             self._made[key] = make()
         return self._made[key]
 
+    def _raw_ids(self, device, start: int = 0, stop: int | None = None) -> Tensor:
+        """(B|1, Hs, m, n) int64: the ids of queries ``start .. stop - 1`` as given."""
+        ids = self.mask.ids
+        ids = ids.unsqueeze(1) if ids.dim() == 3 else ids
+        if start != 0 or (stop is not None and stop != self.q_len):
+            ids = ids[:, :, start:stop]
+        return ids.to(device=device, dtype=torch.long)
+
     def _normalized(self, device) -> tuple[Tensor, Tensor]:
         def make():
-            ids = self.mask.ids.to(device=device, dtype=torch.long)
-            ids = ids.unsqueeze(1) if ids.dim() == 3 else ids
-            top = torch.iinfo(torch.long).max  # unused slots and duplicates sort last
-            x = torch.where(ids < 0, torch.full_like(ids, top), ids).sort(-1).values
-            dup = torch.zeros_like(x, dtype=torch.bool)
-            dup[..., 1:] = x[..., 1:] == x[..., :-1]
-            x = torch.where(dup, torch.full_like(x, top), x).sort(-1).values
-            used = x != top
+            x = _distinct_ascending(self._raw_ids(device))
+            used = x != _TOP
             return torch.where(used, x, torch.full_like(x, -1)).to(torch.int32), used.sum(-1, dtype=torch.int32)
         return self._once(("ids", torch.device(device)), make)
+
+    def lists(self, device, start: int = 0, stop: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """The keys queries ``start .. stop - 1`` (m of them) see, as lists a kernel walks:
+        (keys (B, m, Hs, L) int32, lo (B, m, Hs) int64, hi (B, m, Hs) int64). Entries
+        ``lo <= t < hi`` of each list are exactly the key positions its heads see, ascending and
+        distinct: the selected keys inside R, and W's keys inside R (each key once). Entries
+        outside ``[lo, hi)`` are not keys to read (-1, or keys R cuts). Built per call of this
+        method (a kernel takes a long call's queries in chunks), not kept: its size is the
+        chunk's selection, L = n * block_size (+ W's longest interval)."""
+        device = torch.device(device)
+        stop = self.q_len if stop is None else stop
+        B, m, Sk, bs = self.batch, stop - start, self.kv_len, self.block_size
+        x = _distinct_ascending(self._raw_ids(device, start, stop))  # (B|1, Hs, m, n), unused: _TOP
+        if bs > 1:  # blocks to their keys, still ascending; the last block's keys past Sk dropped
+            pos = x[..., None] * bs + torch.arange(bs, device=device)
+            x = torch.where((x[..., None] != _TOP) & (pos < Sk), pos, _TOP).flatten(-2)
+        x = x.expand(B, -1, m, -1)
+        lo, hi = (t.expand(B, self.q_len)[:, start:stop].clamp(0, Sk) for t in self.within(device))
+        lo4, hi4 = lo[:, None, :, None], hi[:, None, :, None]  # (B, 1, m, 1)
+        union = self.union(device)
+        if union is None:  # an ascending list cut by one interval: the kept entries are one run
+            x = x.contiguous()
+            hs = x.shape[1]
+            first = torch.searchsorted(x, lo4.expand(B, hs, m, 1).contiguous()).squeeze(-1)
+            last = torch.searchsorted(x, hi4.expand(B, hs, m, 1).contiguous()).squeeze(-1)
+        else:  # W's keys inside R joined in, the selected ones already there dropped, then sorted
+            u0, u1 = (t.expand(B, self.q_len)[:, start:stop] for t in union)
+            u0, u1 = torch.maximum(u0, lo), torch.minimum(u1, hi)
+            span = (u1 - u0).clamp(min=0)
+            w = int(span.max()) if span.numel() else 0
+            keep = (x >= lo4) & (x < hi4) & ~((x >= u0[:, None, :, None]) & (x < u1[:, None, :, None]))
+            x = torch.where(keep, x, _TOP)
+            steps = torch.arange(w, device=device)
+            joined = torch.where(steps < span[..., None], u0[..., None] + steps, _TOP)  # (B, m, w)
+            x = torch.cat([x, joined[:, None].expand(B, x.shape[1], m, w)], -1).sort(-1).values
+            last = (x != _TOP).sum(-1)
+            first = torch.zeros_like(last)
+        keys = torch.where(x == _TOP, -1, x).to(torch.int32).transpose(1, 2).contiguous()
+        return keys, first.transpose(1, 2).contiguous(), last.transpose(1, 2).contiguous()
 
     def ids(self, device) -> Tensor:
         """(B|1, Hs, Sq, n) int32: each list's distinct ids, ascending, then -1."""

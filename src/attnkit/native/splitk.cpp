@@ -20,8 +20,16 @@
 // pools (N, bs, Hkv, D) through a block table, so scattered blocks cost no copy.
 //
 // Query row (b, i) sees keys j with lo[b, i] <= j < hi[b, i] (causal, windows, padding: the mask
-// as a range), plus an optional additive fp32 bias (any other mask), ALiBi (slope[h] * (j -
+// as a range), or, with a per-query selection, the keys of a list (below), plus an optional additive fp32 bias (any other mask), ALiBi (slope[h] * (j -
 // qpos[b, i])) and soft-capping (c * tanh(s / c), on the scaled score, before bias and ALiBi).
+//
+// Selections (attnkit.masks.SelectedKeys / SelectedBlocks): the caller passes, per q sequence b
+// and list head s, an ascending list of key positions keys[b, s, :] and the part of it the rows
+// see, list entries [klo[b, s], khi[b, s]). The walk then runs over list entries instead of key
+// positions: a tile is the next n entries, consecutive positions in one block read as one run, so
+// the cost is the selection's length, not the context's. Each q sequence of the call reads the K/V
+// sequence b / seq_div, so a prefill's queries, each with its own list, go as B * Sq sequences of
+// one query (seq_div = Sq) over the same K/V.
 //
 // Invariants: a row with no visible key gets exactly 0 (and lse -inf); NaN in a visible score
 // propagates to the row's output (only the mask decides emptiness); threads come from torch's
@@ -123,6 +131,14 @@ struct Args {
   const float* slopes;  // optional (Hq,)
   const int64_t* qpos;  // (B, Sq) with slopes, or nullptr: bottom-right, query i at i + Sk - Sq (dense)
   float softcap;        // 0: off
+  // A selection (nullptr: none): keys (B, Hs, n) int32 ascending key positions with strides
+  // (key_s0, key_s1, 1); the rows of KV head h read list h / (Hkv / Hs), entries [klo, khi)
+  // ((B, Hs) int64 each). lo, hi and bias are absent then.
+  const int32_t* keys;
+  int64_t key_s0, key_s1, Hs;
+  const int64_t* klo;
+  const int64_t* khi;
+  int64_t seq_div;  // q sequence b reads the K/V (or block-table row) of sequence b / seq_div
   int64_t tile;         // keys per tile (a multiple of VL), decided once per call (tile_keys)
   // Set by a worker that met what check_reads rules out (a bad block id) or could not get its
   // scratch memory; the call raises after the parallel region.
@@ -134,6 +150,12 @@ constexpr int kBadBlock = 1, kNoMemory = 2;
 
 inline int64_t row_lo(const Args& a, int64_t b, int64_t i) { return a.lo ? a.lo[b * a.Sq + i] : 0; }
 inline int64_t row_hi(const Args& a, int64_t b, int64_t i) { return a.hi ? a.hi[b * a.Sq + i] : a.Sk; }
+
+// With a selection: the list KV head h of q sequence b reads (its index in klo / khi), and the list.
+inline int64_t list_index(const Args& a, int64_t b, int64_t h) { return b * a.Hs + h / (a.Hkv / a.Hs); }
+inline const int32_t* list_of(const Args& a, int64_t b, int64_t h) {
+  return a.keys == nullptr ? nullptr : a.keys + b * a.key_s0 + (h / (a.Hkv / a.Hs)) * a.key_s1;
+}
 
 // q row ``src`` (D elements of the call's dtype) times the scale, into fp32 ``dst``.
 inline void load_q(const Args& a, int64_t row, float* dst) {
@@ -173,9 +195,34 @@ struct Rows {
 // Calls f(j0, run, id, off) for the runs of keys t0 .. t0 + n - 1 of sequence b that lie in one
 // block: keys t0 + j0 .. t0 + j0 + run - 1 are rows off .. off + run - 1 of block id (dense: one
 // run, block 0, off = t0). One block-table read per block, no division per key.
+//
+// With a selection ``list`` (the unit's list of key positions), t0 .. t0 + n - 1 are list entries:
+// a run is entries whose positions follow one another (inside one block, paged).
 template <typename F>
-__attribute__((always_inline)) inline void for_runs(const Args& a, int64_t b, int64_t t0, int64_t n, F&& f) {
+__attribute__((always_inline)) inline void for_runs(const Args& a, int64_t b, const int32_t* list, int64_t t0,
+                                                    int64_t n, F&& f) {
   if (n <= 0) return;
+  if (list != nullptr) {
+    for (int64_t j0 = 0; j0 < n;) {
+      const int64_t pos = list[t0 + j0];
+      int64_t id = 0, off = pos, limit = n - j0;
+      if (a.paged) {
+        const int64_t slot = pos / a.block_size;
+        off = pos - slot * a.block_size;
+        limit = std::min(limit, a.block_size - off);
+        id = slot < a.block_table_w ? a.block_table[b * a.block_table_s0 + slot] : -1;
+        if (__builtin_expect(id < 0 || id >= a.num_blocks, 0)) {  // as below
+          a.failed->store(kBadBlock, std::memory_order_relaxed);
+          id = 0;
+        }
+      }
+      int64_t run = 1;
+      while (run < limit && list[t0 + j0 + run] == pos + run) ++run;
+      f(j0, run, id, off);
+      j0 += run;
+    }
+    return;
+  }
   if (!a.paged) return f(int64_t{0}, n, int64_t{0}, t0);
   int64_t slot = t0 / a.block_size, off = t0 - slot * a.block_size;
   for (int64_t j0 = 0; j0 < n; ++slot, off = 0) {
@@ -578,10 +625,11 @@ __attribute__((always_inline)) inline void unit_key_bounds(const Args& a, const 
                                                            int64_t* rhi, int64_t& start, int64_t& end) {
   start = u.s1;
   end = u.s0;
+  const int64_t li = a.keys != nullptr ? list_index(a, u.b, u.h) : 0;  // a unit's heads share one list
   for (int64_t r = 0; r < M; ++r) {
     const int64_t i = r % a.Sq;
-    rlo[r] = std::max(row_lo(a, u.b, i), u.s0);
-    rhi[r] = std::min(row_hi(a, u.b, i), u.s1);
+    rlo[r] = std::max(a.keys != nullptr ? a.klo[li] : row_lo(a, u.b, i), u.s0);
+    rhi[r] = std::min(a.keys != nullptr ? a.khi[li] : row_hi(a, u.b, i), u.s1);
     if (rlo[r] < rhi[r]) {
       start = std::min(start, rlo[r]);
       end = std::max(end, rhi[r]);
@@ -610,7 +658,8 @@ template <typename T, bool InPlace>
 struct TileRows {
   using R = typename std::conditional<InPlace, T, float>::type;
   const Args& a;
-  const int64_t b;
+  const int64_t b;        // the K/V sequence (its block-table row)
+  const int32_t* list;    // the unit's selection (nullptr: keys are positions)
   Rows<T> k, v;
   Rows<float> ks, vs;  // the rows' scales (quantized K/V)
   const int64_t NH, D, Dv, Dp, Dvp, TILE;
@@ -618,11 +667,12 @@ struct TileRows {
 
   TileRows(const Args& args, const Unit& u)
       : a(args),
-        b(u.b),
-        k(a, a.k, a.ks0, a.ks1, a.ks2, u.b, u.h),
-        v(a, a.v == nullptr ? a.k : a.v, a.vs0, a.vs1, a.vs2, u.b, u.h),
-        ks(a, a.ksc, a.kss0, a.kss1, a.kss2, u.b, u.h),
-        vs(a.vsc == nullptr ? ks : Rows<float>(a, a.vsc, a.vss0, a.vss1, a.vss2, u.b, u.h)),
+        b(u.b / args.seq_div),
+        list(list_of(args, u.b, u.h)),
+        k(a, a.k, a.ks0, a.ks1, a.ks2, b, u.h),
+        v(a, a.v == nullptr ? a.k : a.v, a.vs0, a.vs1, a.vs2, b, u.h),
+        ks(a, a.ksc, a.kss0, a.kss1, a.kss2, b, u.h),
+        vs(a.vsc == nullptr ? ks : Rows<float>(a, a.vsc, a.vss0, a.vss1, a.vss2, b, u.h)),
         NH(u.nh),
         D(a.D),
         Dv(a.Dv),
@@ -651,7 +701,7 @@ struct TileRows {
     const bool v_from_k = this->v_from_k;
     const Rows<T> k = this->k, v = v_from_k ? this->k : this->v;  // V = K[:Dv] reads the K rows
     const Rows<float> ks = this->ks, vs = this->vs;
-    for_runs(a, b, t0, n, [&](int64_t j0, int64_t run, int64_t id, int64_t off) {
+    for_runs(a, b, list, t0, n, [&](int64_t j0, int64_t run, int64_t id, int64_t off) {
       const int64_t kkey = k.key, vkey = v.key;
       for (int64_t hh = 0; hh < NH; ++hh) {
         const T* const k0 = k.start(id, off) + hh * k.head;
@@ -686,7 +736,7 @@ struct TileRows {
     // prefetched here (a few lines), its rows by the score loops.
     const int64_t ahead = std::min(TILE, std::max<int64_t>(0, end - t0 - TILE));
     for (int64_t j = ahead; j < n; ++j) kpf[j] = vpf[j] = nullptr;
-    for_runs(a, b, t0 + TILE, ahead, [&](int64_t j0, int64_t run, int64_t id, int64_t off) {
+    for_runs(a, b, list, t0 + TILE, ahead, [&](int64_t j0, int64_t run, int64_t id, int64_t off) {
       const T* const k0 = k.start(id, off);
       const T* const v0 = v.start(id, off);
       for (int64_t jj = 0; jj < run; ++jj) {
@@ -830,10 +880,10 @@ __attribute__((always_inline)) inline void score_tile(const float* qh, const uin
   }
 }
 
-// Soft cap, bias and ALiBi on row i (query head hq) of a tile's n scores from key t0, in that
-// order (the cap applies to the scaled score alone).
+// Soft cap, bias and ALiBi on row i (query head hq) of a tile's n scores from key t0 (list entry
+// t0 with a selection ``list``), in that order (the cap applies to the scaled score alone).
 __attribute__((always_inline)) inline void modify_scores(const Args& a, int64_t b, int64_t hq, int64_t i, int64_t t0,
-                                                         int64_t n, float* s) {
+                                                         int64_t n, const int32_t* list, float* s) {
   if (a.softcap > 0.0f) {
     const float c = a.softcap, inv = 1.0f / a.softcap;
     for (int64_t jj = 0; jj < n; jj += VL) vstore(s + jj, vtanh(vload(s + jj) * inv) * c);
@@ -845,6 +895,10 @@ __attribute__((always_inline)) inline void modify_scores(const Args& a, int64_t 
   if (a.slopes != nullptr) {
     const float slope = a.slopes[hq];
     const int64_t p = a.qpos ? a.qpos[b * a.Sq + i] : i + a.Sk - a.Sq;
+    if (list != nullptr) {  // the entries' own positions (|distance| < 2^24: exact floats)
+      for (int64_t jj = 0; jj < n; ++jj) s[jj] += slope * static_cast<float>(list[t0 + jj] - p);
+      return;
+    }
     // distances t0 + jj - p as exact floats (|d| < 2^24), a vector at a time (lanes past n are
     // overwritten with -inf by the caller)
     vf dist;
@@ -901,7 +955,7 @@ __attribute__((always_inline)) inline void softmax_tile(const Args& a, const Uni
                                                         int64_t t0, int64_t n, int64_t TILE, const int64_t* rlo,
                                                         const int64_t* rhi, float* sbuf, float* mh, float* lh,
                                                         float* ach, int64_t Dvp, const float* ksh, const float* vsh,
-                                                        int64_t& vis_lo, int64_t& vis_hi) {
+                                                        const int32_t* list, int64_t& vis_lo, int64_t& vis_hi) {
   vis_lo = n;
   vis_hi = 0;
   const int64_t nv = (n + VL - 1) / VL * VL;  // <= TILE, a multiple of VL
@@ -915,7 +969,7 @@ __attribute__((always_inline)) inline void softmax_tile(const Args& a, const Uni
     const int64_t g = r / a.Sq, i = r % a.Sq, hq = (u.h + hh) * a.G + g;
     if (ksh != nullptr)
       for (int64_t jj = jlo; jj < jhi; ++jj) s[jj] *= ksh[jj];
-    modify_scores(a, u.b, hq, i, t0, n, s);
+    modify_scores(a, u.b, hq, i, t0, n, list, s);
     for (int64_t jj = 0; jj < jlo; ++jj) s[jj] = kNegInf;
     for (int64_t jj = jhi; jj < nv; ++jj) s[jj] = kNegInf;  // also the padding past n
     if (!online_softmax_row(s, nv, mh[r], lh[r], ach + r * Dvp, Dvp)) continue;
@@ -1178,7 +1232,7 @@ void run_unit(const Args& a, const Unit& u, float* m, float* l, float* acc_out) 
                               w.krow + hh * TILE, M, Dp, n, TILE, a.scale, next, w.s);
       int64_t vis_lo, vis_hi;
       softmax_tile(a, u, hh, M, t0, n, TILE, w.rlo, w.rhi, w.s, m + hh * M, l + hh * M, ach, Dvp,
-                   w.ks ? w.ks + hh * TILE : nullptr, w.vs ? w.vs + hh * TILE : nullptr, vis_lo, vis_hi);
+                   w.ks ? w.ks + hh * TILE : nullptr, w.vs ? w.vs + hh * TILE : nullptr, tiles.list, vis_lo, vis_hi);
       accumulate_pv(ach, w.s, w.vrow + hh * TILE, M, Dvp, TILE, vis_lo, vis_hi, use_dot);
     }
   }
@@ -1192,14 +1246,17 @@ struct Ranges {
   std::vector<int64_t> start, end;
 };
 
+//
+// With a selection these are list entries: the union of the sequence's lists' [klo, khi).
 Ranges key_ranges(const Args& a) {
   Ranges r;
   r.start.assign(a.B, 0);
   r.end.assign(a.B, 0);
   for (int64_t b = 0; b < a.B; ++b) {
     int64_t s = std::numeric_limits<int64_t>::max(), e = 0;
-    for (int64_t i = 0; i < a.Sq; ++i) {
-      const int64_t lo = std::max<int64_t>(0, row_lo(a, b, i)), hi = row_hi(a, b, i);
+    for (int64_t i = 0; i < (a.keys != nullptr ? a.Hs : a.Sq); ++i) {
+      const int64_t lo = std::max<int64_t>(0, a.keys != nullptr ? a.klo[b * a.Hs + i] : row_lo(a, b, i));
+      const int64_t hi = a.keys != nullptr ? a.khi[b * a.Hs + i] : row_hi(a, b, i);
       if (lo < hi) {
         s = std::min(s, lo);
         e = std::max(e, hi);
@@ -1220,7 +1277,43 @@ constexpr int64_t kMaxKeys = int64_t{1} << 52;
 // On the calling thread, before any worker runs: every read the workers will make is inside the
 // tensors, whatever the thread count, tile size or ISA. Bad arguments raise ValueError naming
 // them; nothing is read before this returns.
-void check_reads(const Args& a, const Ranges& r, const c10::optional<at::Tensor>& bias) {
+void check_reads(const Args& a, const Ranges& r, const c10::optional<at::Tensor>& bias, int64_t list_len) {
+  if (a.keys != nullptr) {
+    // Every entry a row reads: inside its list, a key of the sequence (dense: < Sk; paged: in a
+    // block the table holds, whose id is in the pool). Entries ascend, so one pass per list.
+    for (int64_t b = 0; b < a.B; ++b) {
+      const int64_t kb = b / a.seq_div;
+      for (int64_t s = 0; s < a.Hs; ++s) {
+        const int64_t lo = a.klo[b * a.Hs + s], hi = a.khi[b * a.Hs + s];
+        if (lo >= hi) continue;
+        TORCH_CHECK_VALUE(lo >= 0 && hi <= list_len, "attnkit split-K: selection entries [", lo, ", ", hi,
+                          ") of sequence ", b, " are outside its list of ", list_len);
+        const int32_t* list = a.keys + b * a.key_s0 + s * a.key_s1;
+        int64_t last_slot = -1;
+        for (int64_t t = lo; t < hi; ++t) {
+          const int64_t pos = list[t];
+          TORCH_CHECK_VALUE(pos >= 0 && (t == lo || pos > list[t - 1]), "attnkit split-K: selection of sequence ", b,
+                            " is not ascending distinct key positions at entry ", t, " (", pos, ")");
+          if (!a.paged) {
+            TORCH_CHECK_VALUE(pos < a.Sk, "attnkit split-K: selection of sequence ", b, " reads key ", pos,
+                              " but k holds Sk=", a.Sk);
+            continue;
+          }
+          const int64_t slot = pos / a.block_size;
+          if (slot == last_slot) continue;
+          last_slot = slot;
+          TORCH_CHECK_VALUE(slot < a.block_table_w, "attnkit paged attention: selection of sequence ", b,
+                            " reads key ", pos, " but its block_table row holds ", a.block_table_w, " blocks of ",
+                            a.block_size, " tokens");
+          const int64_t id = a.block_table[kb * a.block_table_s0 + slot];
+          TORCH_CHECK_VALUE(id >= 0 && id < a.num_blocks, "attnkit paged attention: block_table entry ", id,
+                            " (sequence ", kb, ", block ", slot, ") is outside the pool of ", a.num_blocks,
+                            " blocks");
+        }
+      }
+    }
+    return;
+  }
   int64_t reach = 0;  // the furthest key any row reads, + 1
   for (int64_t b = 0; b < a.B; ++b) {
     if (r.end[b] == 0) continue;
@@ -1259,6 +1352,11 @@ void check_reads(const Args& a, const Ranges& r, const c10::optional<at::Tensor>
 // Dense caches (B, Hkv, Sk, D) hold each head's rows contiguously: a unit is one head of a slice.
 // Paged pools interleave the KV heads of a token (N, bs, Hkv, D): a unit is every head of a slice,
 // so the walk reads each block's rows front to back, once, as a dense unit reads its head's rows.
+//
+// A selection with a list per KV head (Hs > 1) makes a unit one head in either layout: the heads
+// of a paged slice would walk different keys.
+inline int64_t unit_heads(const Args& a) { return a.paged && (a.keys == nullptr || a.Hs == 1) ? a.Hkv : 1; }
+
 struct Plan {
   std::vector<Unit> units;
   std::vector<int64_t> first, stride, count;
@@ -1271,7 +1369,8 @@ Plan plan_units(const Args& a, const Ranges& rg) {
   // key rows of all heads (check_reads bounds each sequence's keys by Sk or kMaxKeys; summed in 128 bits)
   __int128 total = 0;
   for (int64_t b = 0; b < a.B; ++b) total += static_cast<__int128>(end[b] - start[b]) * a.Hkv;
-  const int64_t nh = a.paged ? a.Hkv : 1;  // heads per unit
+  const int64_t nh = unit_heads(a);  // heads per unit
+  const bool grouped = nh > 1;
   // keys (of one head) per unit: ~4 units per thread, at least 256 key rows of work
   const __int128 share = (total + 4 * threads - 1) / (4 * threads);
   const int64_t per_unit = static_cast<int64_t>(std::clamp<__int128>(std::max<__int128>(256, share) / nh, 1, kMaxKeys));
@@ -1301,15 +1400,15 @@ Plan plan_units(const Args& a, const Ranges& rg) {
   for (int64_t b = 0; b < a.B; ++b) {
     const int64_t len = end[b] - start[b];
     const int64_t pieces = npieces[b];
-    const int64_t base = plan.slots;  // slots of b: (head, piece) dense, (piece, head) paged
+    const int64_t base = plan.slots;  // slots of b: (head, piece), or (piece, head) for units of all heads
     for (int64_t h = 0; h < a.Hkv; ++h) {
-      plan.first[b * a.Hkv + h] = a.paged ? base + h : base + h * pieces;
-      plan.stride[b * a.Hkv + h] = a.paged ? a.Hkv : 1;
+      plan.first[b * a.Hkv + h] = grouped ? base + h : base + h * pieces;
+      plan.stride[b * a.Hkv + h] = grouped ? a.Hkv : 1;
       plan.count[b * a.Hkv + h] = pieces;
     }
     for (int64_t h = 0; h < a.Hkv; h += nh)
       for (int64_t p = 0; p < pieces; ++p) {
-        const int64_t slot = a.paged ? base + p * a.Hkv : base + h * pieces + p;
+        const int64_t slot = grouped ? base + p * a.Hkv : base + h * pieces + p;
         const int64_t s0 = start[b] + static_cast<int64_t>(static_cast<__int128>(len) * p / pieces);
         const int64_t s1 = start[b] + static_cast<int64_t>(static_cast<__int128>(len) * (p + 1) / pieces);
         plan.units.push_back({b, h, nh, s0, s1, slot});
@@ -1345,7 +1444,7 @@ void run_all(Args a, const Ranges& ranges, at::Tensor& out, float* lse, const fl
   std::vector<float> pm(plan.slots * M), pl(plan.slots * M), pacc(plan.slots * M * Dv);
   // Rows are read in place when whole vectors cover them (and the type widens in registers).
   const bool in_place = a.D % VL == 0 && a.Dv % VL == 0 && (!std::is_same<T, c10::Half>::value || kHalfInRegisters);
-  const int64_t nh = a.paged ? a.Hkv : 1;
+  const int64_t nh = unit_heads(a);
   a.tile = tile_keys(std::max(round_up(a.D, VL), round_up(a.Dv, VL)), nh, in_place ? sizeof(T) : sizeof(float));
   std::atomic<int> failed{0};
   a.failed = &failed;
@@ -1412,7 +1511,9 @@ void run_all(Args a, const Ranges& ranges, at::Tensor& out, float* lse, const fl
 // (B, Hkv, Sk, D) or paged pools (N, bs, Hkv, D) (v undefined: V = K[..., :Dv]); lo / hi (B, Sq)
 // int64, each optional (lo: 0; hi: all Sk keys of a dense cache; paged pools need hi); bias fp32
 // broadcastable (B, Hq, Sq, Sk) (expanded strides); slopes / sinks (Hq,) fp32; qpos (B, Sq) int64
-// (optional for a dense cache: bottom-right positions).
+// (optional for a dense cache: bottom-right positions). A selection: keys (B, Hs, n) int32 (unit
+// stride in n; Hs divides Hkv) with klo / khi (B, Hs) int64, lo / hi / bias absent; seq_div: q
+// sequence b reads K/V sequence b / seq_div (dense k (B / seq_div, ...), block_table rows B / seq_div).
 // Returns out (B, Hq, Sq, Dv) in q's dtype and lse (B, Hq, Sq) fp32 (empty unless return_lse).
 // Everything a decode step needs happens in this one op: no scaled copy of q, no default bounds,
 // no output cast (each a dispatch of its own, on every layer of every step).
@@ -1422,7 +1523,9 @@ std::tuple<at::Tensor, at::Tensor> splitk_attention(
     const c10::optional<at::Tensor>& block_table, const c10::optional<at::Tensor>& lo,
     const c10::optional<at::Tensor>& hi, const c10::optional<at::Tensor>& bias,
     const c10::optional<at::Tensor>& slopes, const c10::optional<at::Tensor>& qpos,
-    const c10::optional<at::Tensor>& sinks, double scale, double softcap, int64_t num_kv_heads, bool return_lse) {
+    const c10::optional<at::Tensor>& sinks, double scale, double softcap, int64_t num_kv_heads, bool return_lse,
+    const c10::optional<at::Tensor>& keys, const c10::optional<at::Tensor>& key_lo,
+    const c10::optional<at::Tensor>& key_hi, int64_t seq_div) {
   const at::ScalarType qt = q.scalar_type();
   TORCH_CHECK(q.dim() == 4 && (qt == at::kFloat || qt == at::kBFloat16 || qt == at::kHalf) && q.is_contiguous() &&
                   q.device().is_cpu(),
@@ -1440,6 +1543,9 @@ std::tuple<at::Tensor, at::Tensor> splitk_attention(
   a.Hkv = num_kv_heads;
   TORCH_CHECK(a.Hkv > 0 && a.Hq % a.Hkv == 0, "query heads must be a multiple of KV heads");
   a.G = a.Hq / a.Hkv;
+  TORCH_CHECK_VALUE(seq_div >= 1 && a.B % seq_div == 0, "seq_div must be >= 1 and divide B=", a.B, ", got ", seq_div);
+  a.seq_div = seq_div;
+  const int64_t kv_batch = a.B / seq_div;
   a.Dv = v_head_dim;
   TORCH_CHECK(a.Dv >= 0, "v_head_dim must be >= 0, got ", a.Dv);
   TORCH_CHECK(k.size(3) == a.D, "k's last dim must equal q's: k ", k.sizes(), ", q ", q.sizes());
@@ -1458,17 +1564,17 @@ std::tuple<at::Tensor, at::Tensor> splitk_attention(
     TORCH_CHECK_VALUE(k.size(1) > 0, "attnkit paged attention: the pools' block size must be >= 1, got k_pool ",
                       k.sizes());
     const at::Tensor& t = *block_table;
-    TORCH_CHECK(t.scalar_type() == at::kLong && t.dim() == 2 && t.size(0) == a.B && t.stride(1) == 1 &&
+    TORCH_CHECK(t.scalar_type() == at::kLong && t.dim() == 2 && t.size(0) == kv_batch && t.stride(1) == 1 &&
                     t.device().is_cpu(),
-                "block_table must be a (B=", a.B, ", W) int64 CPU tensor with unit stride, got ", t.sizes());
+                "block_table must be a (B=", kv_batch, ", W) int64 CPU tensor with unit stride, got ", t.sizes());
     a.block_table = t.data_ptr<int64_t>();
     a.block_table_s0 = t.stride(0);
     a.block_table_w = t.size(1);
     a.block_size = k.size(1);
     a.num_blocks = k.size(0);
   } else {
-    TORCH_CHECK(k.size(0) == a.B && k.size(1) == a.Hkv, "k ", k.sizes(), " must be (B=", a.B, ", Hkv=", a.Hkv,
-                ", Sk, D)");
+    TORCH_CHECK(k.size(0) == kv_batch && k.size(1) == a.Hkv, "k ", k.sizes(), " must be (B=", kv_batch, ", Hkv=",
+                a.Hkv, ", Sk, D)");
   }
   if (v.has_value()) {
     TORCH_CHECK(rows_ok(*v) && v->device().is_cpu() && v->scalar_type() == k.scalar_type() &&
@@ -1509,7 +1615,7 @@ std::tuple<at::Tensor, at::Tensor> splitk_attention(
     a.vss1 = v_scale->stride(1);
     a.vss2 = v_scale->stride(2);
   }
-  TORCH_CHECK(hi.has_value() || !paged, "paged pools need hi (the sequences' lengths)");
+  TORCH_CHECK(hi.has_value() || !paged || keys.has_value(), "paged pools need hi (the sequences' lengths)");
   const auto index_ok = [&](const at::Tensor& t) {
     return t.scalar_type() == at::kLong && t.is_contiguous() && t.numel() == a.B * a.Sq && t.device().is_cpu();
   };
@@ -1548,8 +1654,32 @@ std::tuple<at::Tensor, at::Tensor> splitk_attention(
     sink_ptr = sinks->data_ptr<float>();
   }
   a.softcap = static_cast<float>(softcap);
+  a.keys = nullptr;
+  a.Hs = 1;
+  int64_t list_len = 0;
+  if (keys.has_value()) {
+    const at::Tensor& t = *keys;
+    TORCH_CHECK(t.scalar_type() == at::kInt && t.dim() == 3 && t.size(0) == a.B && (t.stride(2) == 1 || t.size(2) <= 1) &&
+                    t.device().is_cpu(),
+                "keys must be a (B=", a.B, ", Hs, n) int32 CPU tensor with unit stride in n, got ", t.sizes());
+    TORCH_CHECK(t.size(1) >= 1 && a.Hkv % t.size(1) == 0, "keys' ", t.size(1), " lists must divide Hkv=", a.Hkv);
+    TORCH_CHECK(!lo.has_value() && !hi.has_value() && !bias.has_value(),
+                "a selection takes its rows' entries from key_lo / key_hi: lo, hi and bias must be absent");
+    const auto bounds_ok = [&](const c10::optional<at::Tensor>& b) {
+      return b.has_value() && b->scalar_type() == at::kLong && b->is_contiguous() && b->numel() == a.B * t.size(1) &&
+             b->device().is_cpu();
+    };
+    TORCH_CHECK(bounds_ok(key_lo) && bounds_ok(key_hi), "key_lo and key_hi must be (B, Hs) int64 contiguous");
+    a.keys = t.data_ptr<int32_t>();
+    a.key_s0 = t.stride(0);
+    a.key_s1 = t.stride(1);
+    a.Hs = t.size(1);
+    a.klo = key_lo->data_ptr<int64_t>();
+    a.khi = key_hi->data_ptr<int64_t>();
+    list_len = t.size(2);
+  }
   const Ranges ranges = key_ranges(a);
-  check_reads(a, ranges, bias);
+  check_reads(a, ranges, bias, list_len);
   at::Tensor out = at::empty({a.B, a.Hq, a.Sq, a.Dv}, q.options());
   at::Tensor lse = at::empty({return_lse ? a.B : 0, a.Hq, a.Sq}, q.options().dtype(at::kFloat));
   float* lse_ptr = return_lse ? lse.data_ptr<float>() : nullptr;
@@ -1571,7 +1701,8 @@ std::tuple<at::Tensor, at::Tensor> splitk_attention_meta(
     const c10::optional<at::Tensor>&, int64_t v_head_dim, const c10::optional<at::Tensor>&,
     const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
     const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, double,
-    double, int64_t, bool return_lse) {
+    double, int64_t, bool return_lse, const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
+    const c10::optional<at::Tensor>&, int64_t) {
   TORCH_CHECK(q.dim() == 4, "q must be (B, Hq, Sq, D), got ", q.sizes());
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v_head_dim}, q.options());
   at::Tensor lse = at::empty({return_lse ? q.size(0) : 0, q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
@@ -1584,7 +1715,8 @@ TORCH_LIBRARY(attnkit_cpu, m) {
   m.def(
       "splitk_attention(Tensor q, Tensor k, Tensor? v, Tensor? k_scale, Tensor? v_scale, int v_head_dim, Tensor? block_table, Tensor? lo, "
       "Tensor? hi, Tensor? bias, Tensor? slopes, Tensor? qpos, Tensor? sinks, float scale, float softcap, "
-      "int num_kv_heads, bool return_lse) -> (Tensor, Tensor)");
+      "int num_kv_heads, bool return_lse, Tensor? keys=None, Tensor? key_lo=None, Tensor? key_hi=None, "
+      "int seq_div=1) -> (Tensor, Tensor)");
   m.impl("splitk_attention", c10::DispatchKey::CPU, TORCH_FN(splitk_attention));
   m.impl("splitk_attention", c10::DispatchKey::Meta, TORCH_FN(splitk_attention_meta));
 }

@@ -35,9 +35,10 @@ def min_auto_kv_elems(implementation: str) -> int:
 def _fuses_what_sdpa_cannot(call: AttentionCall) -> bool:
     """Calls the engine takes at any length: a soft cap (no SDPA kernel caps scores: the
     alternative is the math path), ALiBi (SDPA takes it only as a materialized (B, H, Sq, Sk)
-    bias) or sinks SDPA's flash path cannot take (a window, padding). The engine runs them a chunk
-    of queries at a time, without materializing the scores."""
-    if call.softcap is not None or call.reduced.has_alibi:
+    bias), sinks SDPA's flash path cannot take (a window, padding), or a selection the engine
+    walks in place (SDPA would take a dense (Sq, Sk) mask and read every key). The engine runs
+    them a chunk of queries at a time, without materializing the scores."""
+    if call.softcap is not None or call.reduced.has_alibi or splitk.reads_selection(call.reduced, call.num_kv_heads):
         return True
     return call.sinks is not None and bool(sinks_refusals(call))
 
@@ -94,7 +95,8 @@ class DecodeBackend(BackendBase):
 
     def kernel_name(self, q, k, v, call: AttentionCall) -> str:
         state = native.status(build=False)  # "native", "native (not built yet)" or "torch (<why>)"
-        return "torch" if state.startswith("torch") else state
+        name = "torch" if state.startswith("torch") else state
+        return f"{name}, selection read in place" if splitk.reads_selection(call.reduced, call.num_kv_heads) else name
 
     def run(self, q, k, v, call: AttentionCall):
         mods = dict(scale=call.scale, mask=call.reduced, softcap=call.softcap, sinks=call.sinks)

@@ -16,7 +16,10 @@ Two implementations with one semantics:
 
 The mask reaches the engine as one interval of keys per query row (``Mask.key_range``: causal,
 windows, padding, the paged ``lengths``), so nothing of size (Sq, Sk) is built; a mask that is not
-an interval becomes an fp32 bias. Contract (as :func:`attnkit.attention`): a row with no visible
+an interval becomes an fp32 bias. A per-query selection (:class:`~attnkit.masks.SelectedKeys`,
+:class:`~attnkit.masks.SelectedBlocks`, cut by intervals, joined with one) reaches it as lists of
+key positions (:meth:`ReducedSelection.lists`): the engine walks each query's list, so a step
+costs the selection, not the context (:func:`reads_selection` says when). Contract (as :func:`attnkit.attention`): a row with no visible
 key is exactly 0 (lse -inf); NaN in a visible score gives NaN.
 
 :func:`splitk_attention` parses its arguments into a :class:`SplitKCall` (:func:`parse_call`),
@@ -33,15 +36,32 @@ from torch import Tensor
 from ... import native
 from ...masks import Mask, ReducedMask
 from ..common import v_is_prefix_of_k, with_sinks
-from .torch_impl import torch_splitk
+from .torch_impl import torch_selected, torch_splitk
 
-__all__ = ["Q_CHUNK", "SplitKCall", "implementation", "parse_call", "run_call", "splitk_attention"]
+__all__ = ["Q_CHUNK", "SELECTION_Q_CHUNK", "SplitKCall", "implementation", "parse_call", "reads_selection", "run_call",
+           "splitk_attention"]
 
 #: Query rows per engine call. A call scores all G * Sq rows of a KV head against each key tile,
 #: with partial results per key slice: longer calls (prefill with a soft cap, which no SDPA kernel
 #: takes) go a chunk of queries at a time, which bounds those buffers and lets each chunk stop at
 #: the last key its rows see (causal prefill does about half the work).
 Q_CHUNK = 64
+
+#: Queries per engine call with a selection (each its own list): bounds the lists and the partial
+#: results (about ``SELECTION_Q_CHUNK * Hq * Dv`` fp32 a slice) of a prefill.
+SELECTION_Q_CHUNK = 256
+
+#: Bytes of K/V rows the torch implementation gathers per chunk of a selection's queries.
+_GATHER_BYTES = 32 << 20
+
+
+def reads_selection(reduced: ReducedMask, num_kv_heads: int) -> bool:
+    """True when the engine walks the call's selection in place (a list of keys per query): the
+    mask is a selection the lists describe (:attr:`ReducedMask.selection`) with one list per
+    group of whole KV heads (Hs divides Hkv). Else a selection takes the dense path: an fp32 bias
+    over (B, Hq, Sq, Sk), exact but as costly as the context."""
+    sel = reduced.selection
+    return sel is not None and num_kv_heads % sel.heads == 0
 
 
 def implementation() -> str:
@@ -139,6 +159,8 @@ def run_call(c: SplitKCall) -> tuple[Tensor, Tensor | None]:
     more than :data:`Q_CHUNK` queries a chunk at a time."""
     q, reduced = c.q, c.reduced
     B, Hq, Sq, _ = q.shape
+    if reads_selection(reduced, c.num_kv_heads):
+        return _selected(c)
     if Sq > Q_CHUNK:
         return _chunked(c)
     if c.ops is not None and reduced.rest is None and c.block_table is None:
@@ -220,6 +242,48 @@ def _chunked(c: SplitKCall) -> tuple[Tensor, Tensor | None]:
             out = with_sinks(out, lse, c.sinks)[0]
         out = out.to(q.dtype)
     return out, (lse if c.return_lse else None)
+
+
+def _selected(c: SplitKCall) -> tuple[Tensor, Tensor | None]:
+    """:func:`run_call` for a selection: a chunk of queries at a time, each query its own
+    sequence of one query over the same K/V (``seq_div``), walking its lists of keys."""
+    q, reduced, Dv = c.q, c.reduced, c.v_head_dim
+    sel = reduced.selection
+    B, Hq, Sq, D = q.shape
+    native_ops = c.ops is not None
+    slopes = qpos = None
+    if reduced.alibi is not None:
+        slopes = reduced.alibi.slopes.to(q.device).float().contiguous()
+        qpos = reduced.alibi.positions(Sq, c.kv_len, q.device).expand(B, Sq).long()
+    if native_ops:
+        chunk = SELECTION_Q_CHUNK
+        k, v, table = _plain(c.k), None if c.v is None else _plain(c.v), _table(c.block_table)
+    else:
+        row = c.num_kv_heads * (c.q.shape[-1] + Dv) * c.k.element_size()
+        longest = sel.mask.ids.shape[-1] * sel.block_size + (c.kv_len if sel.union_part is not None else 0)
+        chunk = max(1, _GATHER_BYTES // max(1, B * row * min(longest, c.kv_len)))
+    out = torch.empty(B, Hq, Sq, Dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, Hq, Sq, dtype=torch.float32, device=q.device) if c.return_lse else None
+    for i0 in range(0, Sq, chunk):
+        i1 = min(Sq, i0 + chunk)
+        m = i1 - i0
+        keys, lo, hi = sel.lists(q.device, i0, i1)  # (B, m, Hs, L), (B, m, Hs)
+        keys, lo, hi = keys.flatten(0, 1), lo.flatten(0, 1), hi.flatten(0, 1)
+        qc = _plain(q[:, :, i0:i1].transpose(1, 2).reshape(B * m, Hq, 1, D), whole=True)
+        pc = None if qpos is None else qpos[:, i0:i1].reshape(B * m, 1).contiguous()
+        if native_ops:
+            o, l_c = c.ops.splitk_attention(qc, k, v, _scales(c.k_scale), _scales(c.v_scale), Dv, table, None, None,
+                                            None, slopes, pc, c.sinks, float(c.scale), float(c.softcap or 0.0),
+                                            c.num_kv_heads, c.return_lse, keys, lo, hi, m)
+        else:
+            o, l_c = torch_selected(qc, c.k, c.v, Dv, c.num_kv_heads, c.scale, keys, lo, hi, m, c.block_table,
+                                    c.softcap, slopes, pc, c.k_scale, c.v_scale)
+            if c.sinks is not None:
+                o = with_sinks(o, l_c, c.sinks)[0]
+        out[:, :, i0:i1] = o.reshape(B, m, Hq, Dv).transpose(1, 2)
+        if lse is not None:
+            lse[:, :, i0:i1] = l_c.reshape(B, m, Hq).transpose(1, 2)
+    return out, lse
 
 
 def _bounds(reduced: ReducedMask, B: int, Hq: int, Sq: int, Sk: int, device,

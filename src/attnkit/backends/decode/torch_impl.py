@@ -14,7 +14,7 @@ from torch import Tensor
 from ...kvquant import finite_or_nan
 from ..common import finite, merge_partials
 
-__all__ = ["paged_reach", "torch_splitk"]
+__all__ = ["paged_reach", "torch_selected", "torch_splitk"]
 
 #: Quantized storage dtypes whose rows are zeroed as raw bytes (fp8 has no masked_fill).
 _BYTE_DTYPES = tuple(d for d in (getattr(torch, "float8_e4m3fn", None),) if d is not None)
@@ -113,3 +113,62 @@ def torch_splitk(q, k, v, Dv, Hkv, Sk, scale, lo, hi, bias, block_table, softcap
         c_out = torch.matmul(p, vc.detach().float())
         out, lse = merge_partials(out, lse, c_out, c_lse)
     return out.reshape(B, Hq, Sq, Dv), lse.reshape(B, Hq, Sq)
+
+
+def _zero_rows(t: Tensor, keep: Tensor) -> Tensor:
+    """``t`` with the rows where ``keep`` (broadcast over the last dim) is False set to zero bytes."""
+    raw = t.view(torch.uint8) if t.dtype in _BYTE_DTYPES else t
+    raw = raw.masked_fill(~keep, 0)
+    return raw.view(t.dtype) if raw.dtype != t.dtype else raw
+
+
+def torch_selected(q, k, v, Dv, Hkv, scale, keys, klo, khi, seq_div, block_table, softcap, slopes, qpos,
+                   k_scale=None, v_scale=None):
+    """The engine's selection walk in torch ops: each list's keys gathered (entries outside a
+    list's ``[klo, khi)`` zeroed, so a NaN row there is never read), then :func:`torch_splitk` over
+    the gathered rows, with the entries outside masked and ALiBi at the keys' own positions as an
+    fp32 bias.
+
+    Args: q (B, Hq, 1, D), query b reading K/V sequence b // seq_div: dense (B // seq_div, Hkv,
+    Sk, D), or pools (N, bs, Hkv, D) with ``block_table`` (B // seq_div, W); keys (B, Hs, L)
+    int32 ascending key positions (Hs divides Hkv: KV head h reads list h // (Hkv // Hs)); klo /
+    khi (B, Hs) int64; slopes (Hq,) with qpos (B, 1): ALiBi; k_scale / v_scale: quantized K / V.
+
+    Returns (out (B, Hq, 1, Dv) fp32, lse (B, Hq, 1) fp32), without sinks."""
+    B, Hq, _, D = q.shape
+    L, Hs = keys.shape[-1], keys.shape[1]
+    dev = q.device
+    t = torch.arange(L, device=dev)
+    head_list = torch.arange(Hkv, device=dev) // (Hkv // Hs)
+    valid = ((t >= klo[:, :, None]) & (t < khi[:, :, None]))[:, head_list]  # (B, Hkv, L)
+    pos = torch.where(valid, keys.long()[:, head_list], 0)
+    kb = (torch.arange(B, device=dev) // seq_div)[:, None, None]
+    h = torch.arange(Hkv, device=dev)[None, :, None]
+    if block_table is None:
+        if valid.any() and int(pos.max()) >= k.shape[2]:
+            raise ValueError(f"split-K selection: a key position {int(pos.max())} is past k's Sk={k.shape[2]}")
+        at = (kb, h, pos)
+    else:
+        bs = k.shape[1]
+        blk = block_table[kb, pos // bs].long()
+        bad = valid & ((blk < 0) | (blk >= k.shape[0]))
+        if bool(bad.any()):
+            raise ValueError(f"paged attention: block_table entries {blk[bad].tolist()[:8]} are outside the pool of "
+                             f"{k.shape[0]} blocks")
+        at = (torch.where(valid, blk, 0), pos % bs, h)
+    kg = _zero_rows(k[at], valid[..., None])  # (B, Hkv, L, D)
+    vg = None if v is None else _zero_rows(v[at], valid[..., None])
+    ksc = vsc = None
+    if k_scale is not None:
+        ksc = k_scale[at].masked_fill(~valid, 0)
+        vsc = None if v_scale is None else v_scale[at].masked_fill(~valid, 0)
+    # entries outside a list score -inf; ALiBi at each key's position from its query's
+    G = Hq // Hkv
+    bias = torch.zeros(B, Hkv, G, L, device=dev).masked_fill(~valid[:, :, None], float("-inf"))
+    if slopes is not None:
+        dist = (pos - qpos.reshape(B, 1, 1)).float()  # (B, Hkv, L)
+        bias = bias + slopes.float().view(1, Hkv, G, 1) * dist[:, :, None]
+    lo = torch.zeros(B, 1, dtype=torch.long, device=dev)
+    hi = torch.full((B, 1), L, dtype=torch.long, device=dev)
+    return torch_splitk(q, kg, vg, Dv, Hkv, L, scale, lo, hi, bias.reshape(B, Hq, 1, L), None, softcap, None, None,
+                        ksc, vsc if v is not None else None)
