@@ -17,7 +17,7 @@ from attnkit import masks as M
 from attnkit.backends import BackendNotSupported, get_backend
 from attnkit.masks.reduced import ReducedMask, ReducedSelection
 
-from conftest import DTYPES, check_against_oracle, make_qkv, stable_seed
+from conftest import DTYPES, check_against_oracle, make_qkv, rule_r, stable_seed
 
 # --------------------------------------------------------------------------- makers
 
@@ -449,3 +449,179 @@ def test_block_keys_are_expanded_only_on_request():
     red = ReducedMask(sel & M.Causal(), 1, 1, 10).selection
     assert red.block_size == 4 and red.ids("cpu").tolist() == [[[[0, 2, -1, -1]]]]
     assert red.keys("cpu").tolist() == [[[[0, 1, 2, 3, 8, 9] + [-1] * 10]]]
+
+
+def test_lists_hold_exactly_the_keys_each_query_sees():
+    """ReducedSelection.lists: per query and list, entries [lo, hi) are the keys the definition
+    allows, ascending and distinct, for every composition and any chunk of queries."""
+    B, Hq, Hkv, Sq, Sk = 2, 4, 2, 6, 23
+    for kind, how in itertools.product(KINDS, ["alone", "causal", "padding", "window"]):
+        mask = compose(selection(kind, B, Hq, Hkv, Sq, Sk, stable_seed(kind, how)), how, B, Sq, Sk)
+        red = ReducedMask(mask, B, Sq, Sk).selection
+        want = mask.materialize(B, Sq, Sk, "cpu").expand(B, Hq, Sq, Sk)
+        for start, stop in ((0, Sq), (2, 5)):
+            keys, lo, hi = red.lists("cpu", start, stop)
+            for b, i, s in itertools.product(range(B), range(stop - start), range(red.heads)):
+                seen = keys[b, i, s, lo[b, i, s]:hi[b, i, s]].tolist()
+                h = s * (Hq // red.heads)  # the first query head of the list
+                assert seen == want[b, h, start + i].nonzero().flatten().tolist(), (kind, how, b, i, s)
+
+
+# --------------------------------------------------------------------------- the engine walks the selection
+
+
+def _layout(name: str, q, k, v, seed: int):
+    """(kv, v or None, (k64, v64) dense fp64 for the oracle, kv_mask): K/V in layout ``name``
+    (dense, paged, int8, int8_paged, mla: V read from K) and the mask the layout adds (paged
+    lengths) for the oracle over the dense K/V."""
+    B, Hkv, Sk, D = k.shape
+    if name == "mla":
+        return k, k[..., :v.shape[-1]], (k.double(), k[..., :v.shape[-1]].double()), None
+    if name == "dense":
+        return k, v, (k.double(), v.double()), None
+    if name == "int8":
+        qkv = attnkit.QuantizedKV.quantize(k, v, "int8")
+        return qkv, None, qkv.gather(torch.float64), None
+    bs, g = 8, torch.Generator().manual_seed(seed)
+    W = -(-Sk // bs)
+    N = B * W + 3
+    table = torch.randperm(N, generator=g)[:B * W].view(B, W)
+    lens = torch.tensor([Sk] + [Sk - 5] * (B - 1))
+    pool_k = (torch.randn(N, bs, Hkv, D) * 100).to(k.dtype)
+    pool_v = (torch.randn(N, bs, Hkv, v.shape[-1]) * 100).to(k.dtype)
+    pos = torch.arange(Sk)
+    for b in range(B):
+        pool_k[table[b, pos // bs], pos % bs] = k[b].transpose(0, 1)
+        pool_v[table[b, pos // bs], pos % bs] = v[b].transpose(0, 1)
+    pad = M.KeyPadding(lens)
+    if name == "paged":
+        return attnkit.PagedKV(pool_k, pool_v, table, lens), None, (k.double(), v.double()), pad
+    qkv = attnkit.QuantizedKV.quantize(pool_k, pool_v, "int8", block_table=table, lengths=lens)
+    return qkv, None, qkv.gather(torch.float64), pad
+
+
+@pytest.mark.parametrize("layout", ["dense", "paged", "int8", "int8_paged", "mla"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_engine_walks_the_selection_under_rule_r(implementation, monkeypatch, layout, kind):
+    """The split-K engine (native kernel and torch implementation) reads the selection in place
+    for every K/V layout, under every composition it reads (alone, cut by causal / padding,
+    joined with a window), for decode, speculative and prefill lengths (chunked), with and without
+    ALiBi, soft cap and sinks: rule R against the fp64 oracle over the same K/V."""
+    from attnkit.backends.decode import splitk
+
+    monkeypatch.setattr(splitk, "SELECTION_Q_CHUNK", 16)  # prefill below crosses chunks
+    B, Hq, Sk = 2, 4, 41
+    Hkv, D, Dv = (1, 40, 32) if layout == "mla" else (2, 32, 32)
+    for Sq, how in itertools.product((1, 5, 37), ["alone", "causal", "padding", "window"]):
+        seed = stable_seed(layout, kind, how, Sq)
+        q, k, v = make_qkv(B, Hq, Hkv, Sq, Sk, D, Dv=Dv, seed=seed,
+                           dtype=torch.bfloat16 if seed % 3 == 0 else torch.float32)
+        kv, v_arg, (k64, v64), kv_mask = _layout(layout, q, k, v, seed)
+        mask = compose(selection(kind, B, Hq, Hkv, Sq, Sk, seed), how, B, Sq, Sk)
+        kw = {}
+        if seed % 2:
+            mask = M.ALiBi(M.alibi_slopes(Hq)) & mask
+            kw = {"softcap": 4.0, "sinks": torch.randn(Hq)}
+        assert splitk.reads_selection(ReducedMask(mask, B, Sq, Sk), Hkv)
+        out = attnkit.attention(q, kv, v_arg, mask, backend="decode" if kv_mask is None else "paged", **kw)
+        full = mask if kv_mask is None else mask & kv_mask
+        gold = attnkit.attention_reference(q.double(), k64, v64, full, **kw)
+        base = attnkit.attention(q, k64.to(q.dtype), v64.to(q.dtype), full, backend="math", **kw)
+        rule_r(out, base, gold, n_terms=Sk)
+
+
+@pytest.mark.parametrize("layout", ["dense", "paged", "mla"])
+@pytest.mark.parametrize("kind", ["keys-shared", "blocks-per_head"])
+def test_the_engine_never_reads_a_key_no_query_selected(implementation, layout, kind):
+    """Every K and V row no list selects holds NaN: the engine's output stays the oracle's over
+    the clean K/V (a row it read would turn its query's output to NaN)."""
+    B, Hq, Sk = 2, 4, 50
+    Hkv, D, Dv = (1, 40, 32) if layout == "mla" else (2, 32, 32)
+    for Sq in (1, 6):
+        seed = stable_seed("nan", layout, kind, Sq)
+        q, k, v = make_qkv(B, Hq, Hkv, Sq, Sk, D, Dv=Dv, seed=seed)
+        if layout == "mla":
+            v = k[..., :Dv]
+        mask = selection(kind, B, Hq, Hkv, Sq, Sk, seed) & M.Causal()
+        kv_mask = _layout(layout, q, k, v, seed)[3]
+        gold = attnkit.attention_reference(q.double(), k.double(), v.double(),
+                                           mask if kv_mask is None else mask & kv_mask)
+        seen = mask.materialize(B, Sq, Sk, "cpu").expand(B, Hq, Sq, Sk).any(2)  # (B, Hq, Sk)
+        unread = ~seen.view(B, Hkv, Hq // Hkv, Sk).any(2)  # (B, Hkv, Sk): no query of the KV head sees it
+        k, v = k.clone(), v.clone()
+        k[unread], v[unread] = float("nan"), float("nan")
+        if layout == "mla":
+            v = k[..., :Dv]
+        kv, v_arg, _, kv_mask = _layout(layout, q, k, v, seed)
+        out = attnkit.attention(q, kv, v_arg, mask, backend="decode" if kv_mask is None else "paged")
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out.double(), gold, rtol=0, atol=1e-5)
+
+
+def test_auto_reads_the_selection_in_place_on_cpu_and_never_builds_a_dense_mask(monkeypatch):
+    """On CPU, auto gives a selection call of any length to the split-K engine, which says so in
+    describe_call, and the call builds no (Sq, Sk) mask: the reduced mask's dense form is never
+    asked for."""
+    from attnkit import native
+
+    B, Hq, Hkv, Sq, Sk, D = 1, 4, 2, 40, 300, 16
+    q, k, v = make_qkv(B, Hq, Hkv, Sq, Sk, D, seed=8)
+    mask = M.SelectedKeys(rand_ids((B, Sq, 12), Sk, 8)) & M.Causal()
+    detail = attnkit.describe_call(q, k, v, mask, detail=True)
+    if native.status(build=False).startswith("native"):
+        assert detail.startswith("decode[native") and detail.endswith("selection read in place]")
+    want = attnkit.attention_reference(q, k, v, mask).float()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a dense mask was built")
+
+    monkeypatch.setattr(ReducedMask, "dense", refuse)
+    monkeypatch.setattr(M.Mask, "materialize", refuse)
+    got = attnkit.attention(q, k, v, mask, backend="decode")
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_a_selection_per_query_head_of_a_kv_group_takes_the_dense_path():
+    """Lists per query head inside a KV group (Hs = Hq > Hkv) are not walked in place (a KV
+    head's rows would need several lists): decode takes them densely, still exact."""
+    from attnkit.backends.decode import splitk
+
+    B, Hq, Hkv, Sq, Sk = 1, 4, 2, 2, 30
+    sel = M.SelectedKeys(rand_ids((B, Hq, Sq, 5), Sk, 3), num_heads=Hq)
+    assert not splitk.reads_selection(ReducedMask(sel, B, Sq, Sk), Hkv)
+    q, k, v = make_qkv(B, Hq, Hkv, Sq, Sk, 16, seed=3)
+    check_against_oracle(q, k, v, sel, backend="decode")
+
+
+def test_the_native_kernel_refuses_lists_it_must_not_read():
+    """The native op checks every entry a row reads on the calling thread: descending or
+    repeated entries, a key past Sk, a paged key whose block is outside the pool raise
+    ValueError; nothing is read."""
+    from attnkit import native
+
+    ops = native.load()
+    if ops is None:
+        pytest.skip(f"no native kernel here: {native.status()}")
+    q, k, v = torch.randn(1, 2, 1, 16), torch.randn(1, 1, 20, 16), torch.randn(1, 1, 20, 16)
+
+    def call(keys, kk=k, vv=v, table=None, lo=0, hi=None):
+        keys = torch.tensor([[keys]], dtype=torch.int32)
+        hi = keys.shape[-1] if hi is None else hi
+        return ops.splitk_attention(q, kk, vv, None, None, 16, table, None, None, None, None, None, None, 0.25, 0.0,
+                                    1, False, keys, torch.tensor([[lo]]), torch.tensor([[hi]]), 1)
+
+    call([0, 3, 19])  # fine
+    with pytest.raises(ValueError, match="not ascending distinct"):
+        call([3, 3])
+    with pytest.raises(ValueError, match="not ascending distinct"):
+        call([5, 2])
+    with pytest.raises(ValueError, match="reads key 20 but k holds Sk=20"):
+        call([1, 20])
+    call([1, 20, -1], hi=1)  # entries outside [lo, hi) are never read
+    with pytest.raises(ValueError, match="outside its list"):
+        call([1, 2], hi=3)
+    pool_k, pool_v = torch.randn(3, 4, 1, 16), torch.randn(3, 4, 1, 16)
+    table = torch.tensor([[2, -1, 0]])
+    call([0, 9], pool_k, pool_v, table)
+    with pytest.raises(ValueError, match="block_table entry -1"):
+        call([0, 5], pool_k, pool_v, table)
