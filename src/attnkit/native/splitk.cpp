@@ -23,13 +23,14 @@
 // as a range), or, with a per-query selection, the keys of a list (below), plus an optional additive fp32 bias (any other mask), ALiBi (slope[h] * (j -
 // qpos[b, i])) and soft-capping (c * tanh(s / c), on the scaled score, before bias and ALiBi).
 //
-// Selections (attnkit.masks.SelectedKeys / SelectedBlocks): the caller passes, per q sequence b
-// and list head s, an ascending list of key positions keys[b, s, :] and the part of it the rows
-// see, list entries [klo[b, s], khi[b, s]). The walk then runs over list entries instead of key
-// positions: a tile is the next n entries, consecutive positions in one block read as one run, so
-// the cost is the selection's length, not the context's. Each q sequence of the call reads the K/V
-// sequence b / seq_div, so a prefill's queries, each with its own list, go as B * Sq sequences of
-// one query (seq_div = Sq) over the same K/V.
+// Selections (attnkit.masks.SelectedKeys / SelectedBlocks): the caller passes each query's ids
+// as given (any order, repeats, negative = unused), a block size, the interval R that cuts them
+// and optionally an interval W joined to them. build_lists() turns each into the ascending
+// distinct key positions its rows see (a bitmap over R, so sorting costs nothing), and the walk
+// runs over list entries instead of key positions: a tile is the next n entries, consecutive
+// positions in one block read as one run, so the cost is the selection's length, not the
+// context's. Each q sequence of the call reads the K/V sequence b / seq_div, so a prefill's
+// queries, each with its own list, go as B * Sq sequences of one query (seq_div = Sq).
 //
 // Invariants: a row with no visible key gets exactly 0 (and lse -inf); NaN in a visible score
 // propagates to the row's output (only the mask decides emptiness); threads come from torch's
@@ -540,6 +541,59 @@ X* grown(std::vector<X>& v, int64_t n) noexcept {
     }
   }
   return v.data();
+}
+
+// A call's selection as build_lists() takes it: ids (B0, Hs, seq_div, n) int64 by strides, B0 1 or
+// B / seq_div; block size; R and W per q sequence, (B,) int64 each (W optional).
+struct Selection {
+  const int64_t* ids;
+  int64_t s0, s1, s2, s3, B0, n, block;
+  const int64_t *lo, *hi, *ulo, *uhi;
+};
+
+// Each (q sequence b, list s)'s keys, ascending and distinct, into lists[(b * Hs + s) * L ...],
+// their count into count[b * Hs + s]: the ids' blocks' keys inside [lo, hi) (clamped to [0,
+// cap): the keys K/V holds), and W's keys inside it. L bounds every count (the caller's
+// n * block + the longest W, at most cap). Lists are independent: built in parallel, each on a
+// bitmap of its R; false when a worker could not get memory.
+bool build_lists(const Selection& sel, int64_t B, int64_t Hs, int64_t seq_div, int64_t cap, int64_t L,
+                 int32_t* lists, int64_t* count) {
+  std::atomic<bool> ok{true};
+  at::parallel_for(0, B * Hs, 16, [&](int64_t p0, int64_t p1) {
+    thread_local std::vector<uint64_t> bits_buf;
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t b = p / Hs, s = p % Hs, kb = b / seq_div, i = b % seq_div;
+      const int64_t lo = std::clamp<int64_t>(sel.lo[b], 0, cap), hi = std::clamp<int64_t>(sel.hi[b], 0, cap);
+      count[p] = 0;
+      if (lo >= hi) continue;
+      const int64_t words = (hi - lo + 63) / 64;
+      uint64_t* bits = grown(bits_buf, words);
+      if (bits == nullptr) {
+        ok.store(false, std::memory_order_relaxed);
+        return;
+      }
+      std::fill(bits, bits + words, uint64_t{0});
+      const auto set_range = [&](int64_t a, int64_t e) {  // keys [a, e) inside [lo, hi)
+        a = std::max(a, lo) - lo;
+        e = std::min(e, hi) - lo;
+        for (int64_t x = a; x < e; ++x) bits[x >> 6] |= uint64_t{1} << (x & 63);
+      };
+      const int64_t* row = sel.ids + (sel.B0 == 1 ? 0 : kb) * sel.s0 + s * sel.s1 + i * sel.s2;
+      for (int64_t j = 0; j < sel.n; ++j) {
+        const int64_t id = row[j * sel.s3];
+        if (id < 0 || id >= (cap + sel.block - 1) / sel.block) continue;  // unused; past the keys (never read)
+        set_range(id * sel.block, id * sel.block + sel.block);
+      }
+      if (sel.ulo != nullptr) set_range(sel.ulo[b], sel.uhi[b]);
+      int32_t* out = lists + p * L;
+      int64_t c = 0;
+      for (int64_t w = 0; w < words; ++w)
+        for (uint64_t x = bits[w]; x != 0 && c < L; x &= x - 1)
+          out[c++] = static_cast<int32_t>(lo + w * 64 + __builtin_ctzll(x));
+      count[p] = c;
+    }
+  });
+  return ok.load();
 }
 
 // A unit's working memory, carved from buffers each thread keeps across its units (one set per
@@ -1511,9 +1565,12 @@ void run_all(Args a, const Ranges& ranges, at::Tensor& out, float* lse, const fl
 // (B, Hkv, Sk, D) or paged pools (N, bs, Hkv, D) (v undefined: V = K[..., :Dv]); lo / hi (B, Sq)
 // int64, each optional (lo: 0; hi: all Sk keys of a dense cache; paged pools need hi); bias fp32
 // broadcastable (B, Hq, Sq, Sk) (expanded strides); slopes / sinks (Hq,) fp32; qpos (B, Sq) int64
-// (optional for a dense cache: bottom-right positions). A selection: keys (B, Hs, n) int32 (unit
-// stride in n; Hs divides Hkv) with klo / khi (B, Hs) int64, lo / hi / bias absent; seq_div: q
-// sequence b reads K/V sequence b / seq_div (dense k (B / seq_div, ...), block_table rows B / seq_div).
+// (optional for a dense cache: bottom-right positions). A selection (Sq 1): sel_ids (1 or
+// B / seq_div, Hs, seq_div, n) int64 as given (Hs divides Hkv; query i of K/V sequence kb is q
+// sequence kb * seq_div + i), sel_block its block size, sel_lo / sel_hi (B,) the interval R that
+// cuts it, union_lo / union_hi (B,) an interval W joined to it (optional); lo / hi / bias absent.
+// seq_div: q sequence b reads K/V sequence b / seq_div (dense k (B / seq_div, ...), block_table
+// rows B / seq_div).
 // Returns out (B, Hq, Sq, Dv) in q's dtype and lse (B, Hq, Sq) fp32 (empty unless return_lse).
 // Everything a decode step needs happens in this one op: no scaled copy of q, no default bounds,
 // no output cast (each a dispatch of its own, on every layer of every step).
@@ -1524,8 +1581,9 @@ std::tuple<at::Tensor, at::Tensor> splitk_attention(
     const c10::optional<at::Tensor>& hi, const c10::optional<at::Tensor>& bias,
     const c10::optional<at::Tensor>& slopes, const c10::optional<at::Tensor>& qpos,
     const c10::optional<at::Tensor>& sinks, double scale, double softcap, int64_t num_kv_heads, bool return_lse,
-    const c10::optional<at::Tensor>& keys, const c10::optional<at::Tensor>& key_lo,
-    const c10::optional<at::Tensor>& key_hi, int64_t seq_div) {
+    const c10::optional<at::Tensor>& sel_ids, int64_t sel_block, const c10::optional<at::Tensor>& sel_lo,
+    const c10::optional<at::Tensor>& sel_hi, const c10::optional<at::Tensor>& union_lo,
+    const c10::optional<at::Tensor>& union_hi, int64_t seq_div) {
   const at::ScalarType qt = q.scalar_type();
   TORCH_CHECK(q.dim() == 4 && (qt == at::kFloat || qt == at::kBFloat16 || qt == at::kHalf) && q.is_contiguous() &&
                   q.device().is_cpu(),
@@ -1615,7 +1673,7 @@ std::tuple<at::Tensor, at::Tensor> splitk_attention(
     a.vss1 = v_scale->stride(1);
     a.vss2 = v_scale->stride(2);
   }
-  TORCH_CHECK(hi.has_value() || !paged || keys.has_value(), "paged pools need hi (the sequences' lengths)");
+  TORCH_CHECK(hi.has_value() || !paged || sel_ids.has_value(), "paged pools need hi (the sequences' lengths)");
   const auto index_ok = [&](const at::Tensor& t) {
     return t.scalar_type() == at::kLong && t.is_contiguous() && t.numel() == a.B * a.Sq && t.device().is_cpu();
   };
@@ -1657,26 +1715,49 @@ std::tuple<at::Tensor, at::Tensor> splitk_attention(
   a.keys = nullptr;
   a.Hs = 1;
   int64_t list_len = 0;
-  if (keys.has_value()) {
-    const at::Tensor& t = *keys;
-    TORCH_CHECK(t.scalar_type() == at::kInt && t.dim() == 3 && t.size(0) == a.B && (t.stride(2) == 1 || t.size(2) <= 1) &&
-                    t.device().is_cpu(),
-                "keys must be a (B=", a.B, ", Hs, n) int32 CPU tensor with unit stride in n, got ", t.sizes());
-    TORCH_CHECK(t.size(1) >= 1 && a.Hkv % t.size(1) == 0, "keys' ", t.size(1), " lists must divide Hkv=", a.Hkv);
+  std::vector<int32_t> lists;
+  std::vector<int64_t> list_lo, list_hi;
+  if (sel_ids.has_value()) {
+    const at::Tensor& t = *sel_ids;
+    TORCH_CHECK(t.scalar_type() == at::kLong && t.dim() == 4 && (t.size(0) == 1 || t.size(0) == kv_batch) &&
+                    t.size(2) == seq_div && t.size(1) >= 1 && a.Hkv % t.size(1) == 0 && t.device().is_cpu(),
+                "sel_ids must be a (1 or B=", kv_batch, ", Hs dividing Hkv=", a.Hkv, ", seq_div=", seq_div,
+                ", n) int64 CPU tensor, got ", t.sizes());
+    TORCH_CHECK(a.Sq == 1, "a selection takes one query per q sequence (seq_div queries of a K/V sequence)");
+    TORCH_CHECK_VALUE(sel_block >= 1, "sel_block must be >= 1, got ", sel_block);
     TORCH_CHECK(!lo.has_value() && !hi.has_value() && !bias.has_value(),
-                "a selection takes its rows' entries from key_lo / key_hi: lo, hi and bias must be absent");
+                "a selection's rows see its keys: lo, hi and bias must be absent");
     const auto bounds_ok = [&](const c10::optional<at::Tensor>& b) {
-      return b.has_value() && b->scalar_type() == at::kLong && b->is_contiguous() && b->numel() == a.B * t.size(1) &&
-             b->device().is_cpu();
+      return b->scalar_type() == at::kLong && b->is_contiguous() && b->numel() == a.B && b->device().is_cpu();
     };
-    TORCH_CHECK(bounds_ok(key_lo) && bounds_ok(key_hi), "key_lo and key_hi must be (B, Hs) int64 contiguous");
-    a.keys = t.data_ptr<int32_t>();
-    a.key_s0 = t.stride(0);
-    a.key_s1 = t.stride(1);
+    TORCH_CHECK(sel_lo.has_value() && sel_hi.has_value() && bounds_ok(sel_lo) && bounds_ok(sel_hi),
+                "sel_lo and sel_hi must be (B,) int64 contiguous");
+    TORCH_CHECK(union_lo.has_value() == union_hi.has_value() &&
+                    (!union_lo.has_value() || (bounds_ok(union_lo) && bounds_ok(union_hi))),
+                "union_lo and union_hi must both be (B,) int64 contiguous, or both absent");
+    Selection sel{t.data_ptr<int64_t>(), t.stride(0), t.stride(1), t.stride(2), t.stride(3), t.size(0), t.size(3),
+                  sel_block, sel_lo->data_ptr<int64_t>(), sel_hi->data_ptr<int64_t>(),
+                  union_lo.has_value() ? union_lo->data_ptr<int64_t>() : nullptr,
+                  union_hi.has_value() ? union_hi->data_ptr<int64_t>() : nullptr};
+    // The keys K/V holds: a dense Sk; a paged sequence, its table's blocks (R, with the paged
+    // lengths folded in, cuts them further; check_reads checks the blocks the lists reach).
+    const int64_t cap = paged ? a.block_table_w * a.block_size : a.Sk;
+    int64_t widest = 0;  // the longest W inside R
+    if (sel.ulo != nullptr)
+      for (int64_t b = 0; b < a.B; ++b)
+        widest = std::max(widest, std::min({sel.uhi[b], sel.hi[b], cap}) - std::max({sel.ulo[b], sel.lo[b], int64_t{0}}));
+    const __int128 longest = static_cast<__int128>(sel.n) * sel_block + widest;
+    list_len = static_cast<int64_t>(std::min<__int128>(longest, cap));
     a.Hs = t.size(1);
-    a.klo = key_lo->data_ptr<int64_t>();
-    a.khi = key_hi->data_ptr<int64_t>();
-    list_len = t.size(2);
+    lists.resize(std::max<int64_t>(1, a.B * a.Hs * list_len));
+    list_lo.assign(a.B * a.Hs, 0);
+    list_hi.resize(a.B * a.Hs);
+    if (!build_lists(sel, a.B, a.Hs, seq_div, cap, list_len, lists.data(), list_hi.data())) throw std::bad_alloc();
+    a.keys = lists.data();
+    a.key_s0 = a.Hs * list_len;
+    a.key_s1 = list_len;
+    a.klo = list_lo.data();
+    a.khi = list_hi.data();
   }
   const Ranges ranges = key_ranges(a);
   check_reads(a, ranges, bias, list_len);
@@ -1701,8 +1782,8 @@ std::tuple<at::Tensor, at::Tensor> splitk_attention_meta(
     const c10::optional<at::Tensor>&, int64_t v_head_dim, const c10::optional<at::Tensor>&,
     const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
     const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, double,
-    double, int64_t, bool return_lse, const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
-    const c10::optional<at::Tensor>&, int64_t) {
+    double, int64_t, bool return_lse, const c10::optional<at::Tensor>&, int64_t, const c10::optional<at::Tensor>&,
+    const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, int64_t) {
   TORCH_CHECK(q.dim() == 4, "q must be (B, Hq, Sq, D), got ", q.sizes());
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v_head_dim}, q.options());
   at::Tensor lse = at::empty({return_lse ? q.size(0) : 0, q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
@@ -1715,8 +1796,8 @@ TORCH_LIBRARY(attnkit_cpu, m) {
   m.def(
       "splitk_attention(Tensor q, Tensor k, Tensor? v, Tensor? k_scale, Tensor? v_scale, int v_head_dim, Tensor? block_table, Tensor? lo, "
       "Tensor? hi, Tensor? bias, Tensor? slopes, Tensor? qpos, Tensor? sinks, float scale, float softcap, "
-      "int num_kv_heads, bool return_lse, Tensor? keys=None, Tensor? key_lo=None, Tensor? key_hi=None, "
-      "int seq_div=1) -> (Tensor, Tensor)");
+      "int num_kv_heads, bool return_lse, Tensor? sel_ids=None, int sel_block=1, Tensor? sel_lo=None, "
+      "Tensor? sel_hi=None, Tensor? union_lo=None, Tensor? union_hi=None, int seq_div=1) -> (Tensor, Tensor)");
   m.impl("splitk_attention", c10::DispatchKey::CPU, TORCH_FN(splitk_attention));
   m.impl("splitk_attention", c10::DispatchKey::Meta, TORCH_FN(splitk_attention_meta));
 }

@@ -258,6 +258,12 @@ def _selected(c: SplitKCall) -> tuple[Tensor, Tensor | None]:
     if native_ops:
         chunk = SELECTION_Q_CHUNK
         k, v, table = _plain(c.k), None if c.v is None else _plain(c.v), _table(c.block_table)
+        # the ids as given, R and W per query: the kernel builds each query's list itself
+        ids = sel.mask.ids.to(device=q.device, dtype=torch.long)
+        ids = ids.unsqueeze(1) if ids.dim() == 3 else ids
+        within = [t.to(device=q.device, dtype=torch.long).expand(B, Sq) for t in sel.within(q.device)]
+        union = sel.union(q.device)
+        union = None if union is None else [t.to(device=q.device, dtype=torch.long).expand(B, Sq) for t in union]
     else:
         row = c.num_kv_heads * (c.q.shape[-1] + Dv) * c.k.element_size()
         longest = sel.mask.ids.shape[-1] * sel.block_size + (c.kv_len if sel.union_part is not None else 0)
@@ -267,17 +273,19 @@ def _selected(c: SplitKCall) -> tuple[Tensor, Tensor | None]:
     for i0 in range(0, Sq, chunk):
         i1 = min(Sq, i0 + chunk)
         m = i1 - i0
-        keys, lo, hi = sel.lists(q.device, i0, i1)  # (B, m, Hs, L), (B, m, Hs)
-        keys, lo, hi = keys.flatten(0, 1), lo.flatten(0, 1), hi.flatten(0, 1)
         qc = _plain(q[:, :, i0:i1].transpose(1, 2).reshape(B * m, Hq, 1, D), whole=True)
         pc = None if qpos is None else qpos[:, i0:i1].reshape(B * m, 1).contiguous()
         if native_ops:
+            per_query = [t[:, i0:i1].reshape(B * m).contiguous() for t in within + (union or [])]
+            uni = per_query[2:] if union is not None else [None, None]
             o, l_c = c.ops.splitk_attention(qc, k, v, _scales(c.k_scale), _scales(c.v_scale), Dv, table, None, None,
                                             None, slopes, pc, c.sinks, float(c.scale), float(c.softcap or 0.0),
-                                            c.num_kv_heads, c.return_lse, keys, lo, hi, m)
+                                            c.num_kv_heads, c.return_lse, ids[:, :, i0:i1], sel.block_size,
+                                            per_query[0], per_query[1], uni[0], uni[1], m)
         else:
-            o, l_c = torch_selected(qc, c.k, c.v, Dv, c.num_kv_heads, c.scale, keys, lo, hi, m, c.block_table,
-                                    c.softcap, slopes, pc, c.k_scale, c.v_scale)
+            keys, lo, hi = sel.lists(q.device, i0, i1)  # (B, m, Hs, L), (B, m, Hs)
+            o, l_c = torch_selected(qc, c.k, c.v, Dv, c.num_kv_heads, c.scale, keys.flatten(0, 1), lo.flatten(0, 1),
+                                    hi.flatten(0, 1), m, c.block_table, c.softcap, slopes, pc, c.k_scale, c.v_scale)
             if c.sinks is not None:
                 o = with_sinks(o, l_c, c.sinks)[0]
         out[:, :, i0:i1] = o.reshape(B, m, Hq, Dv).transpose(1, 2)
