@@ -106,7 +106,8 @@ def select_topk(q: Tensor, weights: Tensor, keys: Tensor, hi: Tensor, topk: int,
     for i0 in range(0, Sq, block_q):
         i1 = min(i0 + block_q, Sq)
         bound = hi[:, i0:i1, None]  # (B, bq, 1)
-        reach = min(int(bound.max()), L)  # key tiles past this are invisible to every query here
+        # key tiles past this are invisible to every query here (a traced step reads no values: all)
+        reach = L if torch.compiler.is_compiling() else min(int(bound.max()), L)
         w = wf[:, i0:i1, None, :]  # (B, bq, 1, Hi)
         best_v = best_i = None
         for j0 in range(0, max(reach, 1), block_k):
