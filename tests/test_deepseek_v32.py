@@ -245,3 +245,28 @@ def test_refusals(pair, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(c))
     with pytest.raises(ValueError, match="mixture-of-experts layers \\[1\\]"):
         Decoder.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_crop_reorder_and_quantized_cache(pair, kind):
+    """Rolling back tokens (crop) and reordering rows act on both caches of a layer; kv_dtype
+    quantizes the latent and keeps the indexer's keys (a top-k's input) unquantized."""
+    import attnkit
+    _, m, _ = pair
+    ids = _ids(2, 24, seed=6)
+    with torch.no_grad():
+        full = m(ids)
+        caches = m.new_caches(kind, max_batch=2, max_len=24)
+        m(ids, caches=caches)
+        attnkit.caches.crop(caches, -5)  # a speculative rollback
+        assert [c.index.lengths.tolist() for c in caches] == [[19, 19]] * 2
+        torch.testing.assert_close(m(ids[:, 19:], caches=caches), full[:, 19:], rtol=0, atol=1e-5)
+        attnkit.caches.reorder(caches, torch.tensor([1, 0]))
+        attnkit.caches.crop(caches, -1)
+        swapped = m(ids.flip(0))
+        torch.testing.assert_close(m(ids.flip(0)[:, 23:], caches=caches), swapped[:, 23:], rtol=0, atol=1e-5)
+    q = m.new_caches(kind, max_batch=1, max_len=48, kv_dtype="int8")
+    assert q[0].latent.kv_dtype == torch.int8 and q[0].index.kv_dtype is None
+    assert q[0].bytes_per_token < caches[0].bytes_per_token
+    prompt = _ids(1, 30, seed=7)
+    assert m.generate(prompt, 4, cache=kind, kv_dtype="int8").tokens[0][:2] == m.generate(prompt, 2).tokens[0]

@@ -293,8 +293,10 @@ class IndexedLatentAttention(MultiHeadLatentAttention):
                   k_channel_scale=None) -> IndexedLatentCache:
         """An empty :class:`IndexedLatentCache` of ``kind`` ("dynamic" or "static"; other kinds
         raise ValueError): MLA's latent cache (``kv_dtype`` and ``k_channel_scale`` as
-        :meth:`MultiHeadLatentAttention.new_cache`) and the indexer's key cache (the same
-        ``kv_dtype``, its own channel scale by default)."""
+        :meth:`MultiHeadLatentAttention.new_cache`) and the indexer's key cache, unquantized in
+        the latent's compute dtype: a top-k is discontinuous, so rounding noise in the keys it
+        ranks flips near-tied selections and moves the output far more than the same noise in the
+        latent does (and the indexer's keys are the smaller part of the cache)."""
         if kind not in INDEXED_CACHE_KINDS:
             raise ValueError(f"a {kind!r} cache cannot hold DeepSeek-V3.2's indexer keys beside the latent; "
                              f"use one of {INDEXED_CACHE_KINDS}")
@@ -304,8 +306,7 @@ class IndexedLatentAttention(MultiHeadLatentAttention):
                                    kv_dtype=kv_dtype, k_channel_scale=k_channel_scale)
         D = self.indexer.config.head_dim
         index = new_cache(kind, (1, D, D), value_from_key=True, max_batch=max_batch, max_len=max_len,
-                          dtype=latent.dtype, device=latent.lengths.device, kv_dtype=kv_dtype,
-                          k_channel_scale=k_channel_scale if isinstance(k_channel_scale, bool) else None)
+                          dtype=latent.dtype, device=latent.lengths.device)
         return IndexedLatentCache(latent, index)
 
     def check_cache(self, cache, dtype: torch.dtype | None = None) -> None:
