@@ -74,6 +74,21 @@ def test_logits_match_transformers(pair):
         torch.testing.assert_close(m(ids), hf(ids).logits)
 
 
+def test_yarn_logits_match_transformers(tmp_path):
+    """YaRN with mscale_all_dim: the indexer's RoPE takes the same scaled cos / sin as MLA's."""
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}
+    hf = transformers.DeepseekV32ForCausalLM(transformers.DeepseekV32Config(
+        **HF, rope_parameters=yarn, attn_implementation="eager")).eval()
+    _randomise(hf, seed=3)
+    hf.save_pretrained(tmp_path)
+    m = load_pretrained(tmp_path)
+    assert m.config.rope_scaling["rope_type"] == "yarn"
+    ids = _ids(2, seed=2)
+    with torch.no_grad():
+        torch.testing.assert_close(m(ids), hf(ids).logits)
+
+
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_greedy_tokens_match_transformers(pair, cache):
     hf, m, _ = pair
