@@ -19,7 +19,9 @@ import torch
 
 from attnkit.masks import Causal
 from attnkit.models import Decoder, DecoderConfig, load_pretrained
-from attnkit.models.indexer import IndexedLatentAttention, IndexedLatentCache, IndexerConfig, select_topk
+from attnkit.models.indexer import (IndexedLatentAttention, IndexedLatentCache, IndexerConfig, rotate_half_cos_sin,
+                                    select_topk)
+from attnkit.rope import RotaryEmbedding
 from attnkit.modules.mla import MLAConfig, MultiHeadLatentAttention
 
 transformers = pytest.importorskip("transformers")
@@ -156,6 +158,18 @@ def test_topk_excludes_keys():
         assert int(seen.max()) == 6 and (seen[:, :, 6:] == 6).all()
         keep = w[:, :1] > 0  # the selection (shared by the heads) as a dense mask
         torch.testing.assert_close(out, dense(x, mask=keep))
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_indexer_rope_is_rotate_half_whatever_mlas_layout(interleaved):
+    """The indexer rotates half-split pairs with MLA's frequencies (and YaRN factor), from the
+    angles the decoder computed once for MLA's rope, interleaved or not."""
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    mla = RotaryEmbedding(6, base=500.0, scaling=scaling, interleaved=interleaved)
+    half = RotaryEmbedding(6, base=500.0, scaling=scaling, interleaved=False)
+    pos = torch.tensor([[0, 3, 17, 40], [5, 6, 7, 90]])
+    for got, want in zip(rotate_half_cos_sin(mla.angles(pos)), half.cos_sin(pos)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def _dense_topk(q, w, keys, hi, topk, scale, key_bias=None):

@@ -44,7 +44,7 @@ from ..modules.options import and_masks, torch_key_padding
 from ..rope import RotaryAngles, apply_rotary
 
 __all__ = ["IndexerConfig", "LightningIndexer", "IndexedLatentCache", "IndexedLatentAttention", "select_topk",
-           "INDEXED_CACHE_KINDS", "BLOCK_Q", "BLOCK_K"]
+           "rotate_half_cos_sin", "INDEXED_CACHE_KINDS", "BLOCK_Q", "BLOCK_K"]
 
 #: Queries per tile of :func:`select_topk`.
 BLOCK_Q = 64
@@ -128,10 +128,16 @@ def select_topk(q: Tensor, weights: Tensor, keys: Tensor, hi: Tensor, topk: int,
     return out
 
 
-def _half_layout(angles: RotaryAngles) -> tuple[Tensor, Tensor]:
-    """cos, sin (B|1, S, dr) in the rotate-half layout from interleaved ``angles`` (each angle
-    twice in a row there, ``cat(c, c)`` here; ``sin_signed`` holds -sin on the first of each pair)."""
-    c, s = angles.cos[..., 0::2], angles.sin_signed[..., 1::2]
+def rotate_half_cos_sin(angles: RotaryAngles) -> tuple[Tensor, Tensor]:
+    """cos, sin (B|1, S, R) in the rotate-half layout (``cat(c, c)``, what :func:`attnkit.rope.apply_rotary`
+    takes with ``interleaved=False``) from ``angles`` of either layout: interleaved angles hold
+    each angle twice in a row, and ``sin_signed`` is -sin on the first of each pair (interleaved)
+    or on the first half (rotate-half)."""
+    R = angles.cos.shape[-1]
+    if angles.config.interleaved:
+        c, s = angles.cos[..., 0::2], angles.sin_signed[..., 1::2]
+    else:
+        c, s = angles.cos[..., :R // 2], angles.sin_signed[..., R // 2:]
     return torch.cat((c, c), -1), torch.cat((s, s), -1)
 
 
@@ -356,7 +362,7 @@ class IndexedLatentAttention(MultiHeadLatentAttention):
         q_pe, k_pe = self.rope(q_pe, k_pe[:, None], angles)  # (B, H, S, dr), (B, 1, S, dr)
         latent = torch.cat((self.kv_a_layernorm(c_kv)[:, None], k_pe), dim=-1)
         with torch.no_grad():
-            cos, sin = _half_layout(angles)
+            cos, sin = rotate_half_cos_sin(angles)
             idx_q = self.indexer.queries(q_resid, cos, sin)
             idx_k = self.indexer.keys(x, cos, sin)  # (B, 1, S, Di)
             idx_w = self.indexer.head_weights(x)
