@@ -177,7 +177,7 @@ def read_pretrained(path: str | Path, *, dtype: torch.dtype | None = None) -> Pr
 
 def _decoder_state_dict(sd: dict[str, Tensor], cfg: DecoderConfig, c: dict, path: Path) -> dict[str, Tensor]:
     sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
-    if c.get("model_type") == "deepseek_v3":  # multi-token-prediction layers live past the last layer
+    if c.get("model_type") in ("deepseek_v3", "deepseek_v32"):  # multi-token-prediction layers past the last
         layer = re.compile(r"model\.layers\.(\d+)\.")
         sd = {k: v for k, v in sd.items()
               if not ((m := layer.match(k)) and int(m.group(1)) >= cfg.num_layers)}

@@ -7,7 +7,9 @@
 ``"gqa"``  ``1 < num_kv_heads < num_heads`` (required), groups of query heads share a K/V head.
 ``"mqa"``  ``num_kv_heads == 1`` (default): one K/V head for all query heads.
 ``"mla"``  DeepSeek's multi-head latent attention: the cache holds one ``kv_lora_rank`` latent
-           plus one shared ``qk_rope_head_dim`` rotary key per token.
+           plus one shared ``qk_rope_head_dim`` rotary key per token. With ``index_topk`` set,
+           DeepSeek-V3.2's sparse attention: a lightning indexer picks ``index_topk`` keys per
+           query (:mod:`attnkit.models.indexer`).
 =========  =====================================================================================
 """
 
@@ -34,6 +36,7 @@ NORM_PLACEMENTS = ("pre", "sandwich", "post")
 #: MLP activations (Hugging Face ``hidden_act`` names) of the gated MLP.
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "gelu")
 _MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+_INDEX_FIELDS = ("index_topk", "index_n_heads", "index_head_dim")
 
 
 def default_intermediate_size(hidden_size: int) -> int:
@@ -84,6 +87,10 @@ class DecoderConfig:
             rope_interleave: MLA only. Defaults: ``kv_lora_rank = 4 * head_dim``, no q
             compression, ``qk_nope_head_dim = v_head_dim = head_dim``, ``qk_rope_head_dim =
             head_dim // 2`` (DeepSeek-V3's proportions), interleaved RoPE pairs.
+        index_topk, index_n_heads, index_head_dim: MLA only: DeepSeek-V3.2's lightning indexer
+            (None: dense MLA). ``index_topk`` keys per query; defaults ``index_n_heads =
+            num_heads``, ``index_head_dim = qk_nope_head_dim + qk_rope_head_dim``; needs
+            ``q_lora_rank`` and full-attention layers.
 
     Derived values never overwrite given ones; the resolved values are the fields themselves
     (``DecoderConfig(attention="mqa", ...).num_kv_heads == 1``).
@@ -125,6 +132,9 @@ class DecoderConfig:
     norm_placement: str = "pre"
     embedding_multiplier: float | None = None
     attention_sinks: bool = False
+    index_topk: int | None = None
+    index_n_heads: int | None = None
+    index_head_dim: int | None = None
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -133,7 +143,7 @@ class DecoderConfig:
             raise ValueError(f"attention must be one of {ATTENTION_VARIANTS}, got {self.attention!r}")
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_position_embeddings"):
             positive_int(name, getattr(self, name))
-        for name in ("num_kv_heads", "head_dim", "intermediate_size", *_MLA_FIELDS):
+        for name in ("num_kv_heads", "head_dim", "intermediate_size", *_MLA_FIELDS, *_INDEX_FIELDS):
             positive_int(name, getattr(self, name), allow_none=True)
         if self.hidden_act not in HIDDEN_ACTS:
             raise ValueError(f"hidden_act must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}")
@@ -180,8 +190,9 @@ class DecoderConfig:
                 raise ValueError(f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even (RoPE rotates pairs)")
             if self.rope_interleave is None:
                 set_("rope_interleave", True)
+            self._check_indexer(set_)
         else:
-            given = [n for n in _MLA_FIELDS if getattr(self, n) is not None]
+            given = [n for n in (*_MLA_FIELDS, *_INDEX_FIELDS) if getattr(self, n) is not None]
             if given:
                 raise ValueError(f"{', '.join(given)} only apply to attention='mla', got attention={self.attention!r}")
             if self.head_dim % 2:
@@ -203,6 +214,27 @@ class DecoderConfig:
                 raise ValueError(f"num_heads ({H}) must be divisible by num_kv_heads ({self.num_kv_heads})")
         if not isinstance(self.rope_interleave, bool):
             raise TypeError(f"rope_interleave must be a bool or None, got {self.rope_interleave!r}")
+
+    def _check_indexer(self, set_) -> None:
+        """DeepSeek-V3.2's indexer fields (MLA only): defaults, and what the indexer needs."""
+        if self.index_topk is None:
+            given = [n for n in _INDEX_FIELDS if getattr(self, n) is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} describe the lightning indexer, which needs index_topk")
+            return
+        if self.q_lora_rank is None:
+            raise ValueError("index_topk (DeepSeek-V3.2's indexer) needs q_lora_rank: the indexer reads MLA's query "
+                             "latent")
+        if "sliding_attention" in self.layer_types:
+            raise ValueError("index_topk (DeepSeek-V3.2's indexer) applies to full-attention layers only, got "
+                             "sliding_attention layers")
+        if self.index_n_heads is None:
+            set_("index_n_heads", self.num_heads)
+        if self.index_head_dim is None:
+            set_("index_head_dim", self.qk_nope_head_dim + self.qk_rope_head_dim)
+        if self.index_head_dim < self.qk_rope_head_dim:
+            raise ValueError(f"index_head_dim ({self.index_head_dim}) must be >= qk_rope_head_dim "
+                             f"({self.qk_rope_head_dim}), the channels RoPE rotates in each indexer head")
 
     def _check_variants(self, set_) -> None:
         positive_int("num_layers", self.num_layers)

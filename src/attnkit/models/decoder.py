@@ -37,6 +37,7 @@ from ..rope import RotaryEmbedding
 from .checkpoints import read_pretrained
 from .config import DecoderConfig
 from .generation import GenerationMixin
+from .indexer import IndexedLatentAttention, IndexedLatentCache, IndexerConfig
 
 __all__ = ["Decoder", "RMSNorm", "GatedMLP", "SwiGLU", "DecoderLayer", "CACHE_KINDS", "ACTIVATIONS", "make_cache",
            "layer_cache_kind", "paged_allocator"]
@@ -115,6 +116,10 @@ def _build_attention(cfg: DecoderConfig, layer_type: str, rope: RotaryEmbedding 
             rope_scaling=None if cfg.rope_scaling is None else dict(cfg.rope_scaling),
             rope_interleave=cfg.rope_interleave, max_position_embeddings=cfg.max_position_embeddings,
             attention_bias=cfg.attention_bias)  # its norms keep eps 1e-6, as in HF and DeepSeek code
+        if cfg.index_topk is not None:  # DeepSeek-V3.2: full layers only (the config checks it)
+            index_cfg = IndexerConfig(cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk)
+            return IndexedLatentAttention(mla_cfg, index_cfg, device=device, dtype=dtype, scale=cfg.query_scale,
+                                          softcap=cfg.attn_softcap, sinks=cfg.attention_sinks)
         return MultiHeadLatentAttention(mla_cfg, device=device, dtype=dtype, **variant)
     qk_norm_kw = None if cfg.qk_norm is None else dict(
         eps=cfg.rms_norm_eps, unit_offset=cfg.norm_style == "gemma", scale_in_fp32=cfg.norm_style == "olmo2")
@@ -271,6 +276,8 @@ class _Backbone(nn.Module):
 def _key_length(cache, tokens: int) -> int | None:
     """Keys the attention of a step of ``tokens`` new tokens per row sees over ``cache`` (what a
     ``key_padding_mask`` must cover), or None where the cache's layout has no such columns."""
+    if isinstance(cache, IndexedLatentCache):
+        return cache.key_length(tokens)
     if isinstance(cache, StaticCache):
         return cache.max_len
     if isinstance(cache, (DynamicCache, PagedKVCache)):

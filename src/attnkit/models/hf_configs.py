@@ -16,6 +16,9 @@ phi3          fused ``qkv_proj`` / ``gate_up_proj`` as stored, partial rotary, s
 olmo2         QK-norm over the whole projected width, norms after each sublayer only
 deepseek_v3   multi-head latent attention, dense MLPs only (``first_k_dense_replace >=
               num_hidden_layers``; routed-expert layers are refused)
+deepseek_v32  DeepSeek-V3.2: deepseek_v3's MLA plus the lightning indexer's top-k key selection
+              (``index_topk``, ``index_n_heads``, ``index_head_dim``); dense MLPs only
+              (``mlp_layer_types`` all "dense")
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ class _Family:
     local_rope: bool = False
     #: multi-head latent attention (DeepSeek-V3), read by _mla_config
     mla: bool = False
+    #: DeepSeek-V3.2's lightning indexer on every layer (with ``mla``)
+    indexed: bool = False
 
 
 _GEMMA_DEFAULTS = dict(tie_word_embeddings=True, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
@@ -73,6 +78,10 @@ _FAMILIES: dict[str, _Family] = {
                                          sliding_window_pattern=6),
                            fields=dict(qk_norm="head"), gemma=True, sliding="pattern", local_rope=True),
     "deepseek_v3": _Family(mla=True),
+    # transformers' DeepseekV32Config defaults; its MLA rope always rotates interleaved pairs
+    "deepseek_v32": _Family(defaults=dict(index_topk=2048, index_head_dim=128, index_n_heads=64,
+                                          first_k_dense_replace=3, n_routed_experts=256, q_lora_rank=1536),
+                            fields=dict(rope_interleave=True), mla=True, indexed=True),
 }
 SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
 
@@ -229,16 +238,28 @@ def config_from_hf(cfg) -> DecoderConfig:
     if fam.mla:
         k_dense = f.int("first_k_dense_replace", 0, low=0)
         experts = f.int("n_routed_experts", 0, low=0)
-        if experts and k_dense < L:
-            raise ValueError(f"this DeepSeek-V3 config has mixture-of-experts layers (first_k_dense_replace="
-                             f"{k_dense} < num_hidden_layers={L}, n_routed_experts={experts}); "
-                             "attnkit.models loads dense-MLP checkpoints only")
+        mlp_types = c.get("mlp_layer_types")
+        if mlp_types is not None and (not isinstance(mlp_types, list) or len(mlp_types) != L
+                                      or any(t not in ("dense", "sparse") for t in mlp_types)):
+            raise ValueError(f"{f.where} field 'mlp_layer_types' must list 'dense' / 'sparse' for each of the {L} "
+                             f"layers, got {mlp_types!r:.200}")
+        sparse = ([i for i, t in enumerate(mlp_types) if t == "sparse"] if mlp_types is not None
+                  else list(range(k_dense, L)) if experts else [])
+        if sparse:
+            raise ValueError(f"this DeepSeek config has mixture-of-experts layers {sparse[:8]} (first_k_dense_replace="
+                             f"{k_dense}, num_hidden_layers={L}, n_routed_experts={experts}, mlp_layer_types="
+                             f"{mlp_types}); attnkit.models loads dense-MLP checkpoints only")
         rope_dim = f.int("qk_rope_head_dim")
+        index = {}
+        if fam.indexed:
+            index = dict(index_topk=f.int("index_topk"), index_n_heads=f.int("index_n_heads"),
+                         index_head_dim=f.int("index_head_dim"))
+        interleave = fam.fields.get("rope_interleave", f.bool("rope_interleave", True))
         return DecoderConfig(**common, attention="mla", head_dim=f.int("v_head_dim"),
                              kv_lora_rank=f.int("kv_lora_rank"), q_lora_rank=f.int("q_lora_rank", None),
                              qk_nope_head_dim=f.int("qk_nope_head_dim"), qk_rope_head_dim=rope_dim,
-                             v_head_dim=f.int("v_head_dim"), rope_interleave=f.bool("rope_interleave", True),
-                             attention_bias=f.bool("attention_bias", False), **_rope_fields(c, rope_dim))
+                             v_head_dim=f.int("v_head_dim"), rope_interleave=interleave,
+                             attention_bias=f.bool("attention_bias", False), **index, **_rope_fields(c, rope_dim))
     kv = f.int("num_key_value_heads", H)
     head_dim = f.int("head_dim", None)
     if head_dim is None:

@@ -1,0 +1,301 @@
+"""DeepSeek-V3.2 (model_type "deepseek_v32"): MLA plus the lightning indexer's top-k key selection,
+in attnkit's Decoder. A tiny random transformers checkpoint (index_topk 8 against 40-token
+prompts, so the selection cuts keys) loads with Decoder.from_pretrained and gives transformers'
+fp32 logits (eager attention) and greedy tokens with dynamic and static caches; the blockwise top-k
+equals a dense one; the selection really excludes keys; bad input raises before any cache changes.
+
+The indexer's score is ``sum_h w_h * relu(q_h . k)``: a key whose every head is clipped scores
+exactly 0, and torch.topk breaks such ties in no documented order. The checkpoint has 16 indexer
+heads (a key scores exactly 0 for about 2**-16 of the queries), so transformers' selection has no
+tie at the top-k boundary to break differently; attnkit breaks ties toward the lower key position.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from attnkit.masks import Causal
+from attnkit.models import Decoder, DecoderConfig, load_pretrained
+from attnkit.models.indexer import (IndexedLatentAttention, IndexedLatentCache, IndexerConfig, rotate_half_cos_sin,
+                                    select_topk)
+from attnkit.rope import RotaryEmbedding
+from attnkit.modules.mla import MLAConfig, MultiHeadLatentAttention
+
+transformers = pytest.importorskip("transformers")
+
+HF = dict(hidden_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, intermediate_size=96,
+          vocab_size=128, max_position_embeddings=256, kv_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=6,
+          v_head_dim=10, q_lora_rank=16, first_k_dense_replace=2, n_routed_experts=4, moe_intermediate_size=8,
+          n_group=1, topk_group=1, num_experts_per_tok=2, index_topk=8, index_head_dim=16, index_n_heads=16)
+PROMPT = 40
+
+
+def _randomise(model, seed=0):
+    """Weights of std 0.2 (norms around 1): decisive logits and indexer scores."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            is_norm = "norm" in name
+            p.copy_(torch.randn(p.shape, generator=g) * (0.1 if is_norm else 0.2) + (1.0 if is_norm else 0.0))
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """(transformers' model, attnkit's Decoder loaded from its save_pretrained directory, the directory)."""
+    hf = transformers.DeepseekV32ForCausalLM(
+        transformers.DeepseekV32Config(**HF, attn_implementation="eager")).eval()
+    _randomise(hf)
+    path = tmp_path_factory.mktemp("dsv32")
+    hf.save_pretrained(path)
+    return hf, load_pretrained(path), path
+
+
+def _ids(B=2, S=PROMPT, seed=1):
+    return torch.randint(0, HF["vocab_size"], (B, S), generator=torch.Generator().manual_seed(seed))
+
+
+def test_config_and_parameters(pair):
+    _, m, _ = pair
+    c = m.config
+    assert (c.attention, c.index_topk, c.index_n_heads, c.index_head_dim, c.rope_interleave) == ("mla", 8, 16, 16, True)
+    attn = m.model.layers[0].self_attn
+    assert isinstance(attn, IndexedLatentAttention)
+    assert attn.indexer.weights_proj.weight.dtype == torch.float32  # kept in fp32, as transformers does
+    # the cache holds the latent (r + dr) and the indexer's key (Di) per token and layer
+    assert m.kv_bytes_per_token() == 2 * (24 + 6 + 16) * 4
+    assert DecoderConfig(**c.to_dict()) == c
+
+
+def test_logits_match_transformers(pair):
+    hf, m, _ = pair
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(m(ids), hf(ids).logits)
+
+
+def test_yarn_logits_match_transformers(tmp_path):
+    """YaRN with mscale_all_dim: the indexer's RoPE takes the same scaled cos / sin as MLA's."""
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}
+    hf = transformers.DeepseekV32ForCausalLM(transformers.DeepseekV32Config(
+        **HF, rope_parameters=yarn, attn_implementation="eager")).eval()
+    _randomise(hf, seed=3)
+    hf.save_pretrained(tmp_path)
+    m = load_pretrained(tmp_path)
+    assert m.config.rope_scaling["rope_type"] == "yarn"
+    ids = _ids(2, seed=2)
+    with torch.no_grad():
+        torch.testing.assert_close(m(ids), hf(ids).logits)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_greedy_tokens_match_transformers(pair, cache):
+    hf, m, _ = pair
+    prompt = _ids(1)
+    with torch.no_grad():
+        out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10, min_new_tokens=10,
+                          do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert m.generate(prompt, 10, cache=cache).tokens[0] == out[0, PROMPT:].tolist()
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_chunked_prefill_and_decode_equal_one_forward(pair, kind):
+    """The indexer keys cached in a step are the ones later steps select from: prefill in chunks,
+    then token by token, equals one forward over the whole sequence (ragged rows too)."""
+    _, m, _ = pair
+    ids = _ids(2, 30, seed=3)
+    with torch.no_grad():
+        full = m(ids)
+        caches = m.new_caches(kind, max_batch=2, max_len=32)
+        assert all(isinstance(c, IndexedLatentCache) for c in caches)
+        parts = [m(ids[:, :11], caches=caches), m(ids[:, 11:26], caches=caches)]
+        parts += [m(ids[:, t:t + 1], caches=caches) for t in range(26, 30)]
+    assert (torch.cat(parts, 1) - full).abs().max() <= 1e-5
+    assert caches[1].lengths.tolist() == [30, 30] and caches[1].index.lengths.tolist() == [30, 30]
+    rows = [ids[0, :21].tolist(), ids[1, :9].tolist()]  # a ragged batch: each row as alone
+    assert m.generate(rows, 6, cache=kind).tokens == [m.generate([r], 6, cache=kind).tokens[0] for r in rows]
+
+
+def test_left_padding_is_never_selected(pair):
+    """Padding keys (key_padding_mask) are out of the indexer's reach as of attention's."""
+    _, m, _ = pair
+    seq = _ids(1, 20, seed=4)
+    with torch.no_grad():
+        alone = m(seq)
+        ids = torch.cat([torch.full((1, 5), 7), seq], 1)
+        kpm = torch.tensor([[True] * 5 + [False] * 20])
+        pos = torch.cat([torch.zeros(1, 5, dtype=torch.long), torch.arange(20)[None]], 1)
+        assert (m(ids, positions=pos, key_padding_mask=kpm)[:, 5:] - alone).abs().max() <= 1e-5
+
+
+def _layer_pair(topk, S_seed=0):
+    mla = MLAConfig(hidden_size=32, num_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                    v_head_dim=8, q_lora_rank=12)
+    dsa = IndexedLatentAttention(mla, IndexerConfig(num_heads=8, head_dim=8, topk=topk)).eval()
+    _randomise(dsa, S_seed)
+    dense = MultiHeadLatentAttention(mla).eval()
+    dense.load_state_dict({k: v for k, v in dsa.state_dict().items() if not k.startswith("indexer.")}, strict=True)
+    return dsa, dense
+
+
+def test_topk_excludes_keys():
+    """With k >= every query's keys, DSA is dense MLA; with k = 6, queries that see at most 6
+    keys still are, the later ones are not (their excluded keys are masked out); and those
+    outputs equal dense MLA under the same selection as an explicit mask."""
+    x = torch.randn(2, 24, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        dsa_all, dense = _layer_pair(topk=24)
+        torch.testing.assert_close(dsa_all(x), dense(x))
+        dsa, dense = _layer_pair(topk=6)
+        out, w = dsa(x, need_weights=True)
+        ref = dense(x)
+        torch.testing.assert_close(out[:, :6], ref[:, :6])
+        assert (out[:, 6:] - ref[:, 6:]).abs().amax(-1).min() > 1e-3  # every later query differs
+        seen = (w > 0).sum(-1)  # (B, H, S): keys with weight, at most k per query
+        assert int(seen.max()) == 6 and (seen[:, :, 6:] == 6).all()
+        keep = w[:, :1] > 0  # the selection (shared by the heads) as a dense mask
+        torch.testing.assert_close(out, dense(x, mask=keep))
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_indexer_rope_is_rotate_half_whatever_mlas_layout(interleaved):
+    """The indexer rotates half-split pairs with MLA's frequencies (and YaRN factor), from the
+    angles the decoder computed once for MLA's rope, interleaved or not."""
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    mla = RotaryEmbedding(6, base=500.0, scaling=scaling, interleaved=interleaved)
+    half = RotaryEmbedding(6, base=500.0, scaling=scaling, interleaved=False)
+    pos = torch.tensor([[0, 3, 17, 40], [5, 6, 7, 90]])
+    for got, want in zip(rotate_half_cos_sin(mla.angles(pos)), half.cos_sin(pos)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def _dense_topk(q, w, keys, hi, topk, scale, key_bias=None):
+    s = torch.relu(torch.einsum("bqhd,bkd->bqhk", q.float(), keys.float()) * scale)
+    s = torch.einsum("bqh,bqhk->bqk", w.float(), s)
+    L = keys.shape[1]
+    s = s.masked_fill(torch.arange(L) >= hi[..., None], float("-inf"))
+    if key_bias is not None:
+        s = s + key_bias[:, None]
+    v, i = torch.sort(s, dim=-1, descending=True, stable=True)
+    k = min(topk, L)
+    return i[..., :k].masked_fill(v[..., :k] == float("-inf"), -1)
+
+
+@pytest.mark.parametrize("blocks", [(1, 1), (3, 5), (7, 64), (64, 1024)], ids=lambda b: f"bq{b[0]}-bk{b[1]}")
+def test_blockwise_topk_equals_dense_topk(blocks):
+    """Tiles of queries x keys with a running top-k pick exactly the set a dense stable sort of
+    each row picks, ties included (keys repeated, weights zeroed: exact ties, broken toward the
+    lower position), with ragged bounds, queries that see fewer than k keys and key padding."""
+    g = torch.Generator().manual_seed(0)
+    B, Sq, L, H, D, k = 2, 19, 37, 3, 8, 6
+    q = torch.randn(B, Sq, H, D, generator=g)
+    keys = torch.randn(B, L, D, generator=g)
+    keys[:, 20:30] = keys[:, 5:6]  # ten copies of one key: exact ties
+    w = torch.randn(B, Sq, H, generator=g)
+    w[:, 4] = 0  # every score 0: ties everywhere
+    hi = torch.stack([torch.arange(L - Sq + 1, L + 1), torch.arange(1, Sq + 1).clamp(max=15)])  # (B, Sq)
+    bias = torch.zeros(B, L).masked_fill(torch.rand(B, L, generator=g) < 0.2, float("-inf"))
+    for kb in (None, bias):
+        got = select_topk(q, w, keys, hi, k, scale=D ** -0.5, key_bias=kb, block_q=blocks[0], block_k=blocks[1])
+        want = _dense_topk(q, w, keys, hi, k, D ** -0.5, kb)
+        assert got.dtype == torch.long and got.shape == (B, Sq, k)
+        assert torch.equal(got.sort(-1).values, want.sort(-1).values)
+    assert (got[1, 0] >= 0).sum() == 1  # the first query of row 1 sees one key: one slot used
+
+
+def _state(caches):
+    return [(c.lengths.clone(), c.latent.k_buf.clone(), c.index.k_buf.clone()) for c in caches]
+
+
+def _same(a, b):
+    return all(torch.equal(x, y) for sa, sb in zip(a, b) for x, y in zip(sa, sb))
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_bad_input_leaves_caches_unchanged(pair, kind, monkeypatch):
+    _, m, _ = pair
+    ids = _ids(2, 12, seed=5)
+    with torch.no_grad():
+        caches, twin = (m.new_caches(kind, max_batch=2, max_len=16) for _ in range(2))
+        m(ids, caches=caches)
+        m(ids, caches=twin)
+        before = _state(caches)
+        tok = torch.tensor([[4], [5]])
+        for kw in (dict(key_padding_mask=torch.zeros(2, 3, dtype=torch.bool)),
+                   dict(key_padding_mask=torch.zeros(2, 13 if kind == "static" else 16, dtype=torch.long)),
+                   dict(positions=torch.tensor([[-1], [3]]))):
+            with pytest.raises((ValueError, TypeError)):
+                m(tok, caches=caches, **kw)
+            assert _same(_state(caches), before), kw
+        # a failure inside the second layer's selection aborts the step in both layers' two caches
+        import attnkit.models.indexer as indexer
+        real, calls = indexer.select_topk, []
+
+        def fail_second(*a, **kw):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("boom")
+            return real(*a, **kw)
+        monkeypatch.setattr(indexer, "select_topk", fail_second)
+        with pytest.raises(RuntimeError, match="boom"):
+            m(tok, caches=caches)
+        monkeypatch.undo()
+        assert _same(_state(caches), before)
+        torch.testing.assert_close(m(tok, caches=caches), m(tok, caches=twin), rtol=0, atol=0)
+
+
+def test_refusals(pair, tmp_path):
+    _, m, path = pair
+    with pytest.raises(ValueError, match="'paged'"):
+        m.new_caches("paged", max_batch=1, max_len=64)
+    with pytest.raises(ValueError, match="'paged'"):
+        m.generate(_ids(1, 5), 2, cache="paged")
+    attn = m.model.layers[0].self_attn
+    x = torch.randn(1, 3, 48)
+    with pytest.raises(ValueError, match="mask= is not supported"):
+        attn(x, mask=Causal())
+    dense_cache = MultiHeadLatentAttention.new_cache(attn)  # a latent cache without the indexer's keys
+    with pytest.raises(TypeError, match="IndexedLatentCache"):
+        attn(x, cache=dense_cache)
+    assert dense_cache.lengths.numel() == 0
+    for kw, match in ((dict(attention="gqa", num_kv_heads=2), "index_topk"),
+                      (dict(attention="mla"), "q_lora_rank"),
+                      (dict(attention="mla", q_lora_rank=8, qk_rope_head_dim=8, index_head_dim=4), "index_head_dim"),
+                      (dict(attention="mla", q_lora_rank=8, sliding_window=4), "full-attention")):
+        with pytest.raises(ValueError, match=match):
+            DecoderConfig(hidden_size=32, num_heads=4, index_topk=4, **kw)
+    with pytest.raises(ValueError, match="needs index_topk"):
+        DecoderConfig(hidden_size=32, num_heads=4, attention="mla", q_lora_rank=8, index_n_heads=2)
+    c = json.loads((path / "config.json").read_text())
+    c["mlp_layer_types"] = ["dense", "sparse"]
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    with pytest.raises(ValueError, match="mixture-of-experts layers \\[1\\]"):
+        Decoder.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_crop_reorder_and_quantized_cache(pair, kind):
+    """Rolling back tokens (crop) and reordering rows act on both caches of a layer; kv_dtype
+    quantizes the latent and keeps the indexer's keys (a top-k's input) unquantized."""
+    import attnkit
+    _, m, _ = pair
+    ids = _ids(2, 24, seed=6)
+    with torch.no_grad():
+        full = m(ids)
+        caches = m.new_caches(kind, max_batch=2, max_len=24)
+        m(ids, caches=caches)
+        attnkit.caches.crop(caches, -5)  # a speculative rollback
+        assert [c.index.lengths.tolist() for c in caches] == [[19, 19]] * 2
+        torch.testing.assert_close(m(ids[:, 19:], caches=caches), full[:, 19:], rtol=0, atol=1e-5)
+        attnkit.caches.reorder(caches, torch.tensor([1, 0]))
+        attnkit.caches.crop(caches, -1)
+        swapped = m(ids.flip(0))
+        torch.testing.assert_close(m(ids.flip(0)[:, 23:], caches=caches), swapped[:, 23:], rtol=0, atol=1e-5)
+    q = m.new_caches(kind, max_batch=1, max_len=48, kv_dtype="int8")
+    assert q[0].latent.kv_dtype == torch.int8 and q[0].index.kv_dtype is None
+    assert q[0].bytes_per_token < caches[0].bytes_per_token
+    prompt = _ids(1, 30, seed=7)
+    assert m.generate(prompt, 4, cache=kind, kv_dtype="int8").tokens[0][:2] == m.generate(prompt, 2).tokens[0]
