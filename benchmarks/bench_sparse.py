@@ -14,6 +14,12 @@ indexer picked (random distinct positions here; the kernels never look at how th
 Two shapes: GQA (Hq 32 / Hkv 8, D 128) and absorbed MLA (128 heads over one 512 + 64 latent,
 V the latent's first 512 channels), bf16.
 
+Quality, beside the speed: how far the sparse output is from dense attention over the same cache
+when the selection is the top-k of the true scores (an exact indexer; DSA's indexer approximates
+it), for attention with structure (each query has 32 keys it matches strongly, as in recall) and
+without (random q and k: nearly uniform weights, the worst case for any top-k): the share of the
+dense attention weight the selected keys hold, and the relative error ||sparse - dense|| / ||dense||.
+
 Prefill of S tokens, each query with its own top-k keys among those before it (a query with fewer
 than k keys before it sees all of them): ``sparse`` against SDPA's causal attention over the same
 sequence (``enable_gqa``), and each call's peak memory, measured in a fresh process (the peak
@@ -109,6 +115,35 @@ def _decode_row(shape: str, cfg: dict) -> dict:
             "sdpa_over_sparse": paired_speedup(samples, "sparse", "sdpa mask") ** -1}
 
 
+def _quality_rows(cfg: dict) -> list[dict]:
+    """Sparse against dense decode (GQA shape, fp32) with the selection the true scores' top-k
+    (scores summed over a KV group's heads), with and without planted strong matches."""
+    C = cfg["context"]
+    Hq, Hkv, D = cfg["gqa"]
+    rows = []
+    for structure in ("32 strong matches per query", "none (random q, k)"):
+        g = torch.Generator().manual_seed(5)
+        q = torch.randn(1, Hq, 1, D, generator=g)
+        k = torch.randn(1, Hkv, C, D, generator=g)
+        v = torch.randn(1, Hkv, C, D, generator=g)
+        if structure.startswith("32"):  # keys the group's queries match: scaled score 8 on average
+            pos = torch.randperm(C, generator=g)[:32]
+            mean_q = q.view(1, Hkv, Hq // Hkv, D).mean(2)  # (1, Hkv, D)
+            k[:, :, pos] = (8 * D ** 0.5 * mean_q / mean_q.pow(2).sum(-1, keepdim=True))[:, :, None]
+        with torch.inference_mode():
+            dense, w = attnkit.attention(q, k, v, return_weights=True)  # w (1, Hq, 1, C)
+            for kk in sorted({cfg["topk"] // 8, cfg["topk"]}):
+                score = (q.view(1, Hkv, Hq // Hkv, D) @ k.transpose(-1, -2)).sum(2)  # (1, Hkv, C)
+                ids = score.topk(kk, -1).indices[:, :, None]  # (1, Hkv, 1, k): per KV group
+                sel = M.SelectedKeys(ids, num_heads=Hq)
+                out = attnkit.attention(q, k, v, sel)
+                chosen = torch.zeros(1, Hkv, C, dtype=torch.bool).scatter_(-1, ids[:, :, 0], True)
+                mass = (w[:, :, 0] * chosen.repeat_interleave(Hq // Hkv, 1)).sum(-1).mean().item()
+                rows.append({"structure": structure, "context": C, "topk": kk, "weight_share": mass,
+                             "rel_error": ((out - dense).norm() / dense.norm()).item()})
+    return rows
+
+
 def _prefill_inputs(cfg: dict, dtype=torch.bfloat16):
     S, kk = cfg["prefill"], cfg["prefill_topk"]
     Hq, Hkv, D = cfg["gqa"]
@@ -190,9 +225,11 @@ def run(quick: bool) -> dict:
         decode.append(_decode_row(shape, cfg))
         print(f"  decode {shape}: " + ", ".join(f"{k} {v:.3g}" for k, v in decode[-1].items()
                                                 if isinstance(v, float)), flush=True)
+    quality = _quality_rows(cfg)
     prefill = _prefill_row(cfg)
     print("  prefill: " + ", ".join(f"{k} {v:.3g}" for k, v in prefill.items() if isinstance(v, float)), flush=True)
-    return {"machine": machine(), "quick": quick, "config": cfg, "decode": decode, "prefill": prefill,
+    return {"machine": machine(), "quick": quick, "config": cfg, "decode": decode, "quality": quality,
+            "prefill": prefill,
             "load_average": [load_start, os.getloadavg()[0]]}
 
 
@@ -212,6 +249,12 @@ def to_markdown(res: dict) -> str:
         lines.append(f"| {shape} | {r['context']} | {r['topk']} | {r['sparse_ms']:.3f} | {r['dense_ms']:.3f} | "
                      f"{r['dense k_ms']:.3f} | {r['sdpa mask_ms']:.3f} | {r['dense_over_sparse']:.1f}x | "
                      f"{r['sparse_over_dense_k']:.2f}x | {r['sdpa_over_sparse']:.1f}x | `{r['kernel']}` |")
+    lines += ["", "Quality of the same decode (GQA shape, fp32) with the top-k of the true scores (an exact "
+              "indexer) against dense attention:", "",
+              "| structure | C | k | dense weight on the selected keys | relative error |", "|---|---:|---:|---:|---:|"]
+    for r in res["quality"]:
+        lines.append(f"| {r['structure']} | {r['context']} | {r['topk']} | {r['weight_share']:.3f} | "
+                     f"{r['rel_error']:.2e} |")
     p = res["prefill"]
     lines += ["", f"Prefill of {p['tokens']} tokens, each query's top {p['topk']} keys among those before it "
               f"(GQA {p['heads'][0]}/{p['heads'][1]}, D {p['head_dim']}): sparse runs `{p['kernel']}`.", "",
