@@ -1,8 +1,10 @@
 """DeepSeek-V3.2 (model_type "deepseek_v32"): MLA plus the lightning indexer's top-k key selection,
 in attnkit's Decoder. A tiny random transformers checkpoint (index_topk 8 against 40-token
 prompts, so the selection cuts keys) loads with Decoder.from_pretrained and gives transformers'
-fp32 logits (eager attention) and greedy tokens with dynamic and static caches; the blockwise top-k
-equals a dense one; the selection really excludes keys; bad input raises before any cache changes.
+fp32 logits (eager attention) and greedy tokens with dynamic, static and paged caches; the
+blockwise top-k equals a dense one; the selection really excludes keys; bad input raises before any
+cache changes. Paged: the indexer's keys live in a second pool on the latent's block table, and
+follow it through forks (copy-on-write), prefix caching, crop, and aborted steps.
 
 The indexer's score is ``sum_h w_h * relu(q_h . k)``: a key whose every head is clipped scores
 exactly 0, and torch.topk breaks such ties in no documented order. The checkpoint has 16 indexer
@@ -17,6 +19,7 @@ import json
 import pytest
 import torch
 
+from attnkit.caches import BlockAllocator, OutOfBlocks, PagedKVCache
 from attnkit.masks import Causal
 from attnkit.models import Decoder, DecoderConfig, load_pretrained
 from attnkit.models.indexer import (IndexedLatentAttention, IndexedLatentCache, IndexerConfig, rotate_half_cos_sin,
@@ -91,7 +94,7 @@ def test_yarn_logits_match_transformers(tmp_path):
         torch.testing.assert_close(m(ids), hf(ids).logits)
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("cache", ["dynamic", "static", "paged"])
 def test_greedy_tokens_match_transformers(pair, cache):
     hf, m, _ = pair
     prompt = _ids(1)
@@ -101,7 +104,7 @@ def test_greedy_tokens_match_transformers(pair, cache):
     assert m.generate(prompt, 10, cache=cache).tokens[0] == out[0, PROMPT:].tolist()
 
 
-@pytest.mark.parametrize("kind", ["dynamic", "static"])
+@pytest.mark.parametrize("kind", ["dynamic", "static", "paged"])
 def test_chunked_prefill_and_decode_equal_one_forward(pair, kind):
     """The indexer keys cached in a step are the ones later steps select from: prefill in chunks,
     then token by token, equals one forward over the whole sequence (ragged rows too)."""
@@ -207,6 +210,13 @@ def test_blockwise_topk_equals_dense_topk(blocks):
 
 
 def _state(caches):
+    """Lengths and contents of both caches of each layer (paged: both pools, the block tables,
+    refcounts and free count of the shared allocator)."""
+    if caches[0].paged:
+        a = caches[0].latent.allocator
+        book = [a.block_table(), torch.tensor([a.refcount(i) for i in range(a.num_blocks)]),
+                torch.tensor([a.num_free, a.num_used])]
+        return [(c.lengths.clone(), c.latent.k_pool.clone(), c.index.k_pool.clone(), *book) for c in caches]
     return [(c.lengths.clone(), c.latent.k_buf.clone(), c.index.k_buf.clone()) for c in caches]
 
 
@@ -214,7 +224,7 @@ def _same(a, b):
     return all(torch.equal(x, y) for sa, sb in zip(a, b) for x, y in zip(sa, sb))
 
 
-@pytest.mark.parametrize("kind", ["dynamic", "static"])
+@pytest.mark.parametrize("kind", ["dynamic", "static", "paged"])
 def test_bad_input_leaves_caches_unchanged(pair, kind, monkeypatch):
     _, m, _ = pair
     ids = _ids(2, 12, seed=5)
@@ -249,11 +259,14 @@ def test_bad_input_leaves_caches_unchanged(pair, kind, monkeypatch):
 
 def test_refusals(pair, tmp_path):
     _, m, path = pair
-    with pytest.raises(ValueError, match="'paged'"):
-        m.new_caches("paged", max_batch=1, max_len=64)
-    with pytest.raises(ValueError, match="'paged'"):
-        m.generate(_ids(1, 5), 2, cache="paged")
     attn = m.model.layers[0].self_attn
+    with pytest.raises(ValueError, match="'sliding'"):
+        attn.new_cache("sliding")
+    with pytest.raises(TypeError, match="allocator= applies to paged caches"):
+        attn.new_cache("dynamic", allocator=BlockAllocator(4))
+    latent = MultiHeadLatentAttention.new_cache(attn, "paged", allocator=BlockAllocator(4))
+    with pytest.raises(ValueError, match="share one BlockAllocator"):
+        IndexedLatentCache(latent, PagedKVCache(1, 16, value_from_key=True, num_blocks=4))
     x = torch.randn(1, 3, 48)
     with pytest.raises(ValueError, match="mask= is not supported"):
         attn(x, mask=Causal())
@@ -276,7 +289,7 @@ def test_refusals(pair, tmp_path):
         Decoder.from_pretrained(tmp_path)
 
 
-@pytest.mark.parametrize("kind", ["dynamic", "static"])
+@pytest.mark.parametrize("kind", ["dynamic", "static", "paged"])
 def test_crop_reorder_and_quantized_cache(pair, kind):
     """Rolling back tokens (crop) and reordering rows act on both caches of a layer; kv_dtype
     quantizes the latent and keeps the indexer's keys (a top-k's input) unquantized."""
