@@ -312,3 +312,98 @@ def test_crop_reorder_and_quantized_cache(pair, kind):
     assert q[0].bytes_per_token < caches[0].bytes_per_token
     prompt = _ids(1, 30, seed=7)
     assert m.generate(prompt, 4, cache=kind, kv_dtype="int8").tokens[0][:2] == m.generate(prompt, 2).tokens[0]
+
+
+def _paged(m, num_blocks, block_size=4, prefix_caching=False):
+    """One paged IndexedLatentCache per layer on one shared allocator of small blocks."""
+    alloc = BlockAllocator(num_blocks, block_size, prefix_caching=prefix_caching)
+    return [layer.self_attn.new_cache("paged", allocator=alloc) for layer in m.model.layers], alloc
+
+
+def _held_state(caches):
+    """The allocator's books and both pools' rows in the blocks sequences hold (an aborted
+    copy-on-write leaves its copy in a block that went back to the pool, which no view reads)."""
+    a = caches[0].latent.allocator
+    held = sorted({b for s in a.sequences for b in a.blocks(s)})
+    return ([(a.blocks(s), a.length(s)) for s in a.batch], [a.refcount(i) for i in range(a.num_blocks)],
+            a.num_free, [(c.latent.k_pool[held].clone(), c.index.k_pool[held].clone()) for c in caches])
+
+
+def _same_held(x, y):
+    return x[:3] == y[:3] and all(torch.equal(p, q) for a, b in zip(x[3], y[3]) for p, q in zip(a, b))
+
+
+def test_paged_fork_copies_both_pools_on_write(pair, monkeypatch):
+    """A fork shares the latent's and the indexer's blocks; the first step after it copies the
+    shared partial block in both pools (an aborted one leaves tables, refcounts and held rows as
+    they were), and each row then decodes as it would alone."""
+    import attnkit
+    import attnkit.models.indexer as indexer
+    _, m, _ = pair
+    prompt = _ids(1, 10, seed=8)  # blocks of 4: the fork shares a partial third block
+    steps = torch.randint(0, HF["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        caches, alloc = _paged(m, 12)
+        m(prompt, caches=caches)
+        attnkit.caches.reorder(caches, torch.tensor([0, 0]))
+        a, b = alloc.batch
+        assert alloc.blocks(a) == alloc.blocks(b) and {alloc.refcount(x) for x in alloc.blocks(a)} == {2}
+        before = _held_state(caches)
+        real, calls = indexer.select_topk, []
+
+        def fail_second(*args, **kw):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("boom")
+            return real(*args, **kw)
+        monkeypatch.setattr(indexer, "select_topk", fail_second)
+        with pytest.raises(RuntimeError, match="boom"):
+            m(steps[:, :1], caches=caches)  # the first layer copied and wrote; the second raises
+        monkeypatch.undo()
+        assert _same_held(_held_state(caches), before)
+        got = [m(steps[:, t:t + 1], caches=caches) for t in range(6)]
+        assert alloc.blocks(a)[:2] == alloc.blocks(b)[:2] and alloc.blocks(a)[2] != alloc.blocks(b)[2]
+        want = m(torch.cat([prompt.expand(2, -1), steps], 1))[:, 10:]
+    assert (torch.cat(got, 1) - want).abs().max() <= 1e-5
+
+
+def test_paged_prefix_caching_shares_the_indexer_keys(pair):
+    """A second prompt starts from the first one's cached full blocks: its new tokens select
+    among (and attend to) the indexer keys and latents the first prompt wrote there."""
+    _, m, _ = pair
+    first = _ids(1, 14, seed=10)
+    second = torch.cat([first[:, :9], _ids(1, 6, seed=11)], 1)  # shares two full blocks of 4
+    with torch.no_grad():
+        caches, alloc = _paged(m, 16, prefix_caching=True)
+        m(first, caches=caches)
+        (a,) = alloc.batch
+        alloc.confirm_tokens(a, first[0])
+        b = alloc.add_sequence(token_ids=second[0])
+        assert alloc.length(b) == 8 and alloc.blocks(b) == alloc.blocks(a)[:2]
+        alloc.set_batch([b])
+        alloc.free(a)
+        out = m(second[:, 8:], caches=caches)
+        want = m(second)[:, 8:]
+    assert (out - want).abs().max() <= 1e-5
+
+
+def test_paged_exhausted_pool_changes_nothing(pair):
+    """A step the pool has no block for raises OutOfBlocks before any layer writes: both pools,
+    the tables and the free count stay; after a crop frees a block the step runs as on a twin."""
+    import attnkit
+    _, m, _ = pair
+    ids = _ids(2, 8, seed=12)
+    with torch.no_grad():
+        caches, alloc = _paged(m, 4)  # two rows of two full blocks: nothing left
+        twin = m.new_caches("dynamic")
+        m(ids, caches=caches)
+        m(ids, caches=twin)
+        before = _state(caches)
+        with pytest.raises(OutOfBlocks):
+            m(ids[:, :1], caches=caches)
+        assert _same(_state(caches), before) and alloc.num_free == 0
+        attnkit.caches.crop(caches, -1)
+        attnkit.caches.crop(twin, -1)
+        torch.testing.assert_close(m(ids[:, 7:], caches=caches), m(ids[:, 7:], caches=twin), rtol=0, atol=1e-5)
+    assert caches[0].nbytes_used == alloc.num_used * 4 * caches[0].bytes_per_token
+    assert caches[0].bytes_per_token == (24 + 6 + 16) * 4  # the latent and the indexer's key
