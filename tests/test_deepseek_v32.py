@@ -407,3 +407,35 @@ def test_paged_exhausted_pool_changes_nothing(pair):
         torch.testing.assert_close(m(ids[:, 7:], caches=caches), m(ids[:, 7:], caches=twin), rtol=0, atol=1e-5)
     assert caches[0].nbytes_used == alloc.num_used * 4 * caches[0].bytes_per_token
     assert caches[0].bytes_per_token == (24 + 6 + 16) * 4  # the latent and the indexer's key
+
+
+def test_paged_layer_alone_and_shared():
+    """One DSA layer on its own allocator steps, crops, reorders and resets its two pools by
+    itself; layers sharing an allocator step through attnkit.caches.step, and refuse a step, a
+    crop or a reorder of one layer alone (it would act once per layer), changing nothing."""
+    import attnkit
+    dsa, _ = _layer_pair(topk=4)
+    x = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(13))
+    with torch.no_grad():
+        full = dsa(x)
+        c = dsa.new_cache("paged", allocator=BlockAllocator(8, 4))
+        outs = [dsa(x[:, :5], cache=c)] + [dsa(x[:, t:t + 1], cache=c) for t in range(5, 9)]
+        assert (torch.cat(outs, 1) - full).abs().max() <= 1e-5
+        assert c.lengths.tolist() == [9, 9] and c.index.lengths.tolist() == [9, 9]
+        c.crop(-2)
+        c.reorder(torch.tensor([1, 1]))  # a fork: both pools' blocks shared
+        alloc = c.latent.allocator
+        assert c.lengths.tolist() == [7, 7] and alloc.num_used == 2
+        torch.testing.assert_close(dsa(x[1:, 7:].expand(2, -1, -1), cache=c), full[1:, 7:].expand(2, -1, -1),
+                                   rtol=0, atol=1e-5)
+        c.reset()
+        assert c.lengths.numel() == 0 and alloc.num_used == 0
+        shared = BlockAllocator(8, 4)
+        c1, c2 = dsa.new_cache("paged", allocator=shared), dsa.new_cache("paged", allocator=shared)
+        for call in (lambda: dsa(x, cache=c1), lambda: c1.crop(1), lambda: c1.reorder([0])):
+            with pytest.raises(RuntimeError, match="attnkit.caches"):
+                call()
+            assert shared.num_used == 0 and shared.open_step is None
+        with attnkit.caches.step([c1, c2], batch=2, tokens=9) as bound:
+            outs = [dsa(x, cache=b) for b in bound]
+    assert all((o - full).abs().max() <= 1e-5 for o in outs) and c2.lengths.tolist() == [9, 9]
