@@ -406,6 +406,7 @@ def test_paged_exhausted_pool_changes_nothing(pair):
         attnkit.caches.crop(twin, -1)
         torch.testing.assert_close(m(ids[:, 7:], caches=caches), m(ids[:, 7:], caches=twin), rtol=0, atol=1e-5)
     assert caches[0].nbytes_used == alloc.num_used * 4 * caches[0].bytes_per_token
+    assert caches[0].nbytes == alloc.num_blocks * 4 * caches[0].bytes_per_token  # both pools' capacity
     assert caches[0].bytes_per_token == (24 + 6 + 16) * 4  # the latent and the indexer's key
 
 
