@@ -1,8 +1,10 @@
 """DeepSeek-V3.2 (model_type "deepseek_v32"): MLA plus the lightning indexer's top-k key selection,
 in attnkit's Decoder. A tiny random transformers checkpoint (index_topk 8 against 40-token
 prompts, so the selection cuts keys) loads with Decoder.from_pretrained and gives transformers'
-fp32 logits (eager attention) and greedy tokens with dynamic and static caches; the blockwise top-k
-equals a dense one; the selection really excludes keys; bad input raises before any cache changes.
+fp32 logits (eager attention) and greedy tokens with dynamic, static and paged caches; the
+blockwise top-k equals a dense one; the selection really excludes keys; bad input raises before any
+cache changes. Paged: the indexer's keys live in a second pool on the latent's block table, and
+follow it through forks (copy-on-write), prefix caching, crop, and aborted steps.
 
 The indexer's score is ``sum_h w_h * relu(q_h . k)``: a key whose every head is clipped scores
 exactly 0, and torch.topk breaks such ties in no documented order. The checkpoint has 16 indexer
@@ -17,6 +19,7 @@ import json
 import pytest
 import torch
 
+from attnkit.caches import BlockAllocator, OutOfBlocks, PagedKVCache
 from attnkit.masks import Causal
 from attnkit.models import Decoder, DecoderConfig, load_pretrained
 from attnkit.models.indexer import (IndexedLatentAttention, IndexedLatentCache, IndexerConfig, rotate_half_cos_sin,
@@ -91,7 +94,7 @@ def test_yarn_logits_match_transformers(tmp_path):
         torch.testing.assert_close(m(ids), hf(ids).logits)
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("cache", ["dynamic", "static", "paged"])
 def test_greedy_tokens_match_transformers(pair, cache):
     hf, m, _ = pair
     prompt = _ids(1)
@@ -101,7 +104,7 @@ def test_greedy_tokens_match_transformers(pair, cache):
     assert m.generate(prompt, 10, cache=cache).tokens[0] == out[0, PROMPT:].tolist()
 
 
-@pytest.mark.parametrize("kind", ["dynamic", "static"])
+@pytest.mark.parametrize("kind", ["dynamic", "static", "paged"])
 def test_chunked_prefill_and_decode_equal_one_forward(pair, kind):
     """The indexer keys cached in a step are the ones later steps select from: prefill in chunks,
     then token by token, equals one forward over the whole sequence (ragged rows too)."""
@@ -207,6 +210,13 @@ def test_blockwise_topk_equals_dense_topk(blocks):
 
 
 def _state(caches):
+    """Lengths and contents of both caches of each layer (paged: both pools, the block tables,
+    refcounts and free count of the shared allocator)."""
+    if caches[0].paged:
+        a = caches[0].latent.allocator
+        book = [a.block_table(), torch.tensor([a.refcount(i) for i in range(a.num_blocks)]),
+                torch.tensor([a.num_free, a.num_used])]
+        return [(c.lengths.clone(), c.latent.k_pool.clone(), c.index.k_pool.clone(), *book) for c in caches]
     return [(c.lengths.clone(), c.latent.k_buf.clone(), c.index.k_buf.clone()) for c in caches]
 
 
@@ -214,7 +224,7 @@ def _same(a, b):
     return all(torch.equal(x, y) for sa, sb in zip(a, b) for x, y in zip(sa, sb))
 
 
-@pytest.mark.parametrize("kind", ["dynamic", "static"])
+@pytest.mark.parametrize("kind", ["dynamic", "static", "paged"])
 def test_bad_input_leaves_caches_unchanged(pair, kind, monkeypatch):
     _, m, _ = pair
     ids = _ids(2, 12, seed=5)
@@ -249,11 +259,14 @@ def test_bad_input_leaves_caches_unchanged(pair, kind, monkeypatch):
 
 def test_refusals(pair, tmp_path):
     _, m, path = pair
-    with pytest.raises(ValueError, match="'paged'"):
-        m.new_caches("paged", max_batch=1, max_len=64)
-    with pytest.raises(ValueError, match="'paged'"):
-        m.generate(_ids(1, 5), 2, cache="paged")
     attn = m.model.layers[0].self_attn
+    with pytest.raises(ValueError, match="'sliding'"):
+        attn.new_cache("sliding")
+    with pytest.raises(TypeError, match="allocator= applies to paged caches"):
+        attn.new_cache("dynamic", allocator=BlockAllocator(4))
+    latent = MultiHeadLatentAttention.new_cache(attn, "paged", allocator=BlockAllocator(4))
+    with pytest.raises(ValueError, match="share one BlockAllocator"):
+        IndexedLatentCache(latent, PagedKVCache(1, 16, value_from_key=True, num_blocks=4))
     x = torch.randn(1, 3, 48)
     with pytest.raises(ValueError, match="mask= is not supported"):
         attn(x, mask=Causal())
@@ -276,7 +289,7 @@ def test_refusals(pair, tmp_path):
         Decoder.from_pretrained(tmp_path)
 
 
-@pytest.mark.parametrize("kind", ["dynamic", "static"])
+@pytest.mark.parametrize("kind", ["dynamic", "static", "paged"])
 def test_crop_reorder_and_quantized_cache(pair, kind):
     """Rolling back tokens (crop) and reordering rows act on both caches of a layer; kv_dtype
     quantizes the latent and keeps the indexer's keys (a top-k's input) unquantized."""
@@ -299,3 +312,131 @@ def test_crop_reorder_and_quantized_cache(pair, kind):
     assert q[0].bytes_per_token < caches[0].bytes_per_token
     prompt = _ids(1, 30, seed=7)
     assert m.generate(prompt, 4, cache=kind, kv_dtype="int8").tokens[0][:2] == m.generate(prompt, 2).tokens[0]
+
+
+def _paged(m, num_blocks, block_size=4, prefix_caching=False):
+    """One paged IndexedLatentCache per layer on one shared allocator of small blocks."""
+    alloc = BlockAllocator(num_blocks, block_size, prefix_caching=prefix_caching)
+    return [layer.self_attn.new_cache("paged", allocator=alloc) for layer in m.model.layers], alloc
+
+
+def _held_state(caches):
+    """The allocator's books and both pools' rows in the blocks sequences hold (an aborted
+    copy-on-write leaves its copy in a block that went back to the pool, which no view reads)."""
+    a = caches[0].latent.allocator
+    held = sorted({b for s in a.sequences for b in a.blocks(s)})
+    return ([(a.blocks(s), a.length(s)) for s in a.batch], [a.refcount(i) for i in range(a.num_blocks)],
+            a.num_free, [(c.latent.k_pool[held].clone(), c.index.k_pool[held].clone()) for c in caches])
+
+
+def _same_held(x, y):
+    return x[:3] == y[:3] and all(torch.equal(p, q) for a, b in zip(x[3], y[3]) for p, q in zip(a, b))
+
+
+def test_paged_fork_copies_both_pools_on_write(pair, monkeypatch):
+    """A fork shares the latent's and the indexer's blocks; the first step after it copies the
+    shared partial block in both pools (an aborted one leaves tables, refcounts and held rows as
+    they were), and each row then decodes as it would alone."""
+    import attnkit
+    import attnkit.models.indexer as indexer
+    _, m, _ = pair
+    prompt = _ids(1, 10, seed=8)  # blocks of 4: the fork shares a partial third block
+    steps = torch.randint(0, HF["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        caches, alloc = _paged(m, 12)
+        m(prompt, caches=caches)
+        attnkit.caches.reorder(caches, torch.tensor([0, 0]))
+        a, b = alloc.batch
+        assert alloc.blocks(a) == alloc.blocks(b) and {alloc.refcount(x) for x in alloc.blocks(a)} == {2}
+        before = _held_state(caches)
+        real, calls = indexer.select_topk, []
+
+        def fail_second(*args, **kw):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("boom")
+            return real(*args, **kw)
+        monkeypatch.setattr(indexer, "select_topk", fail_second)
+        with pytest.raises(RuntimeError, match="boom"):
+            m(steps[:, :1], caches=caches)  # the first layer copied and wrote; the second raises
+        monkeypatch.undo()
+        assert _same_held(_held_state(caches), before)
+        got = [m(steps[:, t:t + 1], caches=caches) for t in range(6)]
+        assert alloc.blocks(a)[:2] == alloc.blocks(b)[:2] and alloc.blocks(a)[2] != alloc.blocks(b)[2]
+        want = m(torch.cat([prompt.expand(2, -1), steps], 1))[:, 10:]
+    assert (torch.cat(got, 1) - want).abs().max() <= 1e-5
+
+
+def test_paged_prefix_caching_shares_the_indexer_keys(pair):
+    """A second prompt starts from the first one's cached full blocks: its new tokens select
+    among (and attend to) the indexer keys and latents the first prompt wrote there."""
+    _, m, _ = pair
+    first = _ids(1, 14, seed=10)
+    second = torch.cat([first[:, :9], _ids(1, 6, seed=11)], 1)  # shares two full blocks of 4
+    with torch.no_grad():
+        caches, alloc = _paged(m, 16, prefix_caching=True)
+        m(first, caches=caches)
+        (a,) = alloc.batch
+        alloc.confirm_tokens(a, first[0])
+        b = alloc.add_sequence(token_ids=second[0])
+        assert alloc.length(b) == 8 and alloc.blocks(b) == alloc.blocks(a)[:2]
+        alloc.set_batch([b])
+        alloc.free(a)
+        out = m(second[:, 8:], caches=caches)
+        want = m(second)[:, 8:]
+    assert (out - want).abs().max() <= 1e-5
+
+
+def test_paged_exhausted_pool_changes_nothing(pair):
+    """A step the pool has no block for raises OutOfBlocks before any layer writes: both pools,
+    the tables and the free count stay; after a crop frees a block the step runs as on a twin."""
+    import attnkit
+    _, m, _ = pair
+    ids = _ids(2, 8, seed=12)
+    with torch.no_grad():
+        caches, alloc = _paged(m, 4)  # two rows of two full blocks: nothing left
+        twin = m.new_caches("dynamic")
+        m(ids, caches=caches)
+        m(ids, caches=twin)
+        before = _state(caches)
+        with pytest.raises(OutOfBlocks):
+            m(ids[:, :1], caches=caches)
+        assert _same(_state(caches), before) and alloc.num_free == 0
+        attnkit.caches.crop(caches, -1)
+        attnkit.caches.crop(twin, -1)
+        torch.testing.assert_close(m(ids[:, 7:], caches=caches), m(ids[:, 7:], caches=twin), rtol=0, atol=1e-5)
+    assert caches[0].nbytes_used == alloc.num_used * 4 * caches[0].bytes_per_token
+    assert caches[0].nbytes == alloc.num_blocks * 4 * caches[0].bytes_per_token  # both pools' capacity
+    assert caches[0].bytes_per_token == (24 + 6 + 16) * 4  # the latent and the indexer's key
+
+
+def test_paged_layer_alone_and_shared():
+    """One DSA layer on its own allocator steps, crops, reorders and resets its two pools by
+    itself; layers sharing an allocator step through attnkit.caches.step, and refuse a step, a
+    crop or a reorder of one layer alone (it would act once per layer), changing nothing."""
+    import attnkit
+    dsa, _ = _layer_pair(topk=4)
+    x = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(13))
+    with torch.no_grad():
+        full = dsa(x)
+        c = dsa.new_cache("paged", allocator=BlockAllocator(8, 4))
+        outs = [dsa(x[:, :5], cache=c)] + [dsa(x[:, t:t + 1], cache=c) for t in range(5, 9)]
+        assert (torch.cat(outs, 1) - full).abs().max() <= 1e-5
+        assert c.lengths.tolist() == [9, 9] and c.index.lengths.tolist() == [9, 9]
+        c.crop(-2)
+        c.reorder(torch.tensor([1, 1]))  # a fork: both pools' blocks shared
+        alloc = c.latent.allocator
+        assert c.lengths.tolist() == [7, 7] and alloc.num_used == 2
+        torch.testing.assert_close(dsa(x[1:, 7:].expand(2, -1, -1), cache=c), full[1:, 7:].expand(2, -1, -1),
+                                   rtol=0, atol=1e-5)
+        c.reset()
+        assert c.lengths.numel() == 0 and alloc.num_used == 0
+        shared = BlockAllocator(8, 4)
+        c1, c2 = dsa.new_cache("paged", allocator=shared), dsa.new_cache("paged", allocator=shared)
+        for call in (lambda: dsa(x, cache=c1), lambda: c1.crop(1), lambda: c1.reorder([0])):
+            with pytest.raises(RuntimeError, match="attnkit.caches"):
+                call()
+            assert shared.num_used == 0 and shared.open_step is None
+        with attnkit.caches.step([c1, c2], batch=2, tokens=9) as bound:
+            outs = [dsa(x, cache=b) for b in bound]
+    assert all((o - full).abs().max() <= 1e-5 for o in outs) and c2.lengths.tolist() == [9, 9]

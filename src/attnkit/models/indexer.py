@@ -23,8 +23,8 @@ top-k, so no (S, L) score tensor is ever built (see its docstring for the bound)
 lower key position, the same set a stable sort of the whole row picks.
 
 The indexer's keys are cached next to the latent by :class:`IndexedLatentCache` (a dynamic or
-static inner cache for each; the latent's step carries the indexer's), so one decoder step
-commits or aborts both.
+static inner cache for each, the latent's step carrying the indexer's; or two paged pools on one
+allocator's block table, stepped by its one step), so one decoder step commits or aborts both.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._checks import positive_int, shape_of
-from ..caches import BoundCache, CacheStep, KVCache, StaticCache, new_cache
+from ..caches import BoundCache, CacheStep, KVCache, PagedKVCache, StaticCache, new_cache
 from ..masks import SelectedKeys
 from ..modules.linear import Linear
 from ..modules.mla import MLAConfig, MultiHeadLatentAttention
@@ -50,9 +50,9 @@ __all__ = ["IndexerConfig", "LightningIndexer", "IndexedLatentCache", "IndexedLa
 BLOCK_Q = 64
 #: Keys per tile of :func:`select_topk`.
 BLOCK_K = 1024
-#: The cache kinds that hold the indexer's keys beside the latent ("paged" does not: its blocks
-#: are shared by the layers' latent caches through one allocator step).
-INDEXED_CACHE_KINDS = ("dynamic", "static")
+#: The cache kinds that hold the indexer's keys beside the latent ("paged": a second pool on the
+#: latent's block table, see :class:`IndexedLatentCache`).
+INDEXED_CACHE_KINDS = ("dynamic", "static", "paged")
 
 
 @dataclass(frozen=True)
@@ -188,13 +188,24 @@ class LightningIndexer(nn.Module):
 class IndexedLatentCache(KVCache):
     """One DSA layer's cache: the MLA latent cache (``latent``; this cache is read as it: one head
     of r + dr channels, V = its first r) and the indexer's key cache (``index``: one head of Di
-    channels), two caches of one kind ("dynamic" or "static") stepped together.
+    channels), two caches of one kind ("dynamic", "static" or "paged") stepped together.
 
-    :meth:`begin` begins both and hands out the latent's :class:`~attnkit.caches.CacheStep` with
-    the indexer's step as ``index_step``; ``write`` / ``view`` are the latent's;
-    :meth:`write_index` stores the step's indexer keys and returns every key; ``commit`` /
-    ``abort`` do both. ``reset``, ``crop`` and ``reorder`` apply to both. ``lengths`` mirror the
-    latent's."""
+    :meth:`begin` begins both and hands out the latent's :class:`~attnkit.caches.CacheStep`
+    (dynamic / static: with the indexer's own step as ``index_step``); ``write`` / ``view`` are
+    the latent's; :meth:`write_index` stores the step's indexer keys and returns every key;
+    ``commit`` / ``abort`` do both. ``reset``, ``crop`` and ``reorder`` apply to both.
+    ``lengths`` are the latent's.
+
+    Paged: the two are :class:`~attnkit.caches.PagedKVCache` pools attached to one
+    :class:`~attnkit.caches.BlockAllocator` (the model's), so they follow one block table. One
+    allocator step (:class:`~attnkit.caches.PagedStep`) reserves the blocks of both, and both
+    write into its slots; its commit makes the copy-on-write copies in every attached pool and
+    its abort erases what each pool wrote. Forks, prefix caching, crop and free are the
+    allocator's, so the indexer's keys follow the latent's blocks through all of them. As with
+    any paged cache, a forward over several layers sharing the allocator runs through
+    :func:`attnkit.caches.step` (their ``step_group`` is the allocator's), and ``crop`` /
+    ``reorder`` through :func:`attnkit.caches.crop` / :func:`~attnkit.caches.reorder`.
+    """
 
     def __init__(self, latent: KVCache, index: KVCache):
         for name, c in (("latent", latent), ("index", index)):
@@ -203,21 +214,62 @@ class IndexedLatentCache(KVCache):
         if type(latent) is not type(index):
             raise TypeError(f"latent and index caches must be of one kind, got {type(latent).__name__} and "
                             f"{type(index).__name__}")
+        if isinstance(latent, PagedKVCache) and index.allocator is not latent.allocator:
+            raise ValueError("paged latent and index caches must share one BlockAllocator (one block table)")
         super().__init__(latent.num_kv_heads, latent.head_dim, latent.v_head_dim,
                          value_from_key=latent.value_from_key, dtype=latent.dtype, device=latent.lengths.device)
+        del self._buffers["lengths"]  # the latent's (see the ``lengths`` property)
         self.latent, self.index = latent, index
         self.kv_dtype = latent.kv_dtype
-        self.lengths = latent.lengths
+
+    @property
+    def lengths(self) -> Tensor:
+        """(B,) tokens each row holds (the latent's; the index cache holds as many)."""
+        latent = self._modules.get("latent")
+        if latent is None:
+            raise AttributeError("lengths")  # during __init__ (nn.Module probes attribute names)
+        return latent.lengths
 
     def extra_repr(self) -> str:
         return f"index_head_dim={self.index.head_dim}"
 
     @property
+    def paged(self) -> bool:
+        """Whether both live in paged pools of one allocator."""
+        return isinstance(self.latent, PagedKVCache)
+
+    @property
+    def step_group(self) -> int | None:
+        """Caches with the same group share one step: paged, the allocator's (every layer's)."""
+        return self.latent.step_group if self.paged else None
+
+    @property
     def bytes_per_token(self) -> int:
         return self.latent.bytes_per_token + self.index.bytes_per_token
 
+    @property
+    def nbytes_used(self) -> int:
+        """Paged: bytes of both pools in blocks held by some sequence."""
+        if not self.paged:
+            raise AttributeError(f"nbytes_used applies to paged caches, not to a {type(self.latent).__name__}")
+        return self.latent.nbytes_used + self.index.nbytes_used
+
+    def _index_step(self, step: CacheStep) -> CacheStep:
+        return step if self.paged else step.index_step
+
+    def _others(self) -> int:
+        """Paged: how many pools of other layers share this cache's allocator."""
+        return sum(1 for p in self.latent.allocator.attached if p is not self.latent and p is not self.index)
+
+    def _not_shared(self, what: str) -> None:
+        if self.paged and self._others():
+            raise RuntimeError(f"{what}() on a cache whose allocator other layers' caches share would act once "
+                               f"per layer; call attnkit.caches.{what}(caches, ...) (once per allocator)")
+
     def begin(self, batch, tokens, num_new=None, *, token_ids=None) -> CacheStep:
         st = self.latent.begin(batch, tokens, num_new, token_ids=token_ids)
+        if self.paged:  # the allocator's step: one block table, one reservation for both pools
+            return st
         try:
             st.index_step = self.index.begin(batch, tokens, num_new, token_ids=token_ids)
         except BaseException:
@@ -234,33 +286,56 @@ class IndexedLatentCache(KVCache):
     def write_index(self, step: CacheStep, k: Tensor) -> Tensor:
         """Store this step's indexer keys k (B, 1, S, Di); every key the step sees, (B, L, Di),
         the same L as the latent's view."""
-        self.index.write(step.index_step, k, None)
-        return self.index.view(step.index_step, dense=True)[0][:, 0]
+        st = self._index_step(step)
+        self.index.write(st, k, None)
+        return self.index.view(st, dense=True)[0][:, 0]
 
     def commit(self, step):
-        self.latent.commit(step)
-        self.index.commit(step.index_step)
-        self.lengths = self.latent.lengths
+        self.latent.commit(step)  # paged: the allocator's commit, for both pools
+        if not self.paged:
+            self.index.commit(step.index_step)
 
     def abort(self, step):
-        self.index.abort(step.index_step)
+        if not self.paged:  # paged: the allocator's abort erases what each pool wrote
+            self.index.abort(step.index_step)
         self.latent.abort(step)
+
+    def _transaction(self, batch, tokens, num_new):
+        if self.paged and self._others():
+            raise RuntimeError(f"this cache's allocator is shared by {self._others()} other layer pools: a forward "
+                               f"appends to all of them at once; run it inside attnkit.caches.step(caches, ...)")
+        return super()._transaction(batch, tokens, num_new)
 
     def reset(self) -> None:
         self.latent.reset()
-        self.index.reset()
-        self.lengths = self.latent.lengths
+        self.index.reset()  # paged: the allocator's batch is gone already (idempotent)
 
     def crop(self, n) -> None:
+        self._not_shared("crop")
+        self.crop_group(n)
+
+    def crop_group(self, n) -> None:
+        """:meth:`crop` (paged: once for every cache sharing the allocator; what
+        :func:`attnkit.caches.crop` calls)."""
+        if self.paged:
+            self.latent.crop_group(n)  # the allocator's: both pools' block tables at once
+            return
         self._kept_lengths(n)  # validates n before either cache changes
         self.latent.crop(n)
         self.index.crop(n)
-        self.lengths = self.latent.lengths
 
     def reorder(self, indices) -> None:
+        self._not_shared("reorder")
+        self.reorder_group(indices)
+
+    def reorder_group(self, indices) -> None:
+        """:meth:`reorder` (paged: once for every cache sharing the allocator; what
+        :func:`attnkit.caches.reorder` calls)."""
+        if self.paged:
+            self.latent.reorder_group(indices)  # forks share both pools' blocks
+            return
         self.latent.reorder(indices)  # validates first; the index cache takes the same indices
         self.index.reorder(indices)
-        self.lengths = self.latent.lengths
 
     def key_length(self, tokens: int) -> int:
         """Keys a step of ``tokens`` new tokens attends over (a static cache: its capacity)."""
@@ -297,22 +372,23 @@ class IndexedLatentAttention(MultiHeadLatentAttention):
     def new_cache(self, kind: str = "dynamic", *, max_batch: int | None = None, max_len: int | None = None,
                   allocator=None, dtype: torch.dtype | None = None, device=None, kv_dtype=None,
                   k_channel_scale=None) -> IndexedLatentCache:
-        """An empty :class:`IndexedLatentCache` of ``kind`` ("dynamic" or "static"; other kinds
-        raise ValueError): MLA's latent cache (``kv_dtype`` and ``k_channel_scale`` as
-        :meth:`MultiHeadLatentAttention.new_cache`) and the indexer's key cache, unquantized in
+        """An empty :class:`IndexedLatentCache` of ``kind`` ("dynamic", "static" or "paged", which
+        needs the model's shared ``allocator``; other kinds raise ValueError): MLA's latent cache
+        (``kv_dtype`` and ``k_channel_scale`` as :meth:`MultiHeadLatentAttention.new_cache`) and
+        the indexer's key cache (paged: a pool of its own on the same allocator), unquantized in
         the latent's compute dtype: a top-k is discontinuous, so rounding noise in the keys it
         ranks flips near-tied selections and moves the output far more than the same noise in the
         latent does (and the indexer's keys are the smaller part of the cache)."""
         if kind not in INDEXED_CACHE_KINDS:
             raise ValueError(f"a {kind!r} cache cannot hold DeepSeek-V3.2's indexer keys beside the latent; "
                              f"use one of {INDEXED_CACHE_KINDS}")
-        if allocator is not None:
+        if kind != "paged" and allocator is not None:
             raise TypeError(f"allocator= applies to paged caches, not to a {kind} cache")
-        latent = super().new_cache(kind, max_batch=max_batch, max_len=max_len, dtype=dtype, device=device,
-                                   kv_dtype=kv_dtype, k_channel_scale=k_channel_scale)
+        latent = super().new_cache(kind, max_batch=max_batch, max_len=max_len, allocator=allocator, dtype=dtype,
+                                   device=device, kv_dtype=kv_dtype, k_channel_scale=k_channel_scale)
         D = self.indexer.config.head_dim
         index = new_cache(kind, (1, D, D), value_from_key=True, max_batch=max_batch, max_len=max_len,
-                          dtype=latent.dtype, device=latent.lengths.device)
+                          allocator=allocator, dtype=latent.dtype, device=latent.lengths.device)
         return IndexedLatentCache(latent, index)
 
     def check_cache(self, cache, dtype: torch.dtype | None = None) -> None:
