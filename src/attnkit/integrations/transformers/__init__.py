@@ -23,8 +23,8 @@ Every attention layer then runs :func:`attnkit.attention`:
 * A dense 4-D mask a user passes is accepted: bool True = attend, float added to the scores
   (values at or below the dtype's minimum, transformers' "masked" sentinel, mean masked).
 * ``scaling``, dropout (``dropout`` is already 0 in eval), ``softcap`` (Gemma 2's
-  ``attn_logit_softcapping``), ``s_aux`` / ``sinks`` of one logit per head (gpt-oss),
-  ``position_bias`` (T5-style), ``indices`` (DeepSeek sparse attention's top-k keys, as a
+  ``attn_logit_softcapping``), ``s_aux`` / ``sinks`` of one logit per head (gpt-oss) or per
+  query (Inkling 2), ``position_bias`` (T5-style), ``indices`` (DeepSeek sparse attention's top-k keys, as a
   ``SelectedKeys`` mask) and ``block_indices`` (MiniMax-M3's key blocks per KV group, as a
   ``SelectedBlocks`` mask) pass through to :func:`attnkit.attention`, nothing (Sq, Sk)-sized
   built for the selections; attention weights come back whenever transformers

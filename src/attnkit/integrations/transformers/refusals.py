@@ -25,10 +25,6 @@ _UNSERVED_MODEL_TYPES: dict[str, tuple[Callable, str]] = {
     "deepseek_v4": (lambda config: True,
                     "appends its compressed keys' block bias to the attention mask only when the mask is a tensor "
                     "(it runs on 'eager' only), so its layers would get a mask shorter than their keys"),
-    "inkling2_text": (lambda config: True, "passes per-query attention-sink logits, sinks= of shape (B, Hq, Sq, 1); "
-                                           "attnkit takes one sink logit per query head"),
-    "inkling2_loop_text": (lambda config: True, "passes per-query attention-sink logits, sinks= of shape "
-                                                "(B, Hq, Sq, 1); attnkit takes one sink logit per query head"),
 }
 
 
