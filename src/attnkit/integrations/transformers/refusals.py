@@ -23,8 +23,10 @@ __all__ = ["unserved_reason", "install_load_check"]
 # to load time. model_type -> (whether a config of it is affected, why).
 _UNSERVED_MODEL_TYPES: dict[str, tuple[Callable, str]] = {
     "deepseek_v4": (lambda config: True,
-                    "appends its compressed keys' block bias to the attention mask only when the mask is a tensor "
-                    "(it runs on 'eager' only), so its layers would get a mask shorter than their keys"),
+                    "appends compressed keys after its cache update and extends the attention mask over them with "
+                    "its compressor's block bias only when the mask is a tensor holding eager's additive float bias "
+                    "(it runs on 'eager' only), so with attnkit's typed mask its layers would attend to more keys "
+                    "than the mask covers, without the block bias"),
 }
 
 
