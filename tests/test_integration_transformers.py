@@ -678,13 +678,44 @@ def test_attnkit_mask_builds_nothing_for_models_that_pass_it_on(monkeypatch):
     assert built == []
 
 
-def test_deepseek_v4_is_refused_when_built():
-    """Its compressor appends keys and extends only a tensor mask to cover them: refused when
-    built, and when an eager model is switched to attnkit."""
-    with pytest.raises(ValueError, match=r"DeepseekV4ForCausalLM \(deepseek_v4\) appends"):
-        _tiny("deepseek_v4")
-    model = _tiny("deepseek_v4", impl="eager")
-    with pytest.raises(ValueError, match=r"\(deepseek_v4\) appends.*attn_implementation='sdpa' or 'eager'"):
+def test_deepseek_v4_matches_eager(monkeypatch):
+    """Its compressed layers append keys after the cache update and extend the mask over them with
+    their compressor's block bias, only when the mask is eager's float tensor: the mask function
+    hands it that (EAGER_MASK_MODEL_TYPES). Logits (left-padded batch, the CSA layer's compressed
+    keys included), greedy tokens with a dynamic cache and training gradients equal eager's. (With
+    a static cache transformers' eager path itself fails: the cache has no compressed layer type.)"""
+    ours = _tiny("deepseek_v4")
+    eager = copy.deepcopy(ours)
+    eager.set_attn_implementation("eager")
+    seen = _record_masks(monkeypatch)
+    ids, am = _batch(lengths=(9, 6))
+    with torch.no_grad():
+        lo, le = ours(ids, attention_mask=am).logits, eager(ids, attention_mask=am).logits
+        kw = dict(attention_mask=am, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        go, ge = ours.generate(ids, **kw), eager.generate(ids, **kw)
+    real = am.bool()
+    torch.testing.assert_close(lo[real], le[real])
+    assert go.tolist() == ge.tolist()
+    assert any(m.tensor.shape[-1] > ids.shape[1] for m in seen if isinstance(m, M.Dense))  # compressed keys masked too
+    ids, am = _batch(3)
+    labels = ids.masked_fill(am == 0, -100)
+    for m in (ours, eager):
+        m.train()
+        m(ids, attention_mask=am, labels=labels).loss.backward()
+    for (name, po), pe in zip(ours.named_parameters(), eager.parameters()):
+        if pe.grad is not None:
+            torch.testing.assert_close(po.grad, pe.grad, msg=lambda m, name=name: f"grad {name}: {m}")
+
+
+def test_model_types_on_the_unserved_list_are_refused_when_built(monkeypatch):
+    """A model type listed in refusals._UNSERVED_MODEL_TYPES is refused when built and when an
+    eager model is switched to attnkit, with an error naming the model and the reason."""
+    from attnkit.integrations.transformers import refusals
+    monkeypatch.setitem(refusals._UNSERVED_MODEL_TYPES, "llama", (lambda config: True, "needs what attnkit lacks"))
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM \(llama\) needs what attnkit lacks"):
+        _model("llama")
+    model = _model("llama", "eager")
+    with pytest.raises(ValueError, match=r"\(llama\) needs what.*attn_implementation='sdpa' or 'eager'"):
         model.set_attn_implementation("attnkit")
 
 

@@ -20,14 +20,9 @@ __all__ = ["unserved_reason", "install_load_check"]
 # Models that call the attention interface but need something attnkit does not do, found by
 # running every causal LM of transformers 5.24 on "attnkit" against "eager". The attention
 # function refuses their arguments too (at the first forward); naming them here moves the error
-# to load time. model_type -> (whether a config of it is affected, why).
-_UNSERVED_MODEL_TYPES: dict[str, tuple[Callable, str]] = {
-    "deepseek_v4": (lambda config: True,
-                    "appends compressed keys after its cache update and extends the attention mask over them with "
-                    "its compressor's block bias only when the mask is a tensor holding eager's additive float bias "
-                    "(it runs on 'eager' only), so with attnkit's typed mask its layers would attend to more keys "
-                    "than the mask covers, without the block bias"),
-}
+# to load time. model_type -> (whether a config of it is affected, why). In transformers 5.24
+# every such model is served.
+_UNSERVED_MODEL_TYPES: dict[str, tuple[Callable, str]] = {}
 
 
 def unserved_reason(model: PreTrainedModel) -> str | None:
