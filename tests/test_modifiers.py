@@ -259,6 +259,33 @@ def test_per_query_sinks_are_refused_by_the_decode_kernels_and_auto_passes_them_
                                atol=1e-5, rtol=1e-5)
 
 
+def test_per_query_sinks_on_cuda_go_to_flex_for_prefill_never_to_the_decode_kernel():
+    """The CUDA decision, on CPU (a pure function of the call): FlexAttention joins per-query
+    sinks through its log-sum-exp, so ``auto`` runs prefill there; the Triton kernel refuses
+    them, and so does SDPA, so a decode step falls to math."""
+    from attnkit.backends import AttentionCall, get_backend, select
+
+    def call(Sq, sinks):
+        return AttentionCall(2, 8, 2, Sq, 300, 64, 64, torch.float16, torch.device("cuda"), None, 0.125, 0.0,
+                             False, True, sinks=sinks)
+
+    prefill, step = call(64, torch.zeros(2, 8, 64)), call(1, torch.zeros(1, 8, 1))
+    assert get_backend("flex").not_supported_reasons(prefill) == [] and select(prefill, "auto").name == "flex"
+    assert any("per-query sinks (1, 8, 1)" in r for r in get_backend("triton").not_supported_reasons(step))
+    assert get_backend("sdpa").not_supported_reasons(step) and select(step, "auto").name == "math"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("Sq", [1, 5, 64])
+def test_per_query_sinks_on_cuda_match_the_oracle(Sq):
+    """On CUDA: flex (prefill) and math (decode), forward and backward, d(sinks) included."""
+    q, k, v = (t.cuda() for t in make_qkv(2, 8, 2, Sq, 200, 64, dtype=torch.bfloat16, seed=31))
+    sinks = torch.randn(2, 8, Sq, 1, generator=torch.Generator().manual_seed(32)).cuda()
+    check_against_oracle(q, k, v, causal=True, sinks=sinks)
+    check_against_oracle(q, k, v, M.SlidingWindow(16), causal=True, sinks=sinks[:1].squeeze(-1) + 1)
+
+
 def test_per_query_sinks_gradient_reaches_the_given_tensor():
     """d(sinks) has the shape the caller gave, (B, Hq, Sq, 1), and equals the fp64 oracle's; a
     row with nothing to attend to outputs 0 with finite gradients."""
