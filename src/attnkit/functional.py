@@ -178,7 +178,8 @@ def _check_sinks(sinks, q: Tensor) -> Tensor | None:
     if sinks is None:
         return None
     B, Hq, Sq = q.shape[:3]
-    shapes = f"(Hq,) = ({Hq},) (one logit per query head) or (B|1, Hq, Sq[, 1]) = ({B}|1, {Hq}, {Sq}[, 1]) (one per query)"
+    shapes = (f"(Hq,) = ({Hq},) (one logit per query head) or (B|1, Hq, Sq[, 1]) = ({B}|1, {Hq}, {Sq}[, 1]) "
+              f"(one per query)")
     if not isinstance(sinks, Tensor):
         raise TypeError(f"sinks must be None or a floating tensor of shape {shapes}, got {type(sinks).__name__}")
     rows = sinks.squeeze(-1) if sinks.dim() == 4 and sinks.shape[-1] == 1 else sinks

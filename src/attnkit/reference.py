@@ -69,7 +69,8 @@ def attention_math(
     actually applied to V (after dropout, as torch's MultiheadAttention returns them), in fp32
     (fp64 for fp64 compute). ``softcap`` c: scores -> c * tanh(scores / c) after scaling, before
     masks and biases. ``sinks`` (Hq,): one logit per query head joining each row's softmax
-    denominator (a column that carries no value); or (B|1, Hq, Sq): one logit per query. Empty rows (the mask allows no key) are 0.
+    denominator (a column that carries no value); or (B|1, Hq, Sq): one logit per query. Empty
+    rows (the mask allows no key) are 0.
     """
     if compute_dtype is None:
         compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32

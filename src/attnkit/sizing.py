@@ -7,10 +7,10 @@ DeepSeek-V3 dimensions), where expanding them per head would hold ``num_heads * 
 qk_rope + v_head_dim)`` = 128 * (128 + 64 + 128) = 40,960: a 71x reduction. The DeepSeek-V2 paper
 (section 2.1.4) puts it as "equal to GQA with only 2.25 groups": 576 = 2.25 * 2 * 128.
 
-A decode step reads every cached row of every layer (``decode_read_bytes``), unless a sparse
-selection keeps fewer keys per query (:class:`Selection`): DeepSeek sparse attention's top 2048
-keys, MiniMax-M3's blocks plus a local window. It then reads the selected rows only: K and V of
-each KV head, or MLA's latent rows (V is read from them).
+:func:`decode_read_bytes` is what one decode step needs from a layer's cache: every cached row,
+or under a sparse selection of fewer keys per query (:class:`Selection`: DeepSeek sparse
+attention's top 2048 keys, MiniMax-M3's blocks plus a local window) the selected rows only: K
+and V of each KV head, or MLA's latent rows (V is read from them).
 
 A quantized cache (``dtype=torch.int8`` or ``torch.float8_e4m3fn``, a cache's ``kv_dtype``) stores
 one byte per value plus an fp32 scale per row (:mod:`attnkit.kvquant`): per token per layer,
@@ -19,7 +19,8 @@ one for K and one for V of each KV head, and one for MLA's latent (V is read fro
 Example::
 
     >>> import torch
-    >>> from attnkit.sizing import PRESETS, Selection, decode_read_bytes, kv_cache_bytes, values_per_token, expanded_dims
+    >>> from attnkit.sizing import PRESETS, kv_cache_bytes, values_per_token, expanded_dims
+    >>> from attnkit.sizing import Selection, decode_read_bytes
     >>> v3 = PRESETS["deepseek-v3"].spec
     >>> values_per_token(v3), values_per_token(expanded_dims(v3))
     (576, 40960)

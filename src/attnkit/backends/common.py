@@ -96,7 +96,8 @@ def decode_refusals(call: AttentionCall, max_q_len: int | None = MAX_DECODE_Q_LE
     kernels read one per query head)."""
     why = []
     if per_query_sinks(call.sinks):
-        why.append(f"per-query sinks {tuple(call.sinks.shape)} (this kernel reads one sink logit per query head, (Hq,))")
+        why.append(f"per-query sinks {tuple(call.sinks.shape)} (this kernel reads one sink logit per query head, "
+                   f"(Hq,))")
     if max_q_len is not None and call.q_len > max_q_len:
         why.append(f"Sq={call.q_len} > {max_q_len} (a decode path: small query lengths only)")
     if call.return_weights:

@@ -17,8 +17,8 @@ takes the materialized mask directly).
 
 Sinks on CPU, for inference, one per query head (gpt-oss) or one per query (Inkling 2): SDPA's
 CPU flash kernel returns each row's log-sum-exp beside its output, which is all a sink needs
-(:func:`attnkit.backends.common.with_sinks`), so unmasked and causal prefill with sinks runs the fused kernel (K/V expanded per query head, as
-the op has no grouped heads). Soft-capping changes every score, which no SDPA kernel can do.
+(:func:`attnkit.backends.common.with_sinks`), so unmasked and causal prefill with sinks runs the
+fused kernel (K/V expanded per query head, as the op has no grouped heads). Soft-capping changes every score, which no SDPA kernel can do.
 """
 
 from __future__ import annotations
