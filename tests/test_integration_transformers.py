@@ -4,9 +4,10 @@ greedy generate tokens with dynamic and static caches, training gradients, dropo
 masks, user 4-D masks, output_attentions, and the optional-dependency contract.
 
 Then what models pass and read beyond the common path: every keyword argument is
-implemented, known harmless, or refused by name; models that read the mask object themselves
-(DeepSeek sparse attention, Doge, Qwen4-Exp) and models that drop ``output_attentions``; models
-attnkit cannot serve are refused when built; fully masked rows of a float 4-D mask; and the
+implemented, known harmless, or refused by name; Inkling 2's per-query sinks and DeepSeek-V4's
+compressed keys against eager; models that read the mask object themselves (DeepSeek sparse
+attention, Doge, Qwen4-Exp) and models that drop ``output_attentions``; models attnkit cannot
+serve are refused when built; fully masked rows of a float 4-D mask; and the
 transformers version range of the ``hf`` extra.
 
 Every test here turns transformers' FutureWarnings into errors: a deprecated argument these tests
