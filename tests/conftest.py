@@ -44,7 +44,8 @@ def base_attention(q, k, v, mask=None, *, causal=False, scale=None, softcap=None
         s = s.masked_fill(~allowed, float("-inf"))
         row_ok = allowed.any(-1, keepdim=True)
     if sinks is not None:
-        sink = sinks.float().view(1, Hq, 1, 1).expand(*s.shape[:-1], 1)
+        rows = sinks.view(1, Hq, 1, 1) if sinks.dim() == 1 else sinks.reshape(-1, Hq, Sq, 1)  # per head / per query
+        sink = rows.float().expand(*s.shape[:-1], 1)
         p = safe_softmax(torch.cat([s, sink], -1), row_ok=row_ok)[..., :-1].to(q.dtype)
     else:
         p = safe_softmax(s, row_ok=row_ok).to(q.dtype)

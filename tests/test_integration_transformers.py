@@ -4,9 +4,10 @@ greedy generate tokens with dynamic and static caches, training gradients, dropo
 masks, user 4-D masks, output_attentions, and the optional-dependency contract.
 
 Then what models pass and read beyond the common path: every keyword argument is
-implemented, known harmless, or refused by name; models that read the mask object themselves
-(DeepSeek sparse attention, Doge, Qwen4-Exp) and models that drop ``output_attentions``; models
-attnkit cannot serve are refused when built; fully masked rows of a float 4-D mask; and the
+implemented, known harmless, or refused by name; Inkling 2's per-query sinks and DeepSeek-V4's
+compressed keys against eager; models that read the mask object themselves (DeepSeek sparse
+attention, Doge, Qwen4-Exp) and models that drop ``output_attentions``; models attnkit cannot
+serve are refused when built; fully masked rows of a float 4-D mask; and the
 transformers version range of the ``hf`` extra.
 
 Every test here turns transformers' FutureWarnings into errors: a deprecated argument these tests
@@ -90,10 +91,16 @@ def _batch(seed=1, lengths=(9, 6), vocab=96):
 
 
 def _reference_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
-                         s_aux=None, **kwargs):
-    """The gold: attnkit's fp64 oracle over transformers' own materialized bool mask."""
-    extra = {k: v for k, v in (("softcap", softcap), ("sinks", s_aux)) if v is not None}
-    out = attnkit.attention_reference(query, key, value, attention_mask, scale=scaling, **extra)
+                         s_aux=None, sinks=None, position_bias=None, **kwargs):
+    """The gold: attnkit's fp64 oracle over transformers' own materialized bool mask (the
+    model's ``position_bias`` added to the scores, its sinks per head or per query; a call
+    without a mask is causal as the layer says)."""
+    extra = {k: v for k, v in (("softcap", softcap), ("sinks", s_aux if s_aux is not None else sinks)) if v is not None}
+    mask = attention_mask
+    if position_bias is not None:
+        mask = M.Additive(position_bias) if mask is None else M.Dense(mask) & M.Additive(position_bias)
+    causal = attention_mask is None and getattr(module, "is_causal", True)
+    out = attnkit.attention_reference(query, key, value, mask, causal=causal, scale=scaling, **extra)
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
@@ -313,7 +320,7 @@ _TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermedia
              swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=8, sliding_window_size=4,
              d_rel=8, rel_extent=8, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
              linear_num_value_heads=4, shared_expert_intermediate_size=16, hc_lowrank=8,
-             initializer_range=0.2, attention_dropout=0.0)
+             unpadded_vocab_size=96, initializer_range=0.2, attention_dropout=0.0)
 _TINY_EXTRA = {  # fields without a usable default at this size
     "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=4,
                            indexer_compress_ratio=2),
@@ -399,26 +406,15 @@ def test_per_head_sinks_join_the_softmax(name):
     assert not torch.allclose(got, hf.attention_forward(_Layer(), q, k, v, None)[0])  # the sinks did something
 
 
-def test_per_query_sinks_are_refused():
-    """Inkling 2 passes one sink logit per query, (B, Hq, Sq, 1); attnkit's are per head."""
+def test_per_query_sinks_join_the_softmax():
+    """Inkling 2 passes one sink logit per query, (B, Hq, Sq, 1): each joins its own row's softmax."""
     q, k, v = _qkv()
-    with pytest.raises(NotImplementedError, match=r"sinks=.*one per query head.*\(2, 4, 5, 1\)"):
-        hf.attention_forward(_Layer(), q, k, v, None, sinks=torch.zeros(2, 4, 5, 1))
-
-
-@pytest.mark.parametrize("model_type, over, argument", [
-    ("inkling2_text", {}, "sinks="),
-    ("inkling2_loop_text", {}, "sinks="),
-], ids=["inkling2", "inkling2_loop"])
-def test_models_passing_refused_arguments_are_refused_when_built(model_type, over, argument):
-    """Known at load time, so the error comes before any forward; the attention function would
-    refuse the argument at the first forward otherwise (the tests above)."""
-    config = _tiny_config(model_type, **over)
-    with pytest.raises(ValueError, match=rf"\({model_type}\) .*{argument}"):
-        transformers.AutoModelForCausalLM.from_config(config, attn_implementation="attnkit")
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    with pytest.raises(ValueError, match=argument):
-        model.set_attn_implementation("attnkit")
+    sinks = torch.randn(2, 4, 5, 1, generator=torch.Generator().manual_seed(3))
+    got, _ = hf.attention_forward(_Layer(), q, k, v, None, sinks=sinks)
+    want = attnkit.attention_reference(q.double(), k.double(), v.double(), causal=True, sinks=sinks.double())
+    torch.testing.assert_close(got, want.float().transpose(1, 2))
+    with pytest.raises(NotImplementedError, match=r"sinks=.*one per query.*\(2, 4, 3, 1\)"):
+        hf.attention_forward(_Layer(), q, k, v, None, sinks=torch.zeros(2, 4, 3, 1))
 
 
 def test_minimax_m3_without_sparse_layers_is_served():
@@ -529,6 +525,79 @@ def test_minimax_m3_sparse_layers_match_eager(cache, monkeypatch):
     assert (blocks.block_ids >= 0).sum(-1).max() == 2 and blocks.block_ids.shape[-1] == 2  # a selection, not all
 
 
+# Inkling 2: per-query sinks (B, Hq, Sq, 1) from each token's hidden state, a relative-position
+# bias, sliding and full layers, and block-residual attention over the layers' outputs (no mask).
+INKLING = ["inkling2_text", "inkling2_loop_text"]
+
+
+def _three_tiny(model_type, **over):
+    """attnkit, eager and the gold with the same weights, as :func:`_three`, except that the gold
+    is an fp32 copy whose attention is the fp64 oracle over transformers' materialized masks:
+    Inkling 2 casts its router, block residuals and logits to fp32 itself, so it cannot run in
+    fp64; the three then share every other op bit for bit, and rule R measures attention alone."""
+    ours = _tiny(model_type, **over)
+    eager = copy.deepcopy(ours)
+    eager.set_attn_implementation("eager")
+    gold = copy.deepcopy(eager)
+    gold.set_attn_implementation("reference64")
+    return ours, eager, gold
+
+
+@pytest.mark.parametrize("model_type", INKLING)
+def test_inkling2_logits_rule_r(model_type, monkeypatch):
+    ours, eager, gold = _three_tiny(model_type)
+    seen = []
+    real = hf_attention.attention
+    monkeypatch.setattr(hf_attention, "attention", lambda *a, **kw: seen.append(kw.get("sinks")) or real(*a, **kw))
+    ids, am = _batch()
+    with torch.no_grad():
+        lo, le, lg = (m(ids, attention_mask=am).logits for m in (ours, eager, gold))
+    assert any(s is not None and s.shape == (2, 4, ids.shape[1], 1) for s in seen)  # the per-query sinks arrived
+    real_pos = am.bool()
+    rule_r(lo[real_pos], le[real_pos], lg[real_pos], n_terms=_TINY["hidden_size"] * _TINY["num_hidden_layers"],
+           what="logits")
+
+
+@pytest.mark.parametrize("cache, layer_types", [
+    ("dynamic", None),
+    ("static", ["hybrid", "hybrid"]),
+    ("static", ["hybrid_sliding", "hybrid_sliding"]),
+], ids=["dynamic", "static-full", "static-sliding"])
+@pytest.mark.parametrize("model_type", INKLING)
+def test_inkling2_generate_greedy_same_tokens_as_eager(model_type, cache, layer_types):
+    """Static caches with one kind of layer: with sliding and full layers mixed, transformers'
+    eager path itself fails on a static cache (its sliding layers get keys shorter than the mask)."""
+    over = {} if layer_types is None else dict(layer_types=layer_types)
+    ours = _tiny(model_type, **over)
+    eager = copy.deepcopy(ours)
+    eager.set_attn_implementation("eager")
+    ids, am = _batch(2)
+    kw = dict(attention_mask=am, max_new_tokens=8, do_sample=False, pad_token_id=0, cache_implementation=cache)
+    with torch.no_grad():
+        got, want = ours.generate(ids, **kw), eager.generate(ids, **kw)
+    assert got.shape[1] == ids.shape[1] + 8  # past the window of 4
+    assert got.tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("model_type", INKLING)
+def test_inkling2_training_gradients_rule_r(model_type):
+    """Gradients of every parameter, the sink projections (through the per-query sinks) included."""
+    ours, eager, gold = _three_tiny(model_type)
+    ids, am = _batch(3)
+    labels = ids.masked_fill(am == 0, -100)
+    for m in (ours, eager, gold):
+        m.train()
+        m(ids, attention_mask=am, labels=labels).loss.backward()
+    n = ids.numel() * _TINY["hidden_size"]
+    checked = []
+    for (name, po), pe, pg in zip(ours.named_parameters(), eager.parameters(), gold.parameters()):
+        if pg.grad is None:
+            continue
+        rule_r(po.grad, pe.grad, pg.grad, factor=3.0, n_terms=n, what=f"grad {name}")
+        checked.append(name)
+    assert any("sink_proj" in name for name in checked)
+
+
 @pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
 def test_dsa_indices_reach_attention_as_a_selection(model_type, monkeypatch):
     """DeepSeek sparse attention models hand attention() their top-k as a SelectedKeys ANDed with
@@ -610,10 +679,45 @@ def test_attnkit_mask_builds_nothing_for_models_that_pass_it_on(monkeypatch):
     assert built == []
 
 
-def test_deepseek_v4_is_refused_when_built():
-    """Its compressor appends keys and extends only a tensor mask to cover them."""
-    with pytest.raises(ValueError, match=r"DeepseekV4ForCausalLM \(deepseek_v4\) appends"):
-        _tiny("deepseek_v4")
+def test_deepseek_v4_matches_eager(monkeypatch):
+    """Its compressed layers append keys after the cache update and extend the mask over them with
+    their compressor's block bias, only when the mask is eager's float tensor: the mask function
+    hands it that (EAGER_MASK_MODEL_TYPES). Logits (left-padded batch, the CSA layer's compressed
+    keys included), greedy tokens with a dynamic cache and training gradients equal eager's. (With
+    a static cache transformers' eager path itself fails: the cache has no compressed layer type.)"""
+    ours = _tiny("deepseek_v4")
+    eager = copy.deepcopy(ours)
+    eager.set_attn_implementation("eager")
+    seen = _record_masks(monkeypatch)
+    ids, am = _batch(lengths=(9, 6))
+    with torch.no_grad():
+        lo, le = ours(ids, attention_mask=am).logits, eager(ids, attention_mask=am).logits
+        kw = dict(attention_mask=am, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        go, ge = ours.generate(ids, **kw), eager.generate(ids, **kw)
+    real = am.bool()
+    torch.testing.assert_close(lo[real], le[real])
+    assert go.tolist() == ge.tolist()
+    assert any(m.tensor.shape[-1] > ids.shape[1] for m in seen if isinstance(m, M.Dense))  # compressed keys masked too
+    ids, am = _batch(3)
+    labels = ids.masked_fill(am == 0, -100)
+    for m in (ours, eager):
+        m.train()
+        m(ids, attention_mask=am, labels=labels).loss.backward()
+    for (name, po), pe in zip(ours.named_parameters(), eager.parameters()):
+        if pe.grad is not None:
+            torch.testing.assert_close(po.grad, pe.grad, msg=lambda m, name=name: f"grad {name}: {m}")
+
+
+def test_model_types_on_the_unserved_list_are_refused_when_built(monkeypatch):
+    """A model type listed in refusals._UNSERVED_MODEL_TYPES is refused when built and when an
+    eager model is switched to attnkit, with an error naming the model and the reason."""
+    from attnkit.integrations.transformers import refusals
+    monkeypatch.setitem(refusals._UNSERVED_MODEL_TYPES, "llama", (lambda config: True, "needs what attnkit lacks"))
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM \(llama\) needs what attnkit lacks"):
+        _model("llama")
+    model = _model("llama", "eager")
+    with pytest.raises(ValueError, match=r"\(llama\) needs what.*attn_implementation='sdpa' or 'eager'"):
+        model.set_attn_implementation("attnkit")
 
 
 def test_empty_sliding_window_is_left_to_sdpa_mask():

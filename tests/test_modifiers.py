@@ -188,6 +188,124 @@ def test_sinks_gradient_and_rows_with_nothing_to_attend():
     assert torch.isfinite(out).all() and out.abs().max() < 1e-20
 
 
+# --------------------------------------------------------------------------- per-query sinks
+# One sink logit per query, (B|1, Hq, Sq) or (B|1, Hq, Sq, 1) (Inkling 2 computes them from each
+# token's hidden state): math runs them with gradients, SDPA's CPU flash kernel at inference, and
+# the decode kernels (one logit per query head) refuse them, so ``auto`` passes them on.
+
+PER_QUERY = {"B-Hq-Sq-1": lambda B, Hq, Sq, g: torch.randn(B, Hq, Sq, 1, generator=g),
+             "1-Hq-Sq": lambda B, Hq, Sq, g: torch.randn(1, Hq, Sq, generator=g) + 1.5}
+
+
+@pytest.mark.parametrize("form", list(PER_QUERY))
+@pytest.mark.parametrize("mask_name", ["none", "causal", "window_padding", "alibi_causal_padding", "dense"])
+@pytest.mark.parametrize("Sq,Sk", SHAPES, ids=[f"Sq{a}-Sk{b}" for a, b in SHAPES])
+@pytest.mark.parametrize("backend", ["math", "sdpa", "auto"])
+def test_per_query_sinks_match_the_oracle(backend, Sq, Sk, mask_name, form):
+    variant = ["mha", "gqa", "mqa"][stable_seed(Sq, Sk, mask_name, form) % 3]
+    dtype = ["fp32", "bf16", "fp16"][stable_seed(form, mask_name, Sk) % 3]
+    Hq, Hkv = VARIANTS[variant]
+    seed = stable_seed("per-query", backend, Sq, Sk, mask_name, form)
+    g = torch.Generator().manual_seed(seed)
+    mask, causal = _masks(2, Hq, Sq, Sk, g)[mask_name]
+    kw = dict(sinks=PER_QUERY[form](2, Hq, Sq, g))
+    if stable_seed(mask_name, form) % 2:
+        kw["softcap"] = 3.0
+    q, k, v = make_qkv(2, Hq, Hkv, Sq, Sk, 16, dtype=DTYPES[dtype], seed=seed)
+    grad = True
+    if backend == "sdpa":  # as for per-head sinks: inference, unmasked or is_causal, no cap
+        if "softcap" in kw or not (mask_name == "none" or (mask_name == "causal" and Sq in (1, Sk))):
+            with pytest.raises(BackendNotSupported, match="SDPA cannot express"):
+                attnkit.attention(q, k, v, mask, causal=causal, backend=backend, **kw)
+            return
+        grad = False
+    out = check_against_oracle(q, k, v, mask, causal=causal, backend=backend, grad=grad, **kw)
+    if mask_name in ("window_padding", "alibi_causal_padding"):
+        assert (out[0] == 0).all()  # the sequence with no key outputs exactly 0, sinks or not
+
+
+def test_per_query_sinks_equal_to_per_head_sinks_give_the_same_output():
+    """Each query of a head given its head's logit: the (Hq,) result, on every backend that runs both."""
+    q, k, v = make_qkv(2, 8, 2, 9, 9, 16, seed=21)
+    heads = torch.randn(8, generator=torch.Generator().manual_seed(22))
+    for backend in ("math", "sdpa"):
+        want = attnkit.attention(q, k, v, causal=True, sinks=heads, backend=backend)
+        for rows in (heads.view(1, 8, 1).expand(2, 8, 9), heads.view(1, 8, 1, 1).expand(1, 8, 9, 1)):
+            got = attnkit.attention(q, k, v, causal=True, sinks=rows, backend=backend)
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_per_query_sinks_are_refused_by_the_decode_kernels_and_auto_passes_them_on():
+    """The split-K engine and the Triton kernel read one sink logit per query head: they refuse
+    (B|1, Hq, Sq) sinks through ``decode_refusals``, naming them, and ``auto`` takes the next
+    backend that can (SDPA's CPU flash kernel for a causal decode step, else math)."""
+    from attnkit.backends import get_backend
+    from attnkit.functional import _validate
+
+    q, k, v = make_qkv(2, 8, 2, 1, 4096, 16, seed=23)
+    per_head = torch.randn(8, generator=torch.Generator().manual_seed(24))
+    per_query = per_head.view(1, 8, 1).expand(2, 8, 1)
+    assert attnkit.describe_call(q, k, v, causal=True, sinks=per_head, backend="decode") == "decode"
+    with pytest.raises(BackendNotSupported, match=r"per-query sinks \(2, 8, 1\)"):
+        attnkit.attention(q, k, v, causal=True, sinks=per_query, backend="decode")
+    assert attnkit.describe_call(q, k, v, causal=True, sinks=per_query) == "sdpa"
+    lens = torch.tensor([4096, 100])
+    assert attnkit.describe_call(q, k, v, M.KeyPadding(lens), sinks=per_query) == "math"
+    call = _validate(q, k, v, None, True, None, 0.0, False, "auto", None, per_query)
+    for name in ("decode", "paged", "triton"):
+        assert any("per-query sinks" in r for r in get_backend(name).not_supported_reasons(call)), name
+    torch.testing.assert_close(attnkit.attention(q, k, v, M.KeyPadding(lens), sinks=per_query),
+                               attnkit.attention(q, k, v, M.KeyPadding(lens), sinks=per_head, backend="decode"),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_per_query_sinks_on_cuda_go_to_flex_for_prefill_never_to_the_decode_kernel():
+    """The CUDA decision, on CPU (a pure function of the call): FlexAttention joins per-query
+    sinks through its log-sum-exp, so ``auto`` runs prefill there; the Triton kernel refuses
+    them, and so does SDPA, so a decode step falls to math."""
+    from attnkit.backends import AttentionCall, get_backend, select
+
+    def call(Sq, sinks):
+        return AttentionCall(2, 8, 2, Sq, 300, 64, 64, torch.float16, torch.device("cuda"), None, 0.125, 0.0,
+                             False, True, sinks=sinks)
+
+    prefill, step = call(64, torch.zeros(2, 8, 64)), call(1, torch.zeros(1, 8, 1))
+    assert get_backend("flex").not_supported_reasons(prefill) == [] and select(prefill, "auto").name == "flex"
+    assert any("per-query sinks (1, 8, 1)" in r for r in get_backend("triton").not_supported_reasons(step))
+    assert get_backend("sdpa").not_supported_reasons(step) and select(step, "auto").name == "math"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("Sq", [1, 5, 64])
+def test_per_query_sinks_on_cuda_match_the_oracle(Sq):
+    """On CUDA: flex (prefill) and math (decode), forward and backward, d(sinks) included."""
+    q, k, v = (t.cuda() for t in make_qkv(2, 8, 2, Sq, 200, 64, dtype=torch.bfloat16, seed=31))
+    sinks = torch.randn(2, 8, Sq, 1, generator=torch.Generator().manual_seed(32)).cuda()
+    check_against_oracle(q, k, v, causal=True, sinks=sinks)
+    check_against_oracle(q, k, v, M.SlidingWindow(16), causal=True, sinks=sinks[:1].squeeze(-1) + 1)
+
+
+def test_per_query_sinks_gradient_reaches_the_given_tensor():
+    """d(sinks) has the shape the caller gave, (B, Hq, Sq, 1), and equals the fp64 oracle's; a
+    row with nothing to attend to outputs 0 with finite gradients."""
+    Hq = 4
+    q, k, v = make_qkv(2, Hq, 2, 3, 6, 8, seed=25)
+    mask = torch.ones(2, 1, 3, 6, dtype=torch.bool)
+    mask[1, :, 2] = False  # row (1, 2) sees no key
+    sinks = torch.randn(2, Hq, 3, 1, generator=torch.Generator().manual_seed(26))
+    got = sinks.clone().requires_grad_()
+    gold = sinks.double().requires_grad_()
+    out = attnkit.attention(q, k, v, mask, sinks=got)
+    ref = attnkit.attention_reference(q.double(), k.double(), v.double(), mask, sinks=gold)
+    assert (out[1, :, 2] == 0).all()
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    assert got.grad.shape == (2, Hq, 3, 1) and torch.isfinite(got.grad).all()
+    assert (got.grad[1, :, 2] == 0).all()  # an empty row's sink takes no gradient
+    torch.testing.assert_close(got.grad.double(), gold.grad, atol=1e-5, rtol=1e-5)
+
+
 def test_softcap_bounds_the_scores():
     q, k, v = make_qkv(1, 2, 2, 1, 5, 4, seed=1)
     out, w = attnkit.attention(q * 1e4, k, v, softcap=1.0, return_weights=True)
@@ -247,6 +365,11 @@ def test_alibi_slopes_and_bias_equal_bloom(heads):
     (dict(sinks=torch.zeros(3)), ValueError, r"sinks.*\(4,\)"),
     (dict(sinks=torch.zeros(4, dtype=torch.long)), ValueError, "sinks"),
     (dict(sinks=torch.zeros(1, 4)), ValueError, "sinks"),
+    (dict(sinks=torch.zeros(1, 4, 3)), ValueError, r"sinks.*\(1\|1, 4, 2\[, 1\]\).*\(1, 4, 3\)"),
+    (dict(sinks=torch.zeros(2, 4, 2, 1)), ValueError, r"sinks.*\(2, 4, 2, 1\).*q \(1, 4, 2, 8\)"),
+    (dict(sinks=torch.zeros(1, 4, 2, 2)), ValueError, r"sinks.*\(1, 4, 2, 2\)"),
+    (dict(sinks=torch.zeros(1, 2, 2)), ValueError, r"sinks.*\(1, 2, 2\)"),
+    (dict(sinks=torch.zeros(1, 4, 2, dtype=torch.long)), ValueError, "sinks.*int64"),
 ])
 def test_bad_modifiers_name_the_argument(kw, err, text):
     q, k, v = make_qkv(1, 4, 2, 2, 3, 8)

@@ -11,9 +11,9 @@ import torch
 
 from attnkit import DynamicCache, MultiHeadAttention, StaticCache
 from attnkit.modules.mla import MLAConfig, MultiHeadLatentAttention
-from attnkit.sizing import (PRESETS, AttentionDims, add_kv_arguments, bytes_per_token, cache_spec, expanded_dims,
-                            gqa_equivalent_groups, kv_cache_bytes, kv_cache_table, parse_context, parse_dtype,
-                            parse_spec, run_kv, values_per_token)
+from attnkit.sizing import (PRESETS, AttentionDims, Selection, add_kv_arguments, bytes_per_token, cache_spec,
+                            decode_read_bytes, expanded_dims, gqa_equivalent_groups, kv_cache_bytes, kv_cache_table,
+                            parse_context, parse_dtype, parse_select, parse_spec, run_kv, values_per_token)
 
 V3 = MLAConfig(hidden_size=7168, num_heads=128, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
                v_head_dim=128, q_lora_rank=1536)
@@ -159,3 +159,59 @@ def test_spec_errors_name_what_is_wrong(text, match):
 def test_an_explicit_zero_layer_count_is_an_error_not_the_preset():
     with pytest.raises(ValueError, match="layers must be a positive int, got 0"):
         kv_cache_table({"x": ("llama-3-8b", 0)})
+
+
+# --------------------------------------------------------------------------- sparse selections
+
+
+def test_decode_read_bytes_of_a_sparse_selection_from_first_principles():
+    """One decode step reads, per layer and sequence, one cache row per key it attends to: every
+    cached key (dense) or the selected ones. A row: MLA's latent + rope key, 512 + 64 = 576
+    values; GQA's K and V of each KV head, 8 * (128 + 128) = 2048 values."""
+    ctx = 131072
+    v3, llama = PRESETS["deepseek-v3"].spec, PRESETS["llama-3-8b"].spec
+    dsa = Selection(top_k=2048)
+    assert decode_read_bytes(v3, context=ctx) == ctx * 576 * 2 == 150_994_944
+    assert decode_read_bytes(v3, context=ctx, select=dsa) == 2048 * 576 * 2 == 2_359_296  # 64x less
+    # int8: a byte per value and one fp32 scale per latent row
+    assert decode_read_bytes(v3, context=ctx, select=dsa, dtype=torch.int8) == 2048 * (576 + 4)
+    # 16 blocks of 64 keys and a local window of 512: 1536 keys of 8 KV heads x (128 + 128) bf16
+    blocks = Selection(blocks=16, block_size=64, window=512)
+    assert blocks.keys == 1536
+    assert decode_read_bytes(llama, context=ctx, select=blocks, batch=3) == 3 * 1536 * 8 * 256 * 2
+    assert decode_read_bytes(llama, context=4096, batch=3) == 3 * 4096 * 8 * 256 * 2
+    # a context shorter than the selection: every cached row, no more
+    assert decode_read_bytes(v3, context=1000, select=dsa) == decode_read_bytes(v3, context=1000) == 1000 * 1152
+    # int8 GQA: fp32 scales per row of K and of V for each KV head
+    assert decode_read_bytes(llama, context=ctx, select=dsa, dtype=torch.int8) == 2048 * (8 * 256 + 4 * 2 * 8)
+
+
+def test_parse_select_and_the_table_columns(capsys):
+    assert parse_select("2048") == parse_select("2k") == Selection(top_k=2048)
+    assert parse_select("16x64") == Selection(blocks=16, block_size=64)
+    assert parse_select("16x64+512") == Selection(blocks=16, block_size=64, window=512)
+    assert parse_select("+512") == Selection(window=512)
+    assert str(parse_select("16x64+512")) == "16 blocks x 64 + window 512 = 1,536 keys"
+    table = kv_cache_table(["deepseek-v3", "llama-3-8b"], context=131072, select=Selection(top_k=2048))
+    assert "read dense | read selected (2,048 keys) |" in table
+    row = next(line for line in table.splitlines() if line.startswith("| deepseek-v3 |"))
+    assert row.endswith("| 144.00 MiB | 2.25 MiB |")  # 131072 * 1152 bytes, 2048 * 1152 bytes
+    row = next(line for line in table.splitlines() if line.startswith("| llama-3-8b |"))
+    assert row.endswith("| 512.00 MiB | 8.00 MiB |")  # 131072 * 4096 bytes, 2048 * 4096 bytes
+    assert "read dense" not in kv_cache_table(["llama-3-8b"])  # no selection, no read columns
+    p = add_kv_arguments(argparse.ArgumentParser())
+    assert run_kv(p.parse_args(["deepseek-v3", "--context", "128k", "--select", "2048"])) == 0
+    assert "| 144.00 MiB | 2.25 MiB |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        p.parse_args(["--select", "16x"])
+    assert "select: bad count in '16x'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kw,text", [
+    (dict(blocks=16), r"blocks \(16\) and block_size \(0\) go together"),
+    (dict(top_k=-1), "top_k must be a non-negative int"),
+    (dict(), "keeps no key"),
+])
+def test_bad_selection_says_what_is_wrong(kw, text):
+    with pytest.raises(ValueError, match=text):
+        Selection(**kw)

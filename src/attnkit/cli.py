@@ -481,7 +481,9 @@ def build_parser() -> argparse.ArgumentParser:
     kv = sub.add_parser("kv", help="KV-cache bytes per token (per layer and per model) for MHA/GQA/MQA/MLA",
                         description="KV-cache sizes of attention variants: presets of real models or your own "
                                     "specs, e.g. `attnkit kv deepseek-v3 llama-3-8b gqa:heads=32,num_kv_heads=8,"
-                                    "head_dim=128,layers=32 --context 128k`.")
+                                    "head_dim=128,layers=32 --context 128k`; `--select 2048` adds what a decode "
+                                    "step reads per layer with a sparse selection of 2048 keys per query, beside "
+                                    "the dense read.")
     add_kv_arguments(kv)
     kv.set_defaults(func=cmd_kv)
 

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from . import backends  # noqa: F401  (registers the built-in backends)
-from ._checks import check_sinks, positive_number, shape_of
+from ._checks import positive_number, shape_of
 from .backends.registry import AttentionCall, BackendCompileFailed, as_read_by, get_backend, select
 from .kvlayout import PagedKV, QuantizedKV
 from .masks import KeyPadding, as_mask
@@ -171,11 +171,32 @@ def _check_tensor(name: str, t, layout: str) -> None:
         raise TypeError(f"{name} must be fp16, bf16, fp32 or fp64, got {t.dtype}")
 
 
+def _check_sinks(sinks, q: Tensor) -> Tensor | None:
+    """``sinks`` as backends read them: None, (Hq,) one logit per query head, or (B|1, Hq, Sq) one
+    per query (a given (B|1, Hq, Sq, 1) loses its last dim, as a view: gradients reach the
+    caller's tensor); anything else raises naming ``sinks``, its shape and q's."""
+    if sinks is None:
+        return None
+    B, Hq, Sq = q.shape[:3]
+    shapes = (f"(Hq,) = ({Hq},) (one logit per query head) or (B|1, Hq, Sq[, 1]) = ({B}|1, {Hq}, {Sq}[, 1]) "
+              f"(one per query)")
+    if not isinstance(sinks, Tensor):
+        raise TypeError(f"sinks must be None or a floating tensor of shape {shapes}, got {type(sinks).__name__}")
+    rows = sinks.squeeze(-1) if sinks.dim() == 4 and sinks.shape[-1] == 1 else sinks
+    per_query = rows.dim() == 3 and rows.shape[0] in (1, B) and tuple(rows.shape[1:]) == (Hq, Sq)
+    if not sinks.dtype.is_floating_point or not (per_query or rows.shape == (Hq,)):
+        raise ValueError(f"sinks must be a floating tensor of shape {shapes}, got {sinks.dtype} of shape "
+                         f"{shape_of(sinks)} for q {shape_of(q)}")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}")
+    return rows
+
+
 def _validate(q, k, v, mask, causal, scale, dropout_p, return_weights, backend="auto", softcap=None,
               sinks=None) -> AttentionCall:
     scale, (B, Hq, Sq, D, Hkv, Sk, Dv) = _check_qkv(q, k, v, scale)
     softcap = positive_number("softcap", softcap, none_means="no cap")
-    sinks = check_sinks(sinks, q)
+    sinks = _check_sinks(sinks, q)
     paged = isinstance(k, PagedKV) or (isinstance(k, QuantizedKV) and k.paged)
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
@@ -244,9 +265,11 @@ def attention(
         return_weights: also return the probabilities (B, Hq, Sq, Sk) in fp32.
         softcap: c > 0: scores become ``c * tanh(scores / c)`` after scaling, before masks and
             biases (Gemma 2's attention soft-capping).
-        sinks: (Hq,) learned logits, one per query head, that join each row's softmax
-            denominator and carry no value (gpt-oss's attention sinks); differentiable. A row
-            with no allowed key still outputs exactly 0.
+        sinks: logits that join each row's softmax denominator and carry no value: (Hq,), one
+            per query head (gpt-oss's attention sinks), or (B|1, Hq, Sq) / (B|1, Hq, Sq, 1), one
+            per query (Inkling 2's); differentiable. A row with no allowed key still outputs
+            exactly 0. Per-query sinks run on ``math``, ``sdpa`` (CPU inference) and ``flex``;
+            the decode kernels read one logit per query head.
 
     Returns:
         out (B, Hq, Sq, Dv) in q's dtype, or (out, weights) with ``return_weights=True``.

@@ -69,7 +69,8 @@ def attention_math(
     actually applied to V (after dropout, as torch's MultiheadAttention returns them), in fp32
     (fp64 for fp64 compute). ``softcap`` c: scores -> c * tanh(scores / c) after scaling, before
     masks and biases. ``sinks`` (Hq,): one logit per query head joining each row's softmax
-    denominator (a column that carries no value). Empty rows (the mask allows no key) are 0.
+    denominator (a column that carries no value); or (B|1, Hq, Sq): one logit per query. Empty
+    rows (the mask allows no key) are 0.
     """
     if compute_dtype is None:
         compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -94,7 +95,8 @@ def attention_math(
         scores = scores.masked_fill(~allowed, float("-inf"))
         row_ok = allowed.any(-1, keepdim=True)  # the mask alone decides which rows are empty
     if sinks is not None:  # an extra column per row: the head's sink logit, no value
-        sink = group_heads(sinks.to(compute_dtype).view(1, Hq, 1, 1), Hkv).expand(*scores.shape[:-1], 1)
+        rows = sinks.view(1, Hq, 1) if sinks.dim() == 1 else sinks  # (1, Hq, 1) or (B|1, Hq, Sq)
+        sink = group_heads(rows.to(compute_dtype), Hkv).unsqueeze(-1).expand(*scores.shape[:-1], 1)
         probs = safe_softmax(torch.cat([scores, sink], -1), row_ok=row_ok)[..., :Sk]
     else:
         probs = safe_softmax(scores, row_ok=row_ok)
@@ -106,6 +108,16 @@ def attention_math(
     if weights is not None and compute_dtype not in (torch.float32, torch.float64):
         weights = weights.float()
     return out, weights
+
+
+def _sink_rows(sinks: Tensor, q: Tensor) -> Tensor:
+    """The oracle's ``sinks`` as attention_math takes them: (Hq,) or (B|1, Hq, Sq)."""
+    if sinks.dim() == 4 and sinks.shape[-1] == 1:
+        sinks = sinks.squeeze(-1)
+    if sinks.shape != (q.shape[1],) and not (sinks.dim() == 3 and sinks.shape[0] in (1, q.shape[0])
+                                             and tuple(sinks.shape[1:]) == tuple(q.shape[1:3])):
+        raise ValueError(f"sinks must be (Hq,) or (B|1, Hq, Sq[, 1]) for q {tuple(q.shape)}, got {tuple(sinks.shape)}")
+    return sinks
 
 
 def attention_reference(
@@ -127,6 +139,9 @@ def attention_reference(
 
         s = (q[b, h].double() @ k[b, h // G].double().T) * scale + bias; s[~m] = -inf
         p = softmax(s) with all -inf rows -> 0;  out = p @ v[b, h // G].double()
+
+    ``sinks``: (Hq,) one logit per query head, or (B|1, Hq, Sq) / (B|1, Hq, Sq, 1) one per query:
+    a column of s, without a value, in each row's softmax (an empty row stays 0).
     """
     m = as_mask(mask, causal)
     if m is not None:
@@ -135,5 +150,5 @@ def attention_reference(
     out, w = attention_math(q.double(), k.double(), v.double(), m, scale=scale,
                             return_weights=return_weights, compute_dtype=torch.float64,
                             softcap=None if softcap is None else float(softcap),
-                            sinks=None if sinks is None else sinks.double())
+                            sinks=None if sinks is None else _sink_rows(sinks, q).double())
     return (out, w) if return_weights else out

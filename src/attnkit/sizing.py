@@ -7,6 +7,11 @@ DeepSeek-V3 dimensions), where expanding them per head would hold ``num_heads * 
 qk_rope + v_head_dim)`` = 128 * (128 + 64 + 128) = 40,960: a 71x reduction. The DeepSeek-V2 paper
 (section 2.1.4) puts it as "equal to GQA with only 2.25 groups": 576 = 2.25 * 2 * 128.
 
+:func:`decode_read_bytes` is what one decode step needs from a layer's cache: every cached row,
+or under a sparse selection of fewer keys per query (:class:`Selection`: DeepSeek sparse
+attention's top 2048 keys, MiniMax-M3's blocks plus a local window) the selected rows only: K
+and V of each KV head, or MLA's latent rows (V is read from them).
+
 A quantized cache (``dtype=torch.int8`` or ``torch.float8_e4m3fn``, a cache's ``kv_dtype``) stores
 one byte per value plus an fp32 scale per row (:mod:`attnkit.kvquant`): per token per layer,
 one for K and one for V of each KV head, and one for MLA's latent (V is read from it).
@@ -15,6 +20,7 @@ Example::
 
     >>> import torch
     >>> from attnkit.sizing import PRESETS, kv_cache_bytes, values_per_token, expanded_dims
+    >>> from attnkit.sizing import Selection, decode_read_bytes
     >>> v3 = PRESETS["deepseek-v3"].spec
     >>> values_per_token(v3), values_per_token(expanded_dims(v3))
     (576, 40960)
@@ -22,6 +28,8 @@ Example::
     1152
     >>> kv_cache_bytes(v3, context=1, layers=1, dtype=torch.int8)  # 576 values + one fp32 scale
     580
+    >>> decode_read_bytes(v3, context=131072), decode_read_bytes(v3, context=131072, select=Selection(top_k=2048))
+    (150994944, 2359296)
 """
 
 from __future__ import annotations
@@ -38,10 +46,10 @@ from .kvquant import QUANTIZED_DTYPES
 from .modules.attention import MultiHeadAttention
 from .modules.mla import MLAConfig, MultiHeadLatentAttention
 
-__all__ = ["AttentionDims", "Preset", "PRESETS", "cache_spec", "values_per_token", "scales_per_token",
-           "bytes_per_token",
-           "kv_cache_bytes", "expanded_dims", "gqa_equivalent_groups", "kv_cache_table", "parse_spec",
-           "parse_dtype", "parse_context", "add_kv_arguments", "run_kv"]
+__all__ = ["AttentionDims", "Preset", "PRESETS", "Selection", "cache_spec", "values_per_token", "scales_per_token",
+           "bytes_per_token", "kv_cache_bytes", "decode_read_bytes", "expanded_dims", "gqa_equivalent_groups",
+           "kv_cache_table", "parse_spec", "parse_dtype", "parse_context", "parse_select", "add_kv_arguments",
+           "run_kv"]
 
 
 @dataclass(frozen=True)
@@ -182,6 +190,65 @@ def kv_cache_bytes(spec, *, context: int = 1, layers: int = 1, batch: int = 1,
     return bytes_per_token(spec, dtype) * context * layers * batch
 
 
+@dataclass(frozen=True)
+class Selection:
+    """The keys each query of a decode step attends to under a sparse selection, when a layer
+    keeps fewer keys than its cache holds:
+
+    * ``top_k`` keys per query (DeepSeek sparse attention's indexer: 2048);
+    * ``blocks`` blocks of ``block_size`` consecutive keys (MiniMax-M3's selected blocks, NSA's);
+    * ``window`` most recent keys, attended as well (a local window).
+
+    The parts add up, capped at the context: :meth:`keys_read`. Where the window overlaps the
+    selected blocks the count is an upper bound. A selection per KV head (MiniMax-M3 selects per
+    KV group) keeps as many keys for every head, so the bytes are the same."""
+
+    top_k: int = 0
+    blocks: int = 0
+    block_size: int = 0
+    window: int = 0
+
+    def __post_init__(self):
+        for name in ("top_k", "blocks", "block_size", "window"):
+            val = getattr(self, name)
+            if not isinstance(val, int) or isinstance(val, bool) or val < 0:
+                raise ValueError(f"Selection {name} must be a non-negative int, got {val!r}")
+        if (self.blocks == 0) != (self.block_size == 0):
+            raise ValueError(f"Selection blocks ({self.blocks}) and block_size ({self.block_size}) go together: "
+                             f"both positive, or both 0")
+        if self.top_k + self.blocks * self.block_size + self.window == 0:
+            raise ValueError("Selection keeps no key: give top_k, blocks and block_size, or window")
+
+    @property
+    def keys(self) -> int:
+        """Keys per query the selection names (before the cap at the context)."""
+        return self.top_k + self.blocks * self.block_size + self.window
+
+    def keys_read(self, context: int) -> int:
+        """Keys a query reads at ``context`` cached tokens: the selection's, at most the context."""
+        return min(positive_int("context", context), self.keys)
+
+    def __str__(self) -> str:
+        parts = [f"top {self.top_k}"] if self.top_k else []
+        parts += [f"{self.blocks} blocks x {self.block_size}"] if self.blocks else []
+        parts += [f"window {self.window}"] if self.window else []
+        return " + ".join(parts) + f" = {self.keys:,} keys"
+
+
+def decode_read_bytes(spec, *, context: int, select: Selection | None = None, batch: int = 1,
+                      dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes one decode step (one new query per sequence) reads from one layer's KV cache, for
+    ``batch`` sequences of ``context`` cached tokens: every row (dense), or with ``select`` the
+    rows it keeps, ``select.keys_read(context)`` per sequence. A row is what a token costs
+    (:func:`bytes_per_token`): K and V of every KV head, each read once for its whole group of
+    query heads, or MLA's latent and rope key (V is read from the latent), fp32 scales of a
+    quantized ``dtype`` included. A sparse layer's indexer reads its own key cache besides (one
+    small key per token, every token), which this does not count."""
+    positive_int("batch", batch)
+    keys = positive_int("context", context) if select is None else select.keys_read(context)
+    return keys * bytes_per_token(spec, dtype) * batch
+
+
 def expanded_dims(config: MLAConfig) -> AttentionDims:
     """The per-head K/V an MLA layer would cache if it stored keys and values expanded (what
     older Hugging Face DeepSeek code did): ``num_heads`` heads of qk_head_dim and v_head_dim."""
@@ -240,7 +307,7 @@ def _rows(specs) -> list[tuple[str, Spec, int | None]]:
 
 
 def kv_cache_table(specs=None, *, context: int = 4096, dtype: torch.dtype = torch.bfloat16, batch: int = 1,
-                   layers: int | None = None) -> str:
+                   layers: int | None = None, select: Selection | None = None) -> str:
     """A markdown table of KV-cache sizes: per token per layer, per token for the model, and for
     ``batch`` sequences of ``context`` tokens.
 
@@ -249,6 +316,9 @@ def kv_cache_table(specs=None, *, context: int = 4096, dtype: torch.dtype = torc
             (spec, layers)``, or a sequence of specs / preset names / ``(spec, layers)``.
         context, dtype, batch: the cache to size.
         layers: overrides every row's layer count (rows without one use 1).
+        select: a sparse :class:`Selection`: two more columns give the bytes one decode step
+            reads per layer (:func:`decode_read_bytes`), of every cached row and of the selected
+            rows only.
 
     MLA rows are followed by their expanded per-head equivalent. "vs per-head" is how many times
     smaller the cache is than K and V for every query head; "= GQA with n KV heads" is
@@ -263,10 +333,15 @@ def kv_cache_table(specs=None, *, context: int = 4096, dtype: torch.dtype = torc
     what = (f"{_dtype_name(dtype)} + fp32 scale per row ({elem} byte/value, 4 bytes per token per KV head for K and "
             f"for V, per token for an MLA latent)" if dtype in QUANTIZED_DTYPES
             else f"{_dtype_name(dtype)} ({elem} bytes/value)")
-    lines = [f"KV cache at {context} tokens x batch {batch}, {what}", "",
-             "| model | attention | layers | values/token/layer | bytes/token/layer | bytes/token (model) "
-             "| cache (model) | vs per-head | = GQA with n KV heads |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    title = f"KV cache at {context} tokens x batch {batch}, {what}"
+    head = ("| model | attention | layers | values/token/layer | bytes/token/layer | bytes/token (model) "
+            "| cache (model) | vs per-head | = GQA with n KV heads |")
+    rule = "|---|---|---:|---:|---:|---:|---:|---:|---:|"
+    if select is not None:
+        title += f"; a decode step with the selection {select} (read: per layer, per step)"
+        head += f" read dense | read selected ({select.keys_read(context):,} keys) |"
+        rule += "---:|---:|"
+    lines = [title, "", head, rule]
     for name, s, n_layers in _rows(specs):
         n_layers = layers if layers is not None else n_layers if n_layers is not None else 1
         pairs = [(name, s)]
@@ -286,6 +361,10 @@ def kv_cache_table(specs=None, *, context: int = 4096, dtype: torch.dtype = torc
                 f"| {label} | {kind} | {n_layers} | {vals:,} | {per_layer:,} | {_fmt_bytes(per_layer * n_layers)} "
                 f"| {_fmt_bytes(kv_cache_bytes(spec, context=context, layers=n_layers, batch=batch, dtype=dtype))} "
                 f"| {full / vals:.1f}x | {gqa_equivalent_groups(spec):.3g} |")
+            if select is not None:
+                dense, sparse = (_fmt_bytes(decode_read_bytes(spec, context=context, select=sel, batch=batch,
+                                                              dtype=dtype)) for sel in (None, select))
+                lines[-1] += f" {dense} | {sparse} |"
     return "\n".join(lines) + "\n"
 
 
@@ -326,6 +405,24 @@ def parse_context(text: str | int) -> int:
         raise ValueError(f"context must be a token count such as 4096, 128k or 1m, got {text!r}")
     n = int(m.group(1)) * {"": 1, "k": 1024, "m": 1024 ** 2}[m.group(2).lower()]
     return positive_int("context", n)
+
+
+def parse_select(text: str) -> Selection:
+    """A command-line selection -> :class:`Selection`: ``2048`` (top-k keys per query; ``2k``
+    too), ``16x64`` (16 blocks of 64 keys), either followed by ``+512`` (a local window of 512
+    keys); ``+512`` alone is a window."""
+    m = re.fullmatch(r"\s*(?:(\w+?)(?:x(\w+))?)?\s*(?:\+\s*(\w+))?\s*", str(text))
+    if not m or not any(m.groups()):
+        raise ValueError(f"select must be top-k keys (2048), blocks x block size (16x64), either with +window "
+                         f"(16x64+512), got {text!r}")
+    first, size, window = m.groups()
+    try:
+        n = [0 if t is None else parse_context(t) for t in (first, size, window)]
+    except ValueError:
+        raise ValueError(f"select: bad count in {text!r}: 2048, 2k, 16x64, 16x64+512") from None
+    if size is None:
+        return Selection(top_k=n[0], window=n[2])
+    return Selection(blocks=n[0], block_size=n[1], window=n[2])
 
 
 def parse_spec(text: str) -> tuple[str, Spec, int | None]:
@@ -396,7 +493,8 @@ def _argument(parse):
 
 
 def add_kv_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The ``attnkit kv`` options: specs, ``--context``, ``--dtype``, ``--batch``, ``--layers``."""
+    """The ``attnkit kv`` options: specs, ``--context``, ``--dtype``, ``--batch``, ``--layers``,
+    ``--select``."""
     parser.add_argument("specs", nargs="*", metavar="SPEC",
                         help=f"preset ({', '.join(PRESETS)}) or mla:heads=..,rank=..,rope=..,nope=..,v=.. "
                              f"or mha/gqa/mqa:heads=..,num_kv_heads=..,head_dim=.. (default: every preset)")
@@ -405,6 +503,10 @@ def add_kv_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         help="cache dtype (bf16, fp16, fp32; int8 / fp8: quantized, fp32 scale per row counted)")
     parser.add_argument("--batch", type=int, default=1, help="sequences")
     parser.add_argument("--layers", type=int, default=None, help="override every model's layer count")
+    parser.add_argument("--select", type=_argument(parse_select), default=None, metavar="SEL",
+                        help="a sparse selection per query: top-k keys (2048), blocks x block size (16x64), "
+                             "either +window (16x64+512); adds the bytes a decode step reads per layer, dense "
+                             "and of the selected rows")
     return parser
 
 
@@ -416,5 +518,6 @@ def run_kv(args: argparse.Namespace) -> int:
         for text in args.specs:
             name, spec, layers = parse_spec(text)
             specs[name] = (spec, layers)
-    print(kv_cache_table(specs, context=args.context, dtype=args.dtype, batch=args.batch, layers=args.layers), end="")
+    print(kv_cache_table(specs, context=args.context, dtype=args.dtype, batch=args.batch, layers=args.layers,
+                         select=getattr(args, "select", None)), end="")
     return 0

@@ -13,8 +13,8 @@ from torch import Tensor
 
 from .registry import AttentionCall
 
-__all__ = ["CPU_FLASH", "MAX_DECODE_Q_LEN", "decode_refusals", "finite", "merge_partials", "sinks_refusals",
-           "v_is_prefix_of_k", "with_sinks"]
+__all__ = ["CPU_FLASH", "MAX_DECODE_Q_LEN", "decode_refusals", "finite", "merge_partials", "per_query_sinks",
+           "sink_rows", "sinks_refusals", "v_is_prefix_of_k", "with_sinks"]
 
 #: Largest Sq the CPU decode backends take: past this the work is matmul-bound and SDPA's tiled
 #: kernels win; ``flex`` leaves calls up to this length to the decode kernels.
@@ -57,12 +57,25 @@ def merge_partials(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tenso
     return merged, new
 
 
+def per_query_sinks(sinks: Tensor | None) -> bool:
+    """Whether ``sinks`` (as :func:`attnkit.attention` hands them on) hold one logit per query,
+    (B|1, Hq, Sq), rather than one per query head, (Hq,)."""
+    return sinks is not None and sinks.dim() != 1
+
+
+def sink_rows(sinks: Tensor) -> Tensor:
+    """``sinks`` (Hq,) or (B|1, Hq, Sq) as (1, Hq, 1) or (B|1, Hq, Sq): a view that broadcasts
+    against each row's log-sum-exp (B, Hq, Sq)."""
+    return sinks.view(1, -1, 1) if sinks.dim() == 1 else sinks
+
+
 def with_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
-    """Join per-head sink logits to finished (out, lse): each row's denominator gains
-    exp(sink), which carries no value. ``out`` (B, Hq, Sq, Dv), ``lse`` (B, Hq, Sq), ``sinks`` (Hq,)
-    in their dtype. Returns (out * exp(lse - lse'), lse') with lse' = logaddexp(lse, sink); a row
-    with nothing allowed (lse -inf) stays exactly 0 and gets lse' = sink."""
-    new = torch.logaddexp(lse, sinks.to(lse.dtype).view(1, -1, 1))
+    """Join sink logits to finished (out, lse): each row's denominator gains exp(sink), which
+    carries no value. ``out`` (B, Hq, Sq, Dv), ``lse`` (B, Hq, Sq), ``sinks`` (Hq,) (one per query
+    head) or (B|1, Hq, Sq) (one per query), in their dtype. Returns (out * exp(lse - lse'), lse')
+    with lse' = logaddexp(lse, sink); a row with nothing allowed (lse -inf) stays exactly 0 and
+    gets lse' = sink."""
+    new = torch.logaddexp(lse, sink_rows(sinks).to(lse.dtype))
     return out * torch.exp(lse - new).unsqueeze(-1), new
 
 
@@ -79,8 +92,12 @@ def v_is_prefix_of_k(k: Tensor, v: Tensor) -> bool:
 
 def decode_refusals(call: AttentionCall, max_q_len: int | None = MAX_DECODE_Q_LEN) -> list[str]:
     """What every decode kernel (``decode``, ``paged``, ``triton``) refuses: long queries (past
-    ``max_q_len``; None: any length), weights, dropout."""
+    ``max_q_len``; None: any length), weights, dropout, and sinks of one logit per query (their
+    kernels read one per query head)."""
     why = []
+    if per_query_sinks(call.sinks):
+        why.append(f"per-query sinks {tuple(call.sinks.shape)} (this kernel reads one sink logit per query head, "
+                   f"(Hq,))")
     if max_q_len is not None and call.q_len > max_q_len:
         why.append(f"Sq={call.q_len} > {max_q_len} (a decode path: small query lengths only)")
     if call.return_weights:

@@ -43,7 +43,7 @@ from collections import OrderedDict
 import torch
 
 from .._sysinfo import cpu_flags
-from .common import MAX_DECODE_Q_LEN
+from .common import MAX_DECODE_Q_LEN, sink_rows
 from .registry import AttentionCall, BackendBase, BackendCompileFailed
 
 __all__ = ["FlexBackend", "MAX_DECODE_Q_LEN", "block_mask_for", "block_mask_heads", "compiled_for", "cpu_refusals",
@@ -337,7 +337,7 @@ class FlexBackend(BackendBase):
         out, lse = res if want_lse else (res, None)
         empty = torch.isneginf(lse) if lse is not None else _empty_rows(call, q.device)  # (B|1, Hq|1, Sq)
         if call.sinks is not None:  # the sinks join each row's denominator once: out * e^lse / (e^lse + e^sink)
-            gate = torch.sigmoid(lse.float() - call.sinks.float().view(1, -1, 1))
+            gate = torch.sigmoid(lse.float() - sink_rows(call.sinks).float())
             out = (out.float() * gate.unsqueeze(-1)).to(out.dtype)
         if empty is not None:
             out = out.masked_fill(empty.unsqueeze(-1), 0.0)

@@ -15,10 +15,10 @@ takes the materialized mask directly).
 :func:`sdpa_kernel_name` says which SDPA kernel a call reaches ("flash", "efficient", "cudnn",
 "math", "overrideable"; "unknown" where torch cannot say).
 
-Sinks (gpt-oss) on CPU, for inference: SDPA's CPU flash kernel returns each row's log-sum-exp
-beside its output, which is all a sink needs (:func:`attnkit.backends.common.with_sinks`), so
-unmasked and causal prefill with sinks runs the fused kernel (K/V expanded per query head, as
-the op has no grouped heads). Soft-capping changes every score, which no SDPA kernel can do.
+Sinks on CPU, for inference, one per query head (gpt-oss) or one per query (Inkling 2): SDPA's
+CPU flash kernel returns each row's log-sum-exp beside its output, which is all a sink needs
+(:func:`attnkit.backends.common.with_sinks`), so unmasked and causal prefill with sinks runs the
+fused kernel (K/V expanded per query head, as the op has no grouped heads). Soft-capping changes every score, which no SDPA kernel can do.
 """
 
 from __future__ import annotations

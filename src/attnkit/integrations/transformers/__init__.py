@@ -19,12 +19,14 @@ Every attention layer then runs :func:`attnkit.attention`:
   materialized exactly as transformers' SDPA mask would be.
 * A model that reads the mask itself (DeepSeek sparse attention's indexer slices it, Doge builds
   its dynamic mask from it) gets a real tensor: the :class:`AttnkitMask` materializes, on first
-  use by torch, to the bool (B, 1, Sq, Sk) tensor transformers' SDPA mask would be.
+  use by torch, to the bool (B, 1, Sq, Sk) tensor transformers' SDPA mask would be. A model
+  that extends the mask only when it is eager's float tensor (DeepSeek-V4's compressed keys)
+  gets that tensor (:data:`.masks.EAGER_MASK_MODEL_TYPES`).
 * A dense 4-D mask a user passes is accepted: bool True = attend, float added to the scores
   (values at or below the dtype's minimum, transformers' "masked" sentinel, mean masked).
 * ``scaling``, dropout (``dropout`` is already 0 in eval), ``softcap`` (Gemma 2's
-  ``attn_logit_softcapping``), ``s_aux`` / ``sinks`` of one logit per head (gpt-oss),
-  ``position_bias`` (T5-style), ``indices`` (DeepSeek sparse attention's top-k keys, as a
+  ``attn_logit_softcapping``), ``s_aux`` / ``sinks`` of one logit per head (gpt-oss) or per
+  query (Inkling 2), ``position_bias`` (T5-style), ``indices`` (DeepSeek sparse attention's top-k keys, as a
   ``SelectedKeys`` mask) and ``block_indices`` (MiniMax-M3's key blocks per KV group, as a
   ``SelectedBlocks`` mask) pass through to :func:`attnkit.attention`, nothing (Sq, Sk)-sized
   built for the selections; attention weights come back whenever transformers

@@ -55,9 +55,10 @@ HARMLESS_KWARGS: dict[str, str] = {
 
 # Refused arguments whose meaning we know: the error says what the model wanted.
 _REFUSAL_HINTS = {
-    "sinks": "attention-sink logits of another shape than one per query head, (Hq,), which is what attnkit takes; "
-             "Inkling 2 passes one per query",
-    "s_aux": "attention-sink logits of another shape than one per query head, (Hq,), which is what attnkit takes",
+    "sinks": "attention-sink logits, of which attnkit takes one per query head, (Hq,), or one per query, "
+             "(B|1, Hq, Sq[, 1])",
+    "s_aux": "attention-sink logits, of which attnkit takes one per query head, (Hq,), or one per query, "
+             "(B|1, Hq, Sq[, 1])",
     "topk_indices": "a sparse top-k key selection",
     "block_table": "a paged KV layout (continuous batching)",
 }
@@ -84,10 +85,13 @@ def _check_kwargs(module, kwargs: dict) -> None:
             raise _refuse(module, name, value)
 
 
-def _per_head_sinks(module, name: str, value: Tensor, heads: int) -> Tensor:
-    """gpt-oss' ``s_aux`` (and a per-head ``sinks``): one logit per query head, (Hq,)."""
-    if not isinstance(value, Tensor) or value.shape != (heads,):
-        raise _refuse(module, name, value, _REFUSAL_HINTS[name] + f" (here Hq = {heads})")
+def _sink_logits(module, name: str, value: Tensor, batch: int, heads: int, q_len: int) -> Tensor:
+    """gpt-oss' ``s_aux`` (and a per-head ``sinks``): one logit per query head, (Hq,); Inkling 2's
+    ``sinks``: one per query, (B|1, Hq, Sq, 1). Any other shape is refused naming it."""
+    per_query = isinstance(value, Tensor) and value.dim() in (3, 4) and value.shape[0] in (1, batch) \
+        and tuple(value.shape[1:3]) == (heads, q_len) and tuple(value.shape[3:]) in ((), (1,))
+    if not isinstance(value, Tensor) or not (per_query or value.shape == (heads,)):
+        raise _refuse(module, name, value, _REFUSAL_HINTS[name] + f" (here Hq = {heads}, B = {batch}, Sq = {q_len})")
     return value
 
 
@@ -185,8 +189,9 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         sliding_window: window in tokens, the current one included; read only without a mask
             (a mask already holds the window, as for sdpa).
         softcap: scores -> softcap * tanh(scores / softcap) before masking (Gemma 2).
-        s_aux, sinks: (Hq,) sink logits joining each head's softmax denominator (gpt-oss);
-            any other shape (Inkling 2's per-query sinks) is refused.
+        s_aux, sinks: sink logits joining each row's softmax denominator: (Hq,), one per query
+            head (gpt-oss), or (B|1, Hq, Sq, 1), one per query (Inkling 2); any other shape is
+            refused.
         position_bias: an additive (B|1, Hq|1, Sq, Sk) score bias (T5-style models).
         indices: (B, Sq, k) keys each query keeps (DeepSeek sparse attention), ANDed with the mask
             as a :class:`~attnkit.masks.SelectedKeys`.
@@ -208,7 +213,7 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     sink_logits = None
     for name, given in (("s_aux", s_aux), ("sinks", sinks)):
         if given is not None:
-            sink_logits = _per_head_sinks(module, name, given, Hq)
+            sink_logits = _sink_logits(module, name, given, B, Hq, Sq)
     mask: Mask | None
     if isinstance(attention_mask, AttnkitMask):
         if attention_mask.shape[2:] != (Sq, Sk):

@@ -16,11 +16,18 @@ from typing import Callable
 
 import torch
 from torch import Tensor
-from transformers.masking_utils import bidirectional_mask_function, causal_mask_function, sdpa_mask
+from transformers.masking_utils import bidirectional_mask_function, causal_mask_function, eager_mask, sdpa_mask
 
 from ...masks import And, Causal, Dense, KeyPadding, Mask, SlidingWindow
 
-__all__ = ["AttnkitMask", "make_mask"]
+__all__ = ["AttnkitMask", "EAGER_MASK_MODEL_TYPES", "make_mask"]
+
+#: Models that extend the mask themselves, only when it is a tensor of eager's additive float
+#: bias: DeepSeek-V4's compressed layers append keys after the cache update and concatenate
+#: their compressor's block bias (-inf / 0) to the mask. They get eager's mask, which the
+#: attention function reads back as a bool mask (values at or below the dtype's minimum mean
+#: masked).
+EAGER_MASK_MODEL_TYPES = frozenset({"deepseek_v4"})
 
 
 class AttnkitMask:
@@ -161,6 +168,12 @@ def make_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_off
     kv_length) is the 2-D padding mask (True / 1 = real token). Returns an :class:`AttnkitMask`."""
     if isinstance(attention_mask, AttnkitMask):  # prepared by generate() and handed back
         return attention_mask
+    config = kwargs.get("config")
+    if getattr(config, "model_type", None) in EAGER_MASK_MODEL_TYPES:
+        return eager_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                          kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                          local_size=local_size, use_vmap=use_vmap, device=device,
+                          dtype=kwargs.get("dtype") or torch.float32)
     pattern = _pattern(mask_function, local_size, use_vmap)
     if pattern is None:
         dense = sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,

@@ -20,16 +20,9 @@ __all__ = ["unserved_reason", "install_load_check"]
 # Models that call the attention interface but need something attnkit does not do, found by
 # running every causal LM of transformers 5.24 on "attnkit" against "eager". The attention
 # function refuses their arguments too (at the first forward); naming them here moves the error
-# to load time. model_type -> (whether a config of it is affected, why).
-_UNSERVED_MODEL_TYPES: dict[str, tuple[Callable, str]] = {
-    "deepseek_v4": (lambda config: True,
-                    "appends its compressed keys' block bias to the attention mask only when the mask is a tensor "
-                    "(it runs on 'eager' only), so its layers would get a mask shorter than their keys"),
-    "inkling2_text": (lambda config: True, "passes per-query attention-sink logits, sinks= of shape (B, Hq, Sq, 1); "
-                                           "attnkit takes one sink logit per query head"),
-    "inkling2_loop_text": (lambda config: True, "passes per-query attention-sink logits, sinks= of shape "
-                                                "(B, Hq, Sq, 1); attnkit takes one sink logit per query head"),
-}
+# to load time. model_type -> (whether a config of it is affected, why). In transformers 5.24
+# every such model is served.
+_UNSERVED_MODEL_TYPES: dict[str, tuple[Callable, str]] = {}
 
 
 def unserved_reason(model: PreTrainedModel) -> str | None:
