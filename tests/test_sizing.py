@@ -11,7 +11,7 @@ import torch
 
 from attnkit import DynamicCache, MultiHeadAttention, StaticCache
 from attnkit.modules.mla import MLAConfig, MultiHeadLatentAttention
-from attnkit.sizing import (PRESETS, AttentionDims, Selection, add_kv_arguments, bytes_per_token, cache_spec,
+from attnkit.sizing import (PRESETS, AttentionDims, SelectionSpec, add_kv_arguments, bytes_per_token, cache_spec,
                             decode_read_bytes, expanded_dims, gqa_equivalent_groups, kv_cache_bytes, kv_cache_table,
                             parse_context, parse_dtype, parse_select, parse_spec, run_kv, values_per_token)
 
@@ -170,13 +170,13 @@ def test_decode_read_bytes_of_a_sparse_selection_from_first_principles():
     values; GQA's K and V of each KV head, 8 * (128 + 128) = 2048 values."""
     ctx = 131072
     v3, llama = PRESETS["deepseek-v3"].spec, PRESETS["llama-3-8b"].spec
-    dsa = Selection(top_k=2048)
+    dsa = SelectionSpec(top_k=2048)
     assert decode_read_bytes(v3, context=ctx) == ctx * 576 * 2 == 150_994_944
     assert decode_read_bytes(v3, context=ctx, select=dsa) == 2048 * 576 * 2 == 2_359_296  # 64x less
     # int8: a byte per value and one fp32 scale per latent row
     assert decode_read_bytes(v3, context=ctx, select=dsa, dtype=torch.int8) == 2048 * (576 + 4)
     # 16 blocks of 64 keys and a local window of 512: 1536 keys of 8 KV heads x (128 + 128) bf16
-    blocks = Selection(blocks=16, block_size=64, window=512)
+    blocks = SelectionSpec(blocks=16, block_size=64, window=512)
     assert blocks.keys == 1536
     assert decode_read_bytes(llama, context=ctx, select=blocks, batch=3) == 3 * 1536 * 8 * 256 * 2
     assert decode_read_bytes(llama, context=4096, batch=3) == 3 * 4096 * 8 * 256 * 2
@@ -187,12 +187,12 @@ def test_decode_read_bytes_of_a_sparse_selection_from_first_principles():
 
 
 def test_parse_select_and_the_table_columns(capsys):
-    assert parse_select("2048") == parse_select("2k") == Selection(top_k=2048)
-    assert parse_select("16x64") == Selection(blocks=16, block_size=64)
-    assert parse_select("16x64+512") == Selection(blocks=16, block_size=64, window=512)
-    assert parse_select("+512") == Selection(window=512)
+    assert parse_select("2048") == parse_select("2k") == SelectionSpec(top_k=2048)
+    assert parse_select("16x64") == SelectionSpec(blocks=16, block_size=64)
+    assert parse_select("16x64+512") == SelectionSpec(blocks=16, block_size=64, window=512)
+    assert parse_select("+512") == SelectionSpec(window=512)
     assert str(parse_select("16x64+512")) == "16 blocks x 64 + window 512 = 1,536 keys"
-    table = kv_cache_table(["deepseek-v3", "llama-3-8b"], context=131072, select=Selection(top_k=2048))
+    table = kv_cache_table(["deepseek-v3", "llama-3-8b"], context=131072, select=SelectionSpec(top_k=2048))
     assert "read dense | read selected (2,048 keys) |" in table
     row = next(line for line in table.splitlines() if line.startswith("| deepseek-v3 |"))
     assert row.endswith("| 144.00 MiB | 2.25 MiB |")  # 131072 * 1152 bytes, 2048 * 1152 bytes
@@ -214,4 +214,4 @@ def test_parse_select_and_the_table_columns(capsys):
 ])
 def test_bad_selection_says_what_is_wrong(kw, text):
     with pytest.raises(ValueError, match=text):
-        Selection(**kw)
+        SelectionSpec(**kw)

@@ -8,7 +8,7 @@ qk_rope + v_head_dim)`` = 128 * (128 + 64 + 128) = 40,960: a 71x reduction. The 
 (section 2.1.4) puts it as "equal to GQA with only 2.25 groups": 576 = 2.25 * 2 * 128.
 
 :func:`decode_read_bytes` is what one decode step needs from a layer's cache: every cached row,
-or under a sparse selection of fewer keys per query (:class:`Selection`: DeepSeek sparse
+or under a sparse selection of fewer keys per query (:class:`SelectionSpec`: DeepSeek sparse
 attention's top 2048 keys, MiniMax-M3's blocks plus a local window) the selected rows only: K
 and V of each KV head, or MLA's latent rows (V is read from them).
 
@@ -20,7 +20,7 @@ Example::
 
     >>> import torch
     >>> from attnkit.sizing import PRESETS, kv_cache_bytes, values_per_token, expanded_dims
-    >>> from attnkit.sizing import Selection, decode_read_bytes
+    >>> from attnkit.sizing import SelectionSpec, decode_read_bytes
     >>> v3 = PRESETS["deepseek-v3"].spec
     >>> values_per_token(v3), values_per_token(expanded_dims(v3))
     (576, 40960)
@@ -28,7 +28,7 @@ Example::
     1152
     >>> kv_cache_bytes(v3, context=1, layers=1, dtype=torch.int8)  # 576 values + one fp32 scale
     580
-    >>> decode_read_bytes(v3, context=131072), decode_read_bytes(v3, context=131072, select=Selection(top_k=2048))
+    >>> decode_read_bytes(v3, context=131072), decode_read_bytes(v3, context=131072, select=SelectionSpec(top_k=2048))
     (150994944, 2359296)
 """
 
@@ -46,7 +46,7 @@ from .kvquant import QUANTIZED_DTYPES
 from .modules.attention import MultiHeadAttention
 from .modules.mla import MLAConfig, MultiHeadLatentAttention
 
-__all__ = ["AttentionDims", "Preset", "PRESETS", "Selection", "cache_spec", "values_per_token", "scales_per_token",
+__all__ = ["AttentionDims", "Preset", "PRESETS", "SelectionSpec", "cache_spec", "values_per_token", "scales_per_token",
            "bytes_per_token", "kv_cache_bytes", "decode_read_bytes", "expanded_dims", "gqa_equivalent_groups",
            "kv_cache_table", "parse_spec", "parse_dtype", "parse_context", "parse_select", "add_kv_arguments",
            "run_kv"]
@@ -191,7 +191,7 @@ def kv_cache_bytes(spec, *, context: int = 1, layers: int = 1, batch: int = 1,
 
 
 @dataclass(frozen=True)
-class Selection:
+class SelectionSpec:
     """The keys each query of a decode step attends to under a sparse selection, when a layer
     keeps fewer keys than its cache holds:
 
@@ -212,12 +212,12 @@ class Selection:
         for name in ("top_k", "blocks", "block_size", "window"):
             val = getattr(self, name)
             if not isinstance(val, int) or isinstance(val, bool) or val < 0:
-                raise ValueError(f"Selection {name} must be a non-negative int, got {val!r}")
+                raise ValueError(f"SelectionSpec {name} must be a non-negative int, got {val!r}")
         if (self.blocks == 0) != (self.block_size == 0):
-            raise ValueError(f"Selection blocks ({self.blocks}) and block_size ({self.block_size}) go together: "
+            raise ValueError(f"SelectionSpec blocks ({self.blocks}) and block_size ({self.block_size}) go together: "
                              f"both positive, or both 0")
         if self.top_k + self.blocks * self.block_size + self.window == 0:
-            raise ValueError("Selection keeps no key: give top_k, blocks and block_size, or window")
+            raise ValueError("SelectionSpec keeps no key: give top_k, blocks and block_size, or window")
 
     @property
     def keys(self) -> int:
@@ -235,7 +235,7 @@ class Selection:
         return " + ".join(parts) + f" = {self.keys:,} keys"
 
 
-def decode_read_bytes(spec, *, context: int, select: Selection | None = None, batch: int = 1,
+def decode_read_bytes(spec, *, context: int, select: SelectionSpec | None = None, batch: int = 1,
                       dtype: torch.dtype = torch.bfloat16) -> int:
     """Bytes one decode step (one new query per sequence) reads from one layer's KV cache, for
     ``batch`` sequences of ``context`` cached tokens: every row (dense), or with ``select`` the
@@ -307,7 +307,7 @@ def _rows(specs) -> list[tuple[str, Spec, int | None]]:
 
 
 def kv_cache_table(specs=None, *, context: int = 4096, dtype: torch.dtype = torch.bfloat16, batch: int = 1,
-                   layers: int | None = None, select: Selection | None = None) -> str:
+                   layers: int | None = None, select: SelectionSpec | None = None) -> str:
     """A markdown table of KV-cache sizes: per token per layer, per token for the model, and for
     ``batch`` sequences of ``context`` tokens.
 
@@ -316,7 +316,7 @@ def kv_cache_table(specs=None, *, context: int = 4096, dtype: torch.dtype = torc
             (spec, layers)``, or a sequence of specs / preset names / ``(spec, layers)``.
         context, dtype, batch: the cache to size.
         layers: overrides every row's layer count (rows without one use 1).
-        select: a sparse :class:`Selection`: two more columns give the bytes one decode step
+        select: a sparse :class:`SelectionSpec`: two more columns give the bytes one decode step
             reads per layer (:func:`decode_read_bytes`), of every cached row and of the selected
             rows only.
 
@@ -407,8 +407,8 @@ def parse_context(text: str | int) -> int:
     return positive_int("context", n)
 
 
-def parse_select(text: str) -> Selection:
-    """A command-line selection -> :class:`Selection`: ``2048`` (top-k keys per query; ``2k``
+def parse_select(text: str) -> SelectionSpec:
+    """A command-line selection -> :class:`SelectionSpec`: ``2048`` (top-k keys per query; ``2k``
     too), ``16x64`` (16 blocks of 64 keys), either followed by ``+512`` (a local window of 512
     keys); ``+512`` alone is a window."""
     m = re.fullmatch(r"\s*(?:(\w+?)(?:x(\w+))?)?\s*(?:\+\s*(\w+))?\s*", str(text))
@@ -421,8 +421,8 @@ def parse_select(text: str) -> Selection:
     except ValueError:
         raise ValueError(f"select: bad count in {text!r}: 2048, 2k, 16x64, 16x64+512") from None
     if size is None:
-        return Selection(top_k=n[0], window=n[2])
-    return Selection(blocks=n[0], block_size=n[1], window=n[2])
+        return SelectionSpec(top_k=n[0], window=n[2])
+    return SelectionSpec(blocks=n[0], block_size=n[1], window=n[2])
 
 
 def parse_spec(text: str) -> tuple[str, Spec, int | None]:
