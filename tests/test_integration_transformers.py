@@ -598,6 +598,25 @@ def test_inkling2_training_gradients_rule_r(model_type):
     assert any("sink_proj" in name for name in checked)
 
 
+def test_minimax_m3_sparse_training_gradients_rule_r():
+    """Gradients of every parameter through MiniMax-M3's block selection (a SelectedBlocks on the
+    backends that take gradients), under rule R against the fp64 oracle."""
+    ours, eager, gold = _three_tiny("minimax_m3_vl_text", **_MINIMAX_SPARSE)
+    ids, am = _batch(lengths=(11, 11))
+    labels = ids.masked_fill(am == 0, -100)
+    for m in (ours, eager, gold):
+        m.train()
+        m(ids, attention_mask=am, labels=labels).loss.backward()
+    n = ids.numel() * _TINY["hidden_size"]
+    checked = 0
+    for (name, po), pe, pg in zip(ours.named_parameters(), eager.parameters(), gold.parameters()):
+        if pg.grad is None:
+            continue
+        rule_r(po.grad, pe.grad, pg.grad, factor=3.0, n_terms=n, what=f"grad {name}")
+        checked += 1
+    assert checked > 10
+
+
 @pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
 def test_dsa_indices_reach_attention_as_a_selection(model_type, monkeypatch):
     """DeepSeek sparse attention models hand attention() their top-k as a SelectedKeys ANDed with
