@@ -190,8 +190,8 @@ def test_sinks_gradient_and_rows_with_nothing_to_attend():
 
 # --------------------------------------------------------------------------- per-query sinks
 # One sink logit per query, (B|1, Hq, Sq) or (B|1, Hq, Sq, 1) (Inkling 2 computes them from each
-# token's hidden state): math runs them with gradients, SDPA's CPU flash kernel at inference, and
-# the decode kernels (one logit per query head) refuse them, so ``auto`` passes them on.
+# token's hidden state): math runs them with gradients, SDPA's CPU flash kernel and the split-K
+# engine at inference; the Triton kernel (one logit per query head) refuses them.
 
 PER_QUERY = {"B-Hq-Sq-1": lambda B, Hq, Sq, g: torch.randn(B, Hq, Sq, 1, generator=g),
              "1-Hq-Sq": lambda B, Hq, Sq, g: torch.randn(1, Hq, Sq, generator=g) + 1.5}
@@ -235,28 +235,38 @@ def test_per_query_sinks_equal_to_per_head_sinks_give_the_same_output():
             torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
 
 
-def test_per_query_sinks_are_refused_by_the_decode_kernels_and_auto_passes_them_on():
-    """The split-K engine and the Triton kernel read one sink logit per query head: they refuse
-    (B|1, Hq, Sq) sinks through ``decode_refusals``, naming them, and ``auto`` takes the next
-    backend that can (SDPA's CPU flash kernel for a causal decode step, else math)."""
+def test_per_query_sinks_on_the_split_k_engine(implementation):
+    """The split-K engine reads one sink logit per query row: rule R against the oracle for a
+    decode step, speculative rows, a chunked soft-capped prefill, paged K/V and a selection (each
+    query its own sequence), and each query given its head's logit equals the (Hq,) result. The
+    Triton kernel reads one per query head: it refuses them, naming them."""
     from attnkit.backends import get_backend
     from attnkit.functional import _validate
 
-    q, k, v = make_qkv(2, 8, 2, 1, 4096, 16, seed=23)
-    per_head = torch.randn(8, generator=torch.Generator().manual_seed(24))
-    per_query = per_head.view(1, 8, 1).expand(2, 8, 1)
-    assert attnkit.describe_call(q, k, v, causal=True, sinks=per_head, backend="decode") == "decode"
-    with pytest.raises(BackendNotSupported, match=r"per-query sinks \(2, 8, 1\)"):
-        attnkit.attention(q, k, v, causal=True, sinks=per_query, backend="decode")
-    assert attnkit.describe_call(q, k, v, causal=True, sinks=per_query) == "sdpa"
-    lens = torch.tensor([4096, 100])
-    assert attnkit.describe_call(q, k, v, M.KeyPadding(lens), sinks=per_query) == "math"
-    call = _validate(q, k, v, None, True, None, 0.0, False, "auto", None, per_query)
-    for name in ("decode", "paged", "triton"):
-        assert any("per-query sinks" in r for r in get_backend(name).not_supported_reasons(call)), name
-    torch.testing.assert_close(attnkit.attention(q, k, v, M.KeyPadding(lens), sinks=per_query),
-                               attnkit.attention(q, k, v, M.KeyPadding(lens), sinks=per_head, backend="decode"),
-                               atol=1e-5, rtol=1e-5)
+    g = torch.Generator().manual_seed(31)
+    for Sq, Sk, kw in ((1, 300, {}), (5, 300, {}), (70, 90, {"softcap": 3.0})):
+        q, k, v = make_qkv(2, 8, 2, Sq, Sk, 16, seed=Sq)
+        sinks = torch.randn(2, 8, Sq, generator=g)
+        check_against_oracle(q, k, v, M.KeyPadding(torch.tensor([Sk, Sk - 7])), causal=True, backend="decode",
+                             sinks=sinks, **kw)
+        sel = M.SelectedKeys(torch.randint(-1, Sk, (2, Sq, 9), generator=g)) & M.Causal()
+        check_against_oracle(q, k, v, sel, backend="decode", sinks=sinks, **kw)
+        heads = torch.randn(8, generator=g)
+        torch.testing.assert_close(attnkit.attention(q, k, v, sel, sinks=heads.view(1, 8, 1).expand(2, 8, Sq),
+                                                     backend="decode", **kw),
+                                   attnkit.attention(q, k, v, sel, sinks=heads, backend="decode", **kw))
+    B, Hq, Hkv, Sk, D, bs = 2, 8, 2, 40, 16, 8
+    q, k, v = make_qkv(B, Hq, Hkv, 2, Sk, D, seed=5)
+    pool = lambda t: t.permute(0, 2, 1, 3).reshape(B * Sk // bs, bs, Hkv, D)  # noqa: E731
+    lens = torch.tensor([40, 23])
+    kv = attnkit.PagedKV(pool(k), pool(v), torch.arange(B * Sk // bs).view(B, -1), lens)
+    sinks = torch.randn(B, Hq, 2, generator=g)
+    want = attnkit.attention_reference(q, k, v, M.KeyPadding(lens), causal=True, sinks=sinks).float()
+    torch.testing.assert_close(attnkit.attention(q, kv, None, causal=True, sinks=sinks, backend="paged"), want,
+                               atol=1e-5, rtol=0)
+    call = _validate(q, k, v, None, True, None, 0.0, False, "auto", None, sinks)
+    assert any("per-query sinks" in r for r in get_backend("triton").not_supported_reasons(call))
+    assert not get_backend("decode").not_supported_reasons(call)
 
 
 def test_per_query_sinks_on_cuda_go_to_flex_for_prefill_never_to_the_decode_kernel():

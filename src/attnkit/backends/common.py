@@ -90,12 +90,13 @@ def v_is_prefix_of_k(k: Tensor, v: Tensor) -> bool:
             and v.shape[-1] <= k.shape[-1] and v.stride() == k.stride() and v.data_ptr() == k.data_ptr())
 
 
-def decode_refusals(call: AttentionCall, max_q_len: int | None = MAX_DECODE_Q_LEN) -> list[str]:
+def decode_refusals(call: AttentionCall, max_q_len: int | None = MAX_DECODE_Q_LEN, *,
+                    query_sinks: bool = False) -> list[str]:
     """What every decode kernel (``decode``, ``paged``, ``triton``) refuses: long queries (past
-    ``max_q_len``; None: any length), weights, dropout, and sinks of one logit per query (their
-    kernels read one per query head)."""
+    ``max_q_len``; None: any length), weights, dropout, and, unless the kernel reads them
+    (``query_sinks``), sinks of one logit per query."""
     why = []
-    if per_query_sinks(call.sinks):
+    if per_query_sinks(call.sinks) and not query_sinks:
         why.append(f"per-query sinks {tuple(call.sinks.shape)} (this kernel reads one sink logit per query head, "
                    f"(Hq,))")
     if max_q_len is not None and call.q_len > max_q_len:

@@ -1490,7 +1490,7 @@ inline void store_row(const float* o, void* out, at::ScalarType type, int64_t ro
 }
 
 template <typename T>
-void run_all(Args a, const Ranges& ranges, at::Tensor& out, float* lse, const float* sinks) {
+void run_all(Args a, const Ranges& ranges, at::Tensor& out, float* lse, const float* sinks, bool sink_per_row) {
   const int64_t M = a.G * a.Sq, Dv = a.Dv;
   const Plan plan = plan_units(a, ranges);
   const std::vector<Unit>& units = plan.units;
@@ -1545,7 +1545,7 @@ void run_all(Args a, const Ranges& ranges, at::Tensor& out, float* lse, const fl
           }
         }
         const float den_keys = den;  // the lse is over the keys alone (a ring merges it; sinks join once)
-        if (sinks != nullptr && mx != kNegInf) den += exp_f32(sinks[hq] - mx);
+        if (sinks != nullptr && mx != kNegInf) den += exp_f32(sinks[sink_per_row ? row : hq] - mx);
         // den is >= 1 for a row with any visible key (its largest score gives exp(0)); 0 for an
         // empty row, whose output stays exactly 0; NaN propagates.
         if (den != 0.0f) {
@@ -1564,7 +1564,8 @@ void run_all(Args a, const Ranges& ranges, at::Tensor& out, float* lse, const fl
 // q (B, Hq, Sq, D) contiguous fp32 / bf16 / fp16 (multiplied by ``scale`` here); k / v: dense
 // (B, Hkv, Sk, D) or paged pools (N, bs, Hkv, D) (v undefined: V = K[..., :Dv]); lo / hi (B, Sq)
 // int64, each optional (lo: 0; hi: all Sk keys of a dense cache; paged pools need hi); bias fp32
-// broadcastable (B, Hq, Sq, Sk) (expanded strides); slopes / sinks (Hq,) fp32; qpos (B, Sq) int64
+// broadcastable (B, Hq, Sq, Sk) (expanded strides); slopes (Hq,) fp32; sinks fp32, (Hq,) one per
+// query head or (B, Hq, Sq) one per query row; qpos (B, Sq) int64
 // (optional for a dense cache: bottom-right positions). A selection (Sq 1): sel_ids (1 or
 // B / seq_div, Hs, seq_div, n) int64 as given (Hs divides Hkv; query i of K/V sequence kb is q
 // sequence kb * seq_div + i), sel_block its block size, sel_lo / sel_hi (B,) the interval R that
@@ -1706,11 +1707,12 @@ std::tuple<at::Tensor, at::Tensor> splitk_attention(
   }
   const float* sink_ptr = nullptr;
   if (sinks.has_value()) {
-    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->numel() == a.Hq &&
-                    sinks->device().is_cpu(),
-                "sinks must be (Hq,) fp32");
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                    (sinks->numel() == a.Hq || sinks->numel() == a.B * a.Hq * a.Sq) && sinks->device().is_cpu(),
+                "sinks must be fp32, (Hq,) or (B, Hq, Sq) contiguous");
     sink_ptr = sinks->data_ptr<float>();
   }
+  const bool sink_per_row = sink_ptr != nullptr && sinks->numel() != a.Hq;
   a.softcap = static_cast<float>(softcap);
   a.keys = nullptr;
   a.Hs = 1;
@@ -1765,11 +1767,11 @@ std::tuple<at::Tensor, at::Tensor> splitk_attention(
   at::Tensor lse = at::empty({return_lse ? a.B : 0, a.Hq, a.Sq}, q.options().dtype(at::kFloat));
   float* lse_ptr = return_lse ? lse.data_ptr<float>() : nullptr;
   switch (k.scalar_type()) {
-    case at::kFloat: run_all<float>(a, ranges, out, lse_ptr, sink_ptr); break;
-    case at::kBFloat16: run_all<c10::BFloat16>(a, ranges, out, lse_ptr, sink_ptr); break;
-    case at::kHalf: run_all<c10::Half>(a, ranges, out, lse_ptr, sink_ptr); break;
-    case at::kChar: run_all<int8_t>(a, ranges, out, lse_ptr, sink_ptr); break;
-    case at::kFloat8_e4m3fn: run_all<c10::Float8_e4m3fn>(a, ranges, out, lse_ptr, sink_ptr); break;
+    case at::kFloat: run_all<float>(a, ranges, out, lse_ptr, sink_ptr, sink_per_row); break;
+    case at::kBFloat16: run_all<c10::BFloat16>(a, ranges, out, lse_ptr, sink_ptr, sink_per_row); break;
+    case at::kHalf: run_all<c10::Half>(a, ranges, out, lse_ptr, sink_ptr, sink_per_row); break;
+    case at::kChar: run_all<int8_t>(a, ranges, out, lse_ptr, sink_ptr, sink_per_row); break;
+    case at::kFloat8_e4m3fn: run_all<c10::Float8_e4m3fn>(a, ranges, out, lse_ptr, sink_ptr, sink_per_row); break;
     default: TORCH_CHECK(false, "k must be fp32, bf16, fp16, int8 or fp8 e4m3, got ", k.scalar_type());
   }
   return {out, lse};

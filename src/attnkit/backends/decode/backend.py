@@ -74,7 +74,7 @@ class DecodeBackend(BackendBase):
         self.name, self.layouts = name, tuple(layouts)
 
     def not_supported_reasons(self, call: AttentionCall) -> list[str]:
-        why = decode_refusals(call, None if _fuses_what_sdpa_cannot(call) else MAX_DECODE_Q_LEN)
+        why = decode_refusals(call, None if _fuses_what_sdpa_cannot(call) else MAX_DECODE_Q_LEN, query_sinks=True)
         if call.kv_layout not in self.layouts:
             why.append(f"{call.kv_layout} K/V (this backend reads {' or '.join(self.layouts)} K/V)")
         if call.device_type != "cpu":

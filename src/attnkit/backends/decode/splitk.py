@@ -111,7 +111,8 @@ def splitk_attention(q: Tensor, k: Tensor, v: Tensor | None, *, scale: float,
         mask: an attnkit mask over (B, Hq, Sq, Sk) (the paged lengths already folded in), or the
             call's :class:`attnkit.masks.ReducedMask` (what the backend passes).
         block_table: (B, W) block ids for paged pools; ``kv_len`` is then the logical Sk.
-        sinks: (Hq,) logits joining each row's denominator; softcap: c of c * tanh(s / c);
+        sinks: (Hq,) per query head or (B|1, Hq, Sq) per query: logits joining each row's
+            denominator; softcap: c of c * tanh(s / c);
             an :class:`attnkit.masks.ALiBi` in ``mask`` is applied per score.
         k_scale, v_scale: quantized K/V (int8 / fp8 ``k`` and ``v``, :mod:`attnkit.kvquant`): fp32
             scales of their rows, ``k.shape[:3]`` / ``v.shape[:3]`` (``v_scale`` None with ``v``
@@ -148,7 +149,10 @@ def parse_call(q: Tensor, k: Tensor, v: Tensor | None, *, scale: float, mask: Ma
     # only once it is loaded): the op is called by name, its Meta kernel gives the shapes.
     ops = (torch.ops.attnkit_cpu if native.library_path() is not None else None) \
         if torch.compiler.is_compiling() else native.load()
-    sinks32 = None if sinks is None else sinks.detach().float().contiguous()
+    sinks32 = None
+    if sinks is not None:  # (Hq,) per query head, or (B|1, Hq, Sq) per query, as the kernel reads them
+        sinks32 = sinks.detach().float()
+        sinks32 = (sinks32 if sinks32.dim() == 1 else sinks32.expand(B, Hq, Sq)).contiguous()
     return SplitKCall(q, k, v, Dv, Hkv, Sk, scale, reduced, block_table, sinks32, softcap, k_scale, v_scale,
                       return_lse, ops)
 
@@ -195,11 +199,12 @@ def run_call(c: SplitKCall) -> tuple[Tensor, Tensor | None]:
     return out.to(q.dtype), (lse if c.return_lse else None)
 
 
-def _native(c: SplitKCall, q, k, v, table, lo, hi, bias, slopes, qpos):
-    """One call of the native kernel (inputs already as it reads them): (out in q's dtype, lse)."""
+def _native(c: SplitKCall, q, k, v, table, lo, hi, bias, slopes, qpos, sinks=None):
+    """One call of the native kernel (inputs already as it reads them; ``sinks`` the call's
+    unless given): (out in q's dtype, lse)."""
     return c.ops.splitk_attention(q, k, v, _scales(c.k_scale), _scales(c.v_scale), c.v_head_dim, table, lo, hi,
-                                  bias, slopes, qpos, c.sinks, float(c.scale), float(c.softcap or 0.0),
-                                  c.num_kv_heads, c.return_lse)
+                                  bias, slopes, qpos, c.sinks if sinks is None else sinks, float(c.scale),
+                                  float(c.softcap or 0.0), c.num_kv_heads, c.return_lse)
 
 
 def _torch(c: SplitKCall, q, lo, hi, bias, slopes, qpos):
@@ -231,7 +236,8 @@ def _chunked(c: SplitKCall) -> tuple[Tensor, Tensor | None]:
         b_c = None if bias is None else bias.expand(B, Hq, Sq, Sk)[:, :, i0:i1]
         p_c = None if qpos is None else qpos[:, i0:i1].contiguous()
         if native_ops:
-            o, l_c = _native(c, _plain(q[:, :, i0:i1], whole=True), k, v, table, lo_c, hi_c, b_c, slopes, p_c)
+            s_c = c.sinks[:, :, i0:i1].contiguous() if c.sinks is not None and c.sinks.dim() == 3 else None
+            o, l_c = _native(c, _plain(q[:, :, i0:i1], whole=True), k, v, table, lo_c, hi_c, b_c, slopes, p_c, s_c)
         else:
             o, l_c = _torch(c, q[:, :, i0:i1], lo_c, hi_c, b_c, slopes, p_c)
         out[:, :, i0:i1] = o
@@ -275,19 +281,22 @@ def _selected(c: SplitKCall) -> tuple[Tensor, Tensor | None]:
         m = i1 - i0
         qc = _plain(q[:, :, i0:i1].transpose(1, 2).reshape(B * m, Hq, 1, D), whole=True)
         pc = None if qpos is None else qpos[:, i0:i1].reshape(B * m, 1).contiguous()
+        sc = c.sinks
+        if sc is not None and sc.dim() == 3:  # per query: each of the chunk's B * m sequences its own
+            sc = sc[:, :, i0:i1].transpose(1, 2).reshape(B * m, Hq, 1).contiguous()
         if native_ops:
             per_query = [t[:, i0:i1].reshape(B * m).contiguous() for t in within + (union or [])]
             uni = per_query[2:] if union is not None else [None, None]
             o, l_c = c.ops.splitk_attention(qc, k, v, _scales(c.k_scale), _scales(c.v_scale), Dv, table, None, None,
-                                            None, slopes, pc, c.sinks, float(c.scale), float(c.softcap or 0.0),
+                                            None, slopes, pc, sc, float(c.scale), float(c.softcap or 0.0),
                                             c.num_kv_heads, c.return_lse, ids[:, :, i0:i1], sel.block_size,
                                             per_query[0], per_query[1], uni[0], uni[1], m)
         else:
             keys, lo, hi = sel.lists(q.device, i0, i1)  # (B, m, Hs, L), (B, m, Hs)
             o, l_c = torch_selected(qc, c.k, c.v, Dv, c.num_kv_heads, c.scale, keys.flatten(0, 1), lo.flatten(0, 1),
                                     hi.flatten(0, 1), m, c.block_table, c.softcap, slopes, pc, c.k_scale, c.v_scale)
-            if c.sinks is not None:
-                o = with_sinks(o, l_c, c.sinks)[0]
+            if sc is not None:
+                o = with_sinks(o, l_c, sc)[0]
         out[:, :, i0:i1] = o.reshape(B, m, Hq, Dv).transpose(1, 2)
         if lse is not None:
             lse[:, :, i0:i1] = l_c.reshape(B, m, Hq).transpose(1, 2)
