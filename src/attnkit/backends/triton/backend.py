@@ -56,8 +56,9 @@ class TritonBackend(BackendBase):
             why.append("CPU tensors without TRITON_INTERPRET=1")
         elif call.device_type not in ("cpu", "cuda"):
             why.append(f"device {call.device_type}")
-        if call.reduced.limit_parts() is None:
-            why.append(f"mask {call.mask!r} (takes causal, right-side key padding and one sliding window only)")
+        if call.reduced.limit_parts() is None and call.reduced.selection is None:
+            why.append(f"mask {call.mask!r} (takes causal, right-side key padding, one sliding window, and one "
+                       f"per-query selection cut by those and joined with at most one interval)")
         return why
 
     def auto_skip_reason(self, call: AttentionCall) -> str | None:
@@ -67,12 +68,23 @@ class TritonBackend(BackendBase):
             return "dense K/V of equal widths and no score modifier: SDPA's fused kernels serve these"
         return None  # paged / quantized K/V: read in place (the alternative gathers the whole cache every step)
 
+    def kernel_name(self, q, k, v, call: AttentionCall) -> str:
+        """``split-k``, or ``split-k+selection`` when the kernel walks a per-query selection
+        (reads only the selected keys)."""
+        return "split-k+selection" if call.reduced.limit_parts() is None else "split-k"
+
     def run(self, q, k, v, call: AttentionCall):
         from . import ops  # imports Triton: only a call that runs here does
 
         alibi = call.reduced.alibi
-        q_start, lengths, w_q_start = call.reduced.limits(q.device, NO_CAUSAL)
         mods = dict(softcap=call.softcap, sinks=call.sinks)
+        if call.reduced.limit_parts() is None:  # a selection (not_supported_reasons): its intervals hold every limit
+            q_start = NO_CAUSAL
+            lengths = torch.full((call.batch,), call.kv_len, device=q.device)
+            w_q_start = None
+            mods.update(selection=call.reduced.selection)
+        else:
+            q_start, lengths, w_q_start = call.reduced.limits(q.device, NO_CAUSAL)
         if w_q_start is not None:  # read only the window's keys (its own anchor, which may differ from Causal's)
             window = call.reduced.limit_parts()[2]
             mods.update(window=(window.left, window.right), window_q_start=w_q_start)

@@ -62,6 +62,8 @@ check it on CPU.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -120,9 +122,13 @@ if triton is not None:
         stride_vsn, stride_vst, stride_vsh,
         stride_tb,
         HKV, G, S, DK, DR, DV, KV_BLOCK_SIZE, SPLIT_LEN, NSPLIT, NUM_KV_BLOCKS, WLEFT, WRIGHT,
+        SEL_IDS, SEL_COUNTS, SEL_BOUNDS,
+        stride_ib, stride_ih, stride_is, stride_cb, stride_ch, stride_cs,
+        SEL_BLOCK, SEL_GS, SEL_CH, SEL_MT, KV_LEN,
         V_FROM_K: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, QUANT: tl.constexpr, FP8: tl.constexpr,
         HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, HAS_SINKS: tl.constexpr,
+        SEL: tl.constexpr, HAS_UNION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_DK: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
     ):
@@ -141,19 +147,56 @@ if triton is not None:
             KSh = KS + kvh.to(tl.int64) * stride_ksh
             VSh = VS + kvh.to(tl.int64) * stride_vsh
 
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # row = g * S + j
-        row_ok = rows < G * S
-        j = rows % S
-        h = kvh * G + rows // S
-        length = tl.load(LENGTHS + b)
-        lim = tl.minimum(tl.load(QSTART + b) + j + 1, length)  # keys < lim are visible
-        if HAS_WINDOW:  # and keys >= low: the window around each row's own position
-            w_qstart = tl.load(WIN_QSTART + b)
-            lim = tl.minimum(lim, w_qstart + j + WRIGHT + 1)
-            low = w_qstart + j - WLEFT
-            base = tl.maximum(w_qstart - WLEFT, 0)  # the first key any row of the sequence sees
-        else:
+        if SEL:
+            # One query token jq and a chunk of SEL_CH query heads that read one selection list:
+            # every row of the program sees the same keys. pid_m = (chunk * S + jq) * SEL_MT + tile.
+            mt = pid_m % SEL_MT
+            jq = (pid_m // SEL_MT) % S
+            chunk = pid_m // (SEL_MT * S)
+            r = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_ok = r < SEL_CH
+            g = chunk * SEL_CH + r
+            j = jq + 0 * r
+            h = kvh * G + g
+            lst = (kvh * G + chunk * SEL_CH) // SEL_GS  # the list these heads read
+            # The keys visible to the row: the op's limits (causal, lengths, window) AND the
+            # selection's interval R; the union interval W's keys once, then the listed keys in
+            # the visible range that W does not hold.
+            bounds = SEL_BOUNDS + (S * b + jq) * 4  # (B, S, 4): R's lo, hi, W's lo, hi
+            lo = tl.maximum(tl.load(bounds), 0)
+            hi = tl.minimum(tl.minimum(tl.load(bounds + 1), KV_LEN),
+                            tl.minimum(tl.load(QSTART + b) + jq + 1, tl.load(LENGTHS + b)))
+            if HAS_WINDOW:
+                w_qstart = tl.load(WIN_QSTART + b)
+                hi = tl.minimum(hi, w_qstart + jq + WRIGHT + 1)
+                lo = tl.maximum(lo, w_qstart + jq - WLEFT)
+            if HAS_UNION:
+                u_lo = tl.maximum(tl.load(bounds + 2), lo)
+                u_hi = tl.minimum(tl.load(bounds + 3), hi)
+                u_len = tl.maximum(u_hi - u_lo, 0)
+            else:
+                u_lo = lo
+                u_hi = lo
+                u_len = 0
+            ids_row = SEL_IDS + b * stride_ib + lst * stride_ih + jq * stride_is
+            n_sel = tl.load(SEL_COUNTS + b * stride_cb + lst * stride_ch + jq * stride_cs)
+            n_sel = tl.where(hi > lo, n_sel, 0)  # nothing visible: no entry to walk
+            total = u_len + n_sel * SEL_BLOCK  # entries of this program's walk: W's keys, then the list's
             base = 0
+        else:
+            rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # row = g * S + j
+            row_ok = rows < G * S
+            j = rows % S
+            h = kvh * G + rows // S
+            length = tl.load(LENGTHS + b)
+            lim = tl.minimum(tl.load(QSTART + b) + j + 1, length)  # keys < lim are visible
+            if HAS_WINDOW:  # and keys >= low: the window around each row's own position
+                w_qstart = tl.load(WIN_QSTART + b)
+                lim = tl.minimum(lim, w_qstart + j + WRIGHT + 1)
+                low = w_qstart + j - WLEFT
+                base = tl.maximum(w_qstart - WLEFT, 0)  # the first key any row of the sequence sees
+            else:
+                base = 0
         if HAS_ALIBI:  # slope of each row's head (log2 units), and the row's ALiBi query position
             slope = tl.load(SLOPES + h, mask=row_ok, other=0.0) * 1.4426950408889634
             alibi_pos = tl.load(ALIBI_QSTART + b) + j
@@ -175,10 +218,28 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
         start = base + pid_s * SPLIT_LEN
-        end = tl.minimum(start + SPLIT_LEN, length)
+        if SEL:
+            end = tl.minimum(start + SPLIT_LEN, total)
+        else:
+            end = tl.minimum(start + SPLIT_LEN, length)
         for n0 in range(start, end, BLOCK_N):
-            pos = n0 + tl.arange(0, BLOCK_N)
-            pos_ok = pos < end
+            if SEL:
+                # Entry e of the walk: W's key u_lo + e (e < u_len), else key t % SEL_BLOCK of the
+                # list's entry t // SEL_BLOCK (t = e - u_len): a block's keys are contiguous.
+                e = n0 + tl.arange(0, BLOCK_N)
+                e_ok = e < end
+                in_u = e < u_len
+                t = tl.maximum(e - u_len, 0)
+                sid = tl.load(ids_row + t // SEL_BLOCK, mask=e_ok & (e >= u_len), other=-1)
+                spos = sid * SEL_BLOCK + t % SEL_BLOCK
+                # A listed key counts if visible and not W's (W's keys were counted above).
+                s_ok = (sid >= 0) & (spos >= lo) & (spos < hi) & ((spos < u_lo) | (spos >= u_hi))
+                pos = tl.where(in_u, u_lo + e, spos)
+                pos_ok = e_ok & (in_u | s_ok)
+                pos = tl.where(pos_ok, pos, 0)
+            else:
+                pos = n0 + tl.arange(0, BLOCK_N)
+                pos_ok = pos < end
             blk = tl.load(TABLE + b * stride_tb + pos // KV_BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
             # A table entry outside the pool (a caller's check=False table that lies: checking
             # it would cost a device sync) is never read; its keys count as masked.
@@ -213,9 +274,12 @@ if triton is not None:
                 s = s * scale_log2
             if HAS_ALIBI:
                 s += slope[:, None] * (pos[None, :] - alibi_pos[:, None]).to(tl.float32)
-            vis = (pos[None, :] < lim[:, None]) & pos_ok[None, :]
-            if HAS_WINDOW:
-                vis = vis & (pos[None, :] >= low[:, None])
+            if SEL:  # every row of the program sees the same keys
+                vis = pos_ok[None, :] & row_ok[:, None]
+            else:
+                vis = (pos[None, :] < lim[:, None]) & pos_ok[None, :]
+                if HAS_WINDOW:
+                    vis = vis & (pos[None, :] >= low[:, None])
             s = tl.where(vis, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
@@ -330,14 +394,24 @@ def launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tenso
            scale: float, v_head_dim: int, max_len: int, num_splits: int, softcap: float = 0.0,
            slopes: Tensor | None = None, alibi_q_start: Tensor | None = None, sinks: Tensor | None = None,
            k_scale: Tensor | None = None, v_scale: Tensor | None = None, window_q_start: Tensor | None = None,
-           window_left: int = 0, window_right: int = 0) -> Tensor:
+           window_left: int = 0, window_right: int = 0, sel_ids: Tensor | None = None,
+           sel_counts: Tensor | None = None, sel_bounds: Tensor | None = None, sel_block_size: int = 1,
+           sel_union: bool = False, sel_span: int = 0) -> Tensor:
     """Launch the split and merge kernels on checked arguments: q (B, Hq, S, D); k (N, bs, Hkv, D)
     and v (N, bs, Hkv, Dv) | None (V = K[..., :Dv]) with bs tokens per cache block, last dims
     contiguous; table (B, nb) int; q_start, lengths (B,) int32; softcap (0: off); slopes (Hq,)
     fp32 with alibi_q_start (B,) int32 (ALiBi query position of each sequence's first query);
     sinks (Hq,) fp32; quantized (int8 / fp8 e4m3) k and v: k_scale (N, bs, Hkv) and v_scale
     (N, bs, Hkv) | None (with v None) fp32, any strides; window_q_start (B,) int32 with
-    window_left / window_right in [0, UNBOUNDED]: a sliding window. Returns (B, Hq, S, Dv)."""
+    window_left / window_right in [0, UNBOUNDED]: a sliding window. Returns (B, Hq, S, Dv).
+
+    A selection (``sel_ids`` given) further restricts each query row to listed keys: sel_ids
+    (B|1, Hs, S, n) int32, each list's distinct block ids ascending then -1, of ``sel_block_size``
+    keys each (1: key positions), query head h reading list ``h // (Hq // Hs)``; sel_counts
+    (B|1, Hs, S) int32, the ids in each list; sel_bounds (B, S, 4) int32 contiguous: the interval
+    R ``[lo, hi)`` the selection is ANDed with, and (with ``sel_union``) the interval W
+    ``[lo, hi)`` it is ORed with (before R); ``sel_span``: the most entries one row walks (W's
+    keys plus n * sel_block_size), which the splits cut."""
     B, Hq, S, D = q.shape
     block_size, Hkv = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -346,12 +420,21 @@ def launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tenso
     if out.numel() == 0:
         return out
     v_from_k = v is None
-    cfg = _config(q.dtype, D, Dv, G * S, v_from_k)
+    sel = sel_ids is not None
+    if sel:  # programs of sel_ch query heads that share a KV head and a list, one query token each
+        sel_gs = Hq // sel_ids.shape[1]
+        sel_ch = math.gcd(G, sel_gs)
+        cfg = _config(q.dtype, D, Dv, sel_ch, v_from_k)
+        sel_mt = -(-sel_ch // cfg["BLOCK_M"])
+        m_tiles = G // sel_ch * S * sel_mt
+        span = max(1, sel_span)
+    else:
+        cfg = _config(q.dtype, D, Dv, G * S, v_from_k)
+        m_tiles = -(-G * S // cfg["BLOCK_M"])
+        span = max(1, max_len)  # keys the splits of a sequence cover
+        if window_q_start is not None and max(window_left, window_right) < UNBOUNDED:
+            span = max(1, min(span, window_left + window_right + S))  # what the rows of a window can see
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    m_tiles = -(-G * S // block_m)
-    span = max(1, max_len)  # keys the splits of a sequence cover
-    if window_q_start is not None and max(window_left, window_right) < UNBOUNDED:
-        span = max(1, min(span, window_left + window_right + S))  # what the rows of a window can see
     longest = -(-span // block_n)  # key tiles of the longest span
     if num_splits <= 0:  # the wave rule (plan.split_plan)
         num_splits, split_len = split_plan(B, Hkv, m_tiles, span, *_wave(q.device, cfg), block_n)
@@ -386,12 +469,16 @@ def launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tenso
         table.stride(0),
         Hkv, G, S, cfg["DK"], cfg["DR"], Dv, block_size, split_len, num_splits, k.shape[0], window_left,
         window_right,
+        *((sel_ids, sel_counts, sel_bounds, *sel_ids.stride()[:3], *sel_counts.stride(), sel_block_size, sel_gs,
+           sel_ch, sel_mt) if sel else (lengths,) * 3 + (0,) * 6 + (1, 1, 1, 1)),  # unread without a selection
+        max_len,
         V_FROM_K=v_from_k, HAS_ROPE=cfg["DR"] > 0, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # Triton 3.9's interpreter computes bf16 dots wrongly: there, operands go up to fp32 (exact
         # products, fp32 sums: what the GPU's bf16 dot with fp32 accumulation gives).
         DOT_F32=q.dtype == torch.bfloat16 and interpreting(),
         HAS_SOFTCAP=softcap > 0, HAS_ALIBI=slopes is not None, QUANT=quant, FP8=fp8,
         HAS_WINDOW=window_q_start is not None, DIRECT=direct, HAS_SINKS=sinks is not None,
+        SEL=sel, HAS_UNION=sel and sel_union,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DK=cfg["BLOCK_DK"],
         BLOCK_DR=cfg["BLOCK_DR"], BLOCK_DV=cfg["BLOCK_DV"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
@@ -409,19 +496,23 @@ def decode_op(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Te
               scale: float, v_head_dim: int, max_len: int, num_splits: int, softcap: float = 0.0,
               slopes: Tensor | None = None, alibi_q_start: Tensor | None = None,
               sinks: Tensor | None = None, k_scale: Tensor | None = None, v_scale: Tensor | None = None,
-              window_q_start: Tensor | None = None, window_left: int = 0, window_right: int = 0) -> Tensor:
+              window_q_start: Tensor | None = None, window_left: int = 0, window_right: int = 0,
+              sel_ids: Tensor | None = None, sel_counts: Tensor | None = None, sel_bounds: Tensor | None = None,
+              sel_block_size: int = 1, sel_union: bool = False, sel_span: int = 0) -> Tensor:
     """:func:`launch` as the custom op ``attnkit::decode_attention``, which torch.compile keeps in
     its graph."""
     why = available(q.device)
     if why:
         raise RuntimeError(f"attnkit::decode_attention: {why}")
     return launch(q, k, v, table, q_start, lengths, scale, v_head_dim, max_len, num_splits, softcap, slopes,
-                  alibi_q_start, sinks, k_scale, v_scale, window_q_start, window_left, window_right)
+                  alibi_q_start, sinks, k_scale, v_scale, window_q_start, window_left, window_right, sel_ids,
+                  sel_counts, sel_bounds, sel_block_size, sel_union, sel_span)
 
 
 @decode_op.register_fake
 def _(q, k, v, table, q_start, lengths, scale, v_head_dim, max_len, num_splits, softcap=0.0, slopes=None,
       alibi_q_start=None, sinks=None, k_scale=None, v_scale=None, window_q_start=None, window_left=0,
-      window_right=0):
+      window_right=0, sel_ids=None, sel_counts=None, sel_bounds=None, sel_block_size=1, sel_union=False,
+      sel_span=0):
     B, Hq, S, _ = q.shape
     return q.new_empty((B, Hq, S, v_head_dim))
