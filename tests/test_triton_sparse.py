@@ -1,0 +1,248 @@
+"""The Triton decode kernel over per-query selections (:class:`attnkit.masks.SelectedKeys`,
+:class:`attnkit.masks.SelectedBlocks`), read in place: each program walks its list of selected
+keys, with the interval the selection is ANDed with and the one it is ORed with, over dense,
+paged, quantized and V-from-K (MLA) K/V, with every score modifier, against the fp64 oracle
+under rule R. Unselected K/V rows are never read (NaN there changes nothing).
+
+Without CUDA these run in Triton's interpreter on CPU tensors (conftest sets TRITON_INTERPRET=1),
+on tiny shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnkit
+from attnkit import masks as M
+from attnkit.masks import Causal, KeyPadding, SelectedBlocks, SelectedKeys, SlidingWindow
+
+from conftest import base_attention, rule_r, stable_seed
+
+triton_ops = pytest.importorskip("attnkit.backends.triton.ops")
+if triton_ops.available() is not None:
+    pytest.skip(f"Triton kernels unavailable: {triton_ops.available()}", allow_module_level=True)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+B, HQ, HKV, S, L, D, DV = 2, 4, 2, 2, 37, 16, 16
+PAGE = 8  # the cache's block size; selections use blocks of 4 or 16 keys, so they cross pages
+LENS = (37, 29)  # the paged layouts are ragged: their lengths join the mask
+
+
+def _ids(g, shape, top, dups=True):
+    """Random ids in [-1, top): -1 padding and (with ``dups``) an id listed twice per row."""
+    ids = torch.randint(-1, top, shape, generator=g)
+    if dups and shape[-1] > 2:
+        ids[..., -1] = ids[..., 0]
+    return ids
+
+
+def _masks(g):
+    """name -> mask: every shape of selection the kernel walks."""
+    return {
+        "keys": SelectedKeys(_ids(g, (B, S, 7), L)),
+        "keys-per-kv-head&causal": SelectedKeys(_ids(g, (B, HKV, S, 6), L), num_heads=HQ) & Causal(),
+        "keys-per-query-head": SelectedKeys(_ids(g, (1, HQ, S, 5), L)),
+        "blocks&causal": SelectedBlocks(_ids(g, (1, S, 3), -(-L // 4)), 4) & Causal(),
+        "blocks|window&causal": (SelectedBlocks(_ids(g, (B, HKV, S, 2), -(-L // 16)), 16, num_heads=HQ)
+                                 | SlidingWindow(5)) & Causal(),
+        "keys&window": SelectedKeys(_ids(g, (B, S, 9), L)) & SlidingWindow(12, 0),
+    }
+
+
+def _layout(name, k, v, *, dtype):
+    """attention()'s K/V arguments for ``name`` from dense (B, Hkv, L, D) k and v, the K/V the
+    oracle sees (dequantized), and the mask a paged layout's lengths add (or None).
+    ``mla``: V is the first DV channels of K (k is wider)."""
+    mla = "mla" in name
+    storage = "int8" if "int8" in name else "fp8_e4m3" if "fp8" in name else None
+    if "paged" not in name:
+        kk, vv = k.to(dtype), (k[..., :DV] if mla else v).to(dtype)
+        if storage:
+            kv = attnkit.QuantizedKV.quantize(k.to(DEV), None if mla else v.to(DEV), storage,
+                                              v_head_dim=DV if mla else None)
+            return (kv, None), tuple(t.cpu() for t in kv.gather(torch.float64)), None
+        kd = kk.to(DEV)
+        return (kd, kd[..., :DV] if mla else vv.to(DEV)), (kk, vv), None
+    g = torch.Generator().manual_seed(5)
+    nb = -(-L // PAGE)
+    table = torch.randperm(B * nb + 2, generator=g)[:B * nb].view(B, nb).int()
+    pool_k = torch.randn(B * nb + 2, PAGE, HKV, k.shape[-1], generator=g)  # garbage past each length
+    pool_v = torch.randn(B * nb + 2, PAGE, HKV, DV, generator=g)
+    pos = torch.arange(L)
+    for b in range(B):
+        pool_k[table[b, pos // PAGE].long(), pos % PAGE] = k[b].transpose(0, 1)
+        pool_v[table[b, pos // PAGE].long(), pos % PAGE] = v[b].transpose(0, 1)
+    lens = torch.tensor(LENS)
+    pad = KeyPadding(lens)
+    if storage:
+        kv = attnkit.QuantizedKV.quantize(pool_k.to(DEV), None if mla else pool_v.to(DEV), storage,
+                                          v_head_dim=DV if mla else None, block_table=table.to(DEV),
+                                          lengths=lens.to(DEV))
+        kk, vv = (t.cpu() for t in kv.gather(torch.float64))
+        return (kv, None), (kk, vv), pad
+    kv = attnkit.PagedKV(pool_k.to(DEV, dtype), None if mla else pool_v.to(DEV, dtype), table.to(DEV),
+                         lens.to(DEV), v_head_dim=DV if mla else None)
+    kk, vv = k.to(dtype), (k[..., :DV] if mla else v).to(dtype)
+    return (kv, None), (kk, vv), pad
+
+
+def _run_and_check(q, kv_args, kv_ref, mask, *, mods=None, expect_name=True):
+    mods = dict(mods or {})
+    dev_mods = {key: val.to(DEV) if isinstance(val, torch.Tensor) else val for key, val in mods.items()}
+    if expect_name:
+        assert attnkit.describe_call(q.to(DEV), *kv_args, mask, backend="triton", detail=True,
+                                     **dev_mods) == "triton[split-k+selection]"
+    out = attnkit.attention(q.to(DEV), *kv_args, mask, backend="triton", **dev_mods).cpu()
+    kk, vv = kv_ref
+    sinks = mods.get("sinks")
+    gold = attnkit.attention_reference(q.double(), kk.double(), vv.double(), mask, softcap=mods.get("softcap"),
+                                       sinks=None if sinks is None else sinks.double())
+    base = base_attention(q, kk.to(q.dtype), vv.to(q.dtype), mask, **mods)
+    rule_r(out, base, gold, n_terms=max(kk.shape[2], kk.shape[3]))
+    # a row the mask leaves empty is exactly 0
+    allowed = mask.materialize(B, S, kk.shape[2], "cpu").expand(B, HQ, S, kk.shape[2])
+    empty = ~allowed.any(-1)
+    assert (out[empty] == 0).all()
+    return out, allowed
+
+
+LAYOUTS = ["dense", "paged", "int8", "fp8-paged", "mla", "mla-paged", "int8-mla-paged"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_selections_over_every_layout(layout):
+    """Every selection shape (shared lists, per KV head, per query head, blocks, | window,
+    & causal, & window; -1 padding and duplicates) over each K/V layout."""
+    seed = stable_seed("sparse", layout)
+    g = torch.Generator().manual_seed(seed)
+    dtype = torch.float32 if layout in ("dense", "paged", "mla") else torch.bfloat16
+    width = D + 8 if "mla" in layout else D
+    k, v = torch.randn(B, HKV, L, width, generator=g), torch.randn(B, HKV, L, DV, generator=g)
+    q = torch.randn(B, HQ, S, width, generator=g).to(dtype)
+    kv_args, kv_ref, pad = _layout(layout, k, v, dtype=dtype)
+    for name, mask in _masks(g).items():
+        m = mask if pad is None else mask & pad
+        _run_and_check(q, kv_args, kv_ref, m)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_half_precision(dtype):
+    g = torch.Generator().manual_seed(stable_seed("half", str(dtype)))
+    k, v = torch.randn(B, HKV, L, D, generator=g), torch.randn(B, HKV, L, DV, generator=g)
+    q = torch.randn(B, HQ, S, D, generator=g).to(dtype)
+    kv_args, kv_ref, _ = _layout("dense", k, v, dtype=dtype)
+    masks = _masks(g)
+    for name in ("keys-per-kv-head&causal", "blocks|window&causal"):
+        _run_and_check(q, kv_args, kv_ref, masks[name])
+
+
+@pytest.mark.parametrize("layout", ["dense", "int8-mla-paged"])
+def test_modifiers_with_a_selection(layout):
+    """Soft-capping, ALiBi (at the keys' true positions) and sinks hold with a selection."""
+    g = torch.Generator().manual_seed(stable_seed("mods", layout))
+    width = D + 8 if "mla" in layout else D
+    k, v = torch.randn(B, HKV, L, width, generator=g), torch.randn(B, HKV, L, DV, generator=g)
+    q = torch.randn(B, HQ, S, width, generator=g)
+    kv_args, kv_ref, pad = _layout(layout, k, v, dtype=torch.float32)
+    sel = (SelectedBlocks(_ids(g, (B, HKV, S, 3), -(-L // 4)), 4, num_heads=HQ) | SlidingWindow(3)) & Causal()
+    sel = sel if pad is None else sel & pad
+    for mods in ({"softcap": 4.0}, {"sinks": torch.randn(HQ, generator=g)}, {"softcap": 3.0}):
+        m = sel
+        if "softcap" in mods and mods["softcap"] == 3.0:  # ALiBi too
+            m = M.ALiBi(M.alibi_slopes(HQ)) & sel
+        _run_and_check(q, kv_args, kv_ref, m, mods=mods)
+
+
+def test_empty_rows_are_exact_zeros():
+    """Lists of -1 only, and lists whose keys the causal part cuts: exactly 0 (sinks too)."""
+    g = torch.Generator().manual_seed(7)
+    k, v = torch.randn(B, HKV, L, D, generator=g), torch.randn(B, HKV, L, DV, generator=g)
+    q = torch.randn(B, HQ, S, D, generator=g)
+    ids = _ids(g, (B, HKV, S, 4), L, dups=False)
+    ids[0, 0] = -1  # KV head 0 of sequence 0: nothing selected
+    ids[1, 1, 0] = L - 1  # query 0 of sequence 1 only selects a key past it (causal cuts it)
+    ids[1, 1, 0, 1:] = -1
+    mask = SelectedKeys(ids, num_heads=HQ) & Causal()
+    kv_args, kv_ref, _ = _layout("dense", k, v, dtype=torch.float32)
+    for mods in ({}, {"sinks": torch.randn(HQ, generator=g)}):
+        out, allowed = _run_and_check(q, kv_args, kv_ref, mask, mods=mods)
+        assert (out[0, :2] == 0).all() and (out[1, 2:, 0] == 0).all()
+
+
+@pytest.mark.parametrize("layout", ["dense", "paged", "int8-paged", "mla"])
+def test_unselected_keys_are_never_read(layout):
+    """NaN in every K/V row that no query of its KV head may see: the output stays finite and
+    equals the oracle on the clean tensors."""
+    g = torch.Generator().manual_seed(stable_seed("nan", layout))
+    width = D + 8 if "mla" in layout else D
+    k, v = torch.randn(B, HKV, L, width, generator=g), torch.randn(B, HKV, L, DV, generator=g)
+    q = torch.randn(B, HQ, S, width, generator=g)
+    mask = (SelectedBlocks(_ids(g, (B, HKV, S, 2), -(-L // 4)), 4, num_heads=HQ) | SlidingWindow(2)) & Causal()
+    kv_args, kv_ref, pad = _layout(layout, k, v, dtype=torch.float32)
+    kv_ref = tuple(t.clone() for t in kv_ref)  # the clean K/V (the dense arguments may share their memory)
+    mask = mask if pad is None else mask & pad
+    seen = mask.materialize(B, S, L, "cpu").expand(B, HQ, S, L).view(B, HKV, HQ // HKV * S, L).any(2)  # (B, Hkv, L)
+    assert not seen.all()
+    kv = kv_args[0]
+    if isinstance(kv, torch.Tensor):  # dense (MLA: v is a view of k)
+        kv.transpose(1, 2)[~seen.transpose(1, 2)] = float("nan")
+        if kv_args[1].data_ptr() != kv.data_ptr():
+            kv_args[1].transpose(1, 2)[~seen.transpose(1, 2)] = float("nan")
+    else:  # paged: the pool rows of the unseen positions
+        pos = torch.arange(L)
+        table = kv.block_table.cpu().long()
+        for b in range(B):
+            for h in range(HKV):
+                p = pos[~seen[b, h]]
+                blk, slot = table[b, p // PAGE], p % PAGE
+                if isinstance(kv, attnkit.QuantizedKV):
+                    kv.k_scale[blk, slot, h] = float("nan")
+                    kv.v_scale[blk, slot, h] = float("nan")
+                else:
+                    kv.k_pool[blk, slot, h] = float("nan")
+                    kv.v_pool[blk, slot, h] = float("nan")
+    _run_and_check(q, kv_args, kv_ref, mask)
+
+
+def test_splits_over_a_long_selection_through_the_op():
+    """The op's own limits (causal q_start, ragged lengths, a window) AND the selection, split
+    over its entries in 3 or by the wave rule, with sinks merged once."""
+    g = torch.Generator().manual_seed(11)
+    L2, page, bs = 150, 16, 8
+    lens = torch.tensor([150, 97])
+    k, v = torch.randn(B, HKV, L2, D, generator=g), torch.randn(B, HKV, L2, DV, generator=g)
+    q = torch.randn(B, HQ, S, D, generator=g)
+    nb = -(-L2 // page)
+    table = torch.randperm(B * nb, generator=g).view(B, nb).int()
+    pool_k, pool_v = torch.zeros(B * nb, page, HKV, D), torch.zeros(B * nb, page, HKV, DV)
+    pos = torch.arange(L2)
+    for b in range(B):
+        pool_k[table[b, pos // page].long(), pos % page] = k[b].transpose(0, 1)
+        pool_v[table[b, pos // page].long(), pos % page] = v[b].transpose(0, 1)
+    sel = SelectedBlocks(_ids(g, (B, HKV, S, 12), -(-L2 // bs)), bs, num_heads=HQ) | SlidingWindow(20)
+    sinks = torch.randn(HQ, generator=g)
+    for splits, window in ((3, None), (0, (60, 0)), (1, None)):
+        out = triton_ops.paged_decode_attention(q.to(DEV), pool_k.to(DEV), pool_v.to(DEV), table.to(DEV),
+                                                lens.to(DEV), selection=sel, num_splits=splits, sinks=sinks.to(DEV),
+                                                window=window).cpu()
+        mask = sel & Causal(q_start=lens - S) & KeyPadding(lens)
+        if window is not None:
+            mask = mask & SlidingWindow(*window, q_start=lens - S)
+        gold = attnkit.attention_reference(q.double(), k.double(), v.double(), mask, sinks=sinks.double())
+        rule_r(out, base_attention(q, k, v, mask, sinks=sinks), gold, n_terms=L2)
+
+
+def test_kernel_name_and_refusals():
+    """describe_call names the selection kernel; a mask with a selection the kernel cannot walk
+    (two selections) is refused with its reason; the op refuses such a mask too."""
+    q, k = torch.randn(1, 2, 1, D), torch.randn(1, 2, 10, D)
+    sel = SelectedKeys(torch.tensor([[[1, 4]]]))
+    assert attnkit.describe_call(q, k, k, sel, backend="triton", detail=True) == "triton[split-k+selection]"
+    assert attnkit.describe_call(q, k, k, Causal(), backend="triton", detail=True) == "triton[split-k]"
+    two = sel & SelectedKeys(torch.tensor([[[4, 5]]]))
+    with pytest.raises(Exception, match="selection"):
+        attnkit.attention(q, k, k, two, backend="triton")
+    with pytest.raises(ValueError, match="selection must hold one"):
+        triton_ops.decode_attention(q, k, k, selection=two)
+    with pytest.raises(ValueError, match="do not fit"):
+        triton_ops.decode_attention(q, k, k, selection=SelectedKeys(torch.tensor([[[1], [2]]])))
