@@ -246,3 +246,20 @@ def test_kernel_name_and_refusals():
         triton_ops.decode_attention(q, k, k, selection=two)
     with pytest.raises(ValueError, match="do not fit"):
         triton_ops.decode_attention(q, k, k, selection=SelectedKeys(torch.tensor([[[1], [2]]])))
+
+
+def test_auto_takes_cuda_decode_with_a_selection():
+    """`auto`'s decision for a CUDA decode step with a selection, made on CPU from the call's
+    description: the triton kernel, which reads only the selected keys (plain dense decode of
+    equal widths stays with SDPA)."""
+    from attnkit.backends import registry
+
+    def call(mask):
+        return registry.AttentionCall(2, 16, 4, 1, 4096, 128, 128, torch.bfloat16, torch.device("cuda"), mask,
+                                      0.1, 0.0, False, False)
+
+    sel = SelectedBlocks(torch.zeros(2, 4, 1, 8, dtype=torch.long), 64, num_heads=16)
+    for mask in (sel, sel & Causal(), (sel | SlidingWindow(63)) & Causal()):
+        assert registry.get_backend("triton").auto_skip_reason(call(mask)) is None, mask
+        assert registry.get_backend("triton").not_supported_reasons(call(mask)) == [], mask
+    assert registry.get_backend("triton").auto_skip_reason(call(Causal())) is not None
