@@ -124,7 +124,7 @@ if triton is not None:
             return x.to(tl.float32)
 
     @triton.jit
-    def _split_kernel(
+    def _attend(
         Q, K, V, TABLE, QSTART, LENGTHS, OP, LSEP, SLOPES, ALIBI_QSTART, KS, VS, WIN_QSTART, OUT, SINKS,
         scale_log2, softcap,
         stride_qb, stride_qh, stride_qs,
@@ -344,6 +344,75 @@ if triton is not None:
             tl.store(OP + prow[:, None] * DV + dv[None, :], out, mask=row_ok[:, None] & (dv[None, :] < DV))
 
     @triton.jit
+    def _split_kernel(
+        Q, K, V, TABLE, QSTART, LENGTHS, OP, LSEP, SLOPES, ALIBI_QSTART, KS, VS, WIN_QSTART, OUT, SINKS,
+        scale_log2, softcap,
+        stride_qb, stride_qh, stride_qs,
+        stride_kn, stride_kt, stride_kh,
+        stride_vn, stride_vt, stride_vh,
+        stride_ksn, stride_kst, stride_ksh,
+        stride_vsn, stride_vst, stride_vsh,
+        stride_tb,
+        HKV, G, S, DK, DR, DV, KV_BLOCK_SIZE, SPLIT_LEN, NSPLIT, NUM_KV_BLOCKS, WLEFT, WRIGHT,
+        V_FROM_K: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, QUANT: tl.constexpr, FP8: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, HAS_SINKS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_DK: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
+    ):
+        # The decode kernel over the call's limits (causal, lengths, window): _attend without a selection.
+        _attend(Q, K, V, TABLE, QSTART, LENGTHS, OP, LSEP, SLOPES, ALIBI_QSTART, KS, VS, WIN_QSTART, OUT, SINKS,
+            scale_log2, softcap,
+            stride_qb, stride_qh, stride_qs,
+            stride_kn, stride_kt, stride_kh,
+            stride_vn, stride_vt, stride_vh,
+            stride_ksn, stride_kst, stride_ksh,
+            stride_vsn, stride_vst, stride_vsh,
+            stride_tb,
+            HKV, G, S, DK, DR, DV, KV_BLOCK_SIZE, SPLIT_LEN, NSPLIT, NUM_KV_BLOCKS, WLEFT, WRIGHT,
+            LENGTHS, LENGTHS, LENGTHS, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 0,  # no selection: unread
+            V_FROM_K, HAS_ROPE, PRECISION, DOT_F32, HAS_SOFTCAP, HAS_ALIBI, QUANT, FP8, HAS_WINDOW, DIRECT,
+            HAS_SINKS,
+            False, False, BLOCK_M, BLOCK_N, BLOCK_DK, BLOCK_DR, BLOCK_DV)
+
+    @triton.jit
+    def _select_kernel(
+        Q, K, V, TABLE, QSTART, LENGTHS, OP, LSEP, SLOPES, ALIBI_QSTART, KS, VS, WIN_QSTART, OUT, SINKS,
+        scale_log2, softcap,
+        stride_qb, stride_qh, stride_qs,
+        stride_kn, stride_kt, stride_kh,
+        stride_vn, stride_vt, stride_vh,
+        stride_ksn, stride_kst, stride_ksh,
+        stride_vsn, stride_vst, stride_vsh,
+        stride_tb,
+        HKV, G, S, DK, DR, DV, KV_BLOCK_SIZE, SPLIT_LEN, NSPLIT, NUM_KV_BLOCKS, WLEFT, WRIGHT,
+        SEL_IDS, SEL_COUNTS, SEL_BOUNDS,
+        stride_ib, stride_ih, stride_is, stride_cb, stride_ch, stride_cs,
+        SEL_BLOCK, SEL_GS, SEL_CH, SEL_MT, KV_LEN,
+        V_FROM_K: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, QUANT: tl.constexpr, FP8: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, HAS_SINKS: tl.constexpr,
+        HAS_UNION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_DK: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
+    ):
+        # The decode kernel walking a per-query selection (within the call's limits): _attend with SEL.
+        _attend(Q, K, V, TABLE, QSTART, LENGTHS, OP, LSEP, SLOPES, ALIBI_QSTART, KS, VS, WIN_QSTART, OUT, SINKS,
+            scale_log2, softcap,
+            stride_qb, stride_qh, stride_qs,
+            stride_kn, stride_kt, stride_kh,
+            stride_vn, stride_vt, stride_vh,
+            stride_ksn, stride_kst, stride_ksh,
+            stride_vsn, stride_vst, stride_vsh,
+            stride_tb,
+            HKV, G, S, DK, DR, DV, KV_BLOCK_SIZE, SPLIT_LEN, NSPLIT, NUM_KV_BLOCKS, WLEFT, WRIGHT,
+            SEL_IDS, SEL_COUNTS, SEL_BOUNDS, stride_ib, stride_ih, stride_is, stride_cb, stride_ch, stride_cs,
+            SEL_BLOCK, SEL_GS, SEL_CH, SEL_MT, KV_LEN,
+            V_FROM_K, HAS_ROPE, PRECISION, DOT_F32, HAS_SOFTCAP, HAS_ALIBI, QUANT, FP8, HAS_WINDOW, DIRECT,
+            HAS_SINKS,
+            True, HAS_UNION, BLOCK_M, BLOCK_N, BLOCK_DK, BLOCK_DR, BLOCK_DV)
+
+    @triton.jit
     def _merge_kernel(OP, LSEP, OUT, SINKS, NSPLIT, DV, HQ, S, HAS_SINKS: tl.constexpr, BLOCK_SPLIT: tl.constexpr,
                       BLOCK_DV: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)  # (b, h, j) flattened; OUT is contiguous (B, Hq, S, DV)
@@ -468,7 +537,8 @@ def launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tenso
     ks = k_scale if quant else q  # unread when not quantized
     vs = ks if v_scale is None else v_scale
     scale_strides = (*ks.stride(), *vs.stride()) if quant else (0,) * 6  # (N, bs, Hkv) each
-    _split_kernel[(B * Hkv, m_tiles, num_splits)](
+    kernel = _select_kernel if sel else _split_kernel
+    kernel[(B * Hkv, m_tiles, num_splits)](
         q, k, vv, table, q_start, lengths, op, lsep,
         lengths if slopes is None else slopes, lengths if alibi_q_start is None else alibi_q_start,  # unread if off
         ks, vs, lengths if window_q_start is None else window_q_start,  # unread if off
@@ -482,15 +552,14 @@ def launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tenso
         Hkv, G, S, cfg["DK"], cfg["DR"], Dv, block_size, split_len, num_splits, k.shape[0], window_left,
         window_right,
         *((sel_ids, sel_counts, sel_bounds, *sel_ids.stride()[:3], *sel_counts.stride(), sel_block_size, sel_gs,
-           sel_ch, sel_mt) if sel else (lengths,) * 3 + (0,) * 6 + (1, 1, 1, 1)),  # unread without a selection
-        max_len,
+           sel_ch, sel_mt, max_len) if sel else ()),
         V_FROM_K=v_from_k, HAS_ROPE=cfg["DR"] > 0, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # Triton 3.9's interpreter computes bf16 dots wrongly: there, operands go up to fp32 (exact
         # products, fp32 sums: what the GPU's bf16 dot with fp32 accumulation gives).
         DOT_F32=q.dtype == torch.bfloat16 and interpreting(),
         HAS_SOFTCAP=softcap > 0, HAS_ALIBI=slopes is not None, QUANT=quant, FP8=fp8,
         HAS_WINDOW=window_q_start is not None, DIRECT=direct, HAS_SINKS=sinks is not None,
-        SEL=sel, HAS_UNION=sel and sel_union,
+        **(dict(HAS_UNION=sel_union) if sel else {}),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DK=cfg["BLOCK_DK"],
         BLOCK_DR=cfg["BLOCK_DR"], BLOCK_DV=cfg["BLOCK_DV"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
