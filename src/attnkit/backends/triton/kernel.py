@@ -136,11 +136,11 @@ if triton is not None:
         HKV, G, S, DK, DR, DV, KV_BLOCK_SIZE, SPLIT_LEN, NSPLIT, NUM_KV_BLOCKS, WLEFT, WRIGHT,
         SEL_IDS, SEL_COUNTS, SEL_BOUNDS,
         stride_ib, stride_ih, stride_is, stride_cb, stride_ch, stride_cs,
-        SEL_BLOCK, SEL_GS, SEL_CH, SEL_MT, KV_LEN,
+        SEL_BLOCK, SEL_GS, SEL_CH, SEL_MT,
         V_FROM_K: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, QUANT: tl.constexpr, FP8: tl.constexpr,
         HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, HAS_SINKS: tl.constexpr,
-        SEL: tl.constexpr, HAS_UNION: tl.constexpr,
+        SEL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_DK: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
     ):
@@ -171,25 +171,15 @@ if triton is not None:
             j = jq + 0 * r
             h = kvh * G + g
             lst = (kvh * G + chunk * SEL_CH) // SEL_GS  # the list these heads read
-            # The keys visible to the row: the op's limits (causal, lengths, window) AND the
-            # selection's interval R; the union interval W's keys once, then the listed keys in
-            # the visible range that W does not hold.
-            bounds = SEL_BOUNDS + (S * b + jq) * 4  # (B, S, 4): R's lo, hi, W's lo, hi
-            lo = tl.maximum(tl.load(bounds), 0)
-            hi = tl.minimum(tl.minimum(tl.load(bounds + 1), KV_LEN),
-                            tl.minimum(tl.load(QSTART + b) + jq + 1, tl.load(LENGTHS + b)))
-            if HAS_WINDOW:
-                w_qstart = tl.load(WIN_QSTART + b)
-                hi = tl.minimum(hi, w_qstart + jq + WRIGHT + 1)
-                lo = tl.maximum(lo, w_qstart + jq - WLEFT)
-            if HAS_UNION:
-                u_lo = tl.maximum(tl.load(bounds + 2), lo)
-                u_hi = tl.minimum(tl.load(bounds + 3), hi)
-                u_len = tl.maximum(u_hi - u_lo, 0)
-            else:
-                u_lo = lo
-                u_hi = lo
-                u_len = 0
+            # The keys the rows see: [lo, hi) (the call's limits AND the selection's interval R,
+            # folded on the host), W's keys in it, [u_lo, u_hi), once, then the listed keys in it
+            # that W does not hold.
+            bounds = SEL_BOUNDS + (S * b + jq) * 4  # (B, S, 4): lo, hi, u_lo, u_hi
+            lo = tl.load(bounds)
+            hi = tl.load(bounds + 1)
+            u_lo = tl.load(bounds + 2)
+            u_hi = tl.load(bounds + 3)
+            u_len = u_hi - u_lo
             ids_row = SEL_IDS + b * stride_ib + lst * stride_ih + jq * stride_is
             n_sel = tl.load(SEL_COUNTS + b * stride_cb + lst * stride_ch + jq * stride_cs)
             n_sel = tl.where(hi > lo, n_sel, 0)  # nothing visible: no entry to walk
@@ -370,10 +360,10 @@ if triton is not None:
             stride_vsn, stride_vst, stride_vsh,
             stride_tb,
             HKV, G, S, DK, DR, DV, KV_BLOCK_SIZE, SPLIT_LEN, NSPLIT, NUM_KV_BLOCKS, WLEFT, WRIGHT,
-            LENGTHS, LENGTHS, LENGTHS, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 0,  # no selection: unread
+            LENGTHS, LENGTHS, LENGTHS, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1,  # no selection: unread
             V_FROM_K, HAS_ROPE, PRECISION, DOT_F32, HAS_SOFTCAP, HAS_ALIBI, QUANT, FP8, HAS_WINDOW, DIRECT,
             HAS_SINKS,
-            False, False, BLOCK_M, BLOCK_N, BLOCK_DK, BLOCK_DR, BLOCK_DV)
+            False, BLOCK_M, BLOCK_N, BLOCK_DK, BLOCK_DR, BLOCK_DV)
 
     @triton.jit
     def _select_kernel(
@@ -388,11 +378,10 @@ if triton is not None:
         HKV, G, S, DK, DR, DV, KV_BLOCK_SIZE, SPLIT_LEN, NSPLIT, NUM_KV_BLOCKS, WLEFT, WRIGHT,
         SEL_IDS, SEL_COUNTS, SEL_BOUNDS,
         stride_ib, stride_ih, stride_is, stride_cb, stride_ch, stride_cs,
-        SEL_BLOCK, SEL_GS, SEL_CH, SEL_MT, KV_LEN,
+        SEL_BLOCK, SEL_GS, SEL_CH, SEL_MT,
         V_FROM_K: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, QUANT: tl.constexpr, FP8: tl.constexpr,
         HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, HAS_SINKS: tl.constexpr,
-        HAS_UNION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_DK: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
     ):
@@ -407,10 +396,10 @@ if triton is not None:
             stride_tb,
             HKV, G, S, DK, DR, DV, KV_BLOCK_SIZE, SPLIT_LEN, NSPLIT, NUM_KV_BLOCKS, WLEFT, WRIGHT,
             SEL_IDS, SEL_COUNTS, SEL_BOUNDS, stride_ib, stride_ih, stride_is, stride_cb, stride_ch, stride_cs,
-            SEL_BLOCK, SEL_GS, SEL_CH, SEL_MT, KV_LEN,
+            SEL_BLOCK, SEL_GS, SEL_CH, SEL_MT,
             V_FROM_K, HAS_ROPE, PRECISION, DOT_F32, HAS_SOFTCAP, HAS_ALIBI, QUANT, FP8, HAS_WINDOW, DIRECT,
             HAS_SINKS,
-            True, HAS_UNION, BLOCK_M, BLOCK_N, BLOCK_DK, BLOCK_DR, BLOCK_DV)
+            True, BLOCK_M, BLOCK_N, BLOCK_DK, BLOCK_DR, BLOCK_DV)
 
     @triton.jit
     def _merge_kernel(OP, LSEP, OUT, SINKS, NSPLIT, DV, HQ, S, HAS_SINKS: tl.constexpr, BLOCK_SPLIT: tl.constexpr,
@@ -477,7 +466,7 @@ def launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tenso
            k_scale: Tensor | None = None, v_scale: Tensor | None = None, window_q_start: Tensor | None = None,
            window_left: int = 0, window_right: int = 0, sel_ids: Tensor | None = None,
            sel_counts: Tensor | None = None, sel_bounds: Tensor | None = None, sel_block_size: int = 1,
-           sel_union: bool = False, sel_span: int = 0) -> Tensor:
+           sel_span: int = 0) -> Tensor:
     """Launch the split and merge kernels on checked arguments: q (B, Hq, S, D); k (N, bs, Hkv, D)
     and v (N, bs, Hkv, Dv) | None (V = K[..., :Dv]) with bs tokens per cache block, last dims
     contiguous; table (B, nb) int; q_start, lengths (B,) int32; softcap (0: off); slopes (Hq,)
@@ -489,10 +478,11 @@ def launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tenso
     A selection (``sel_ids`` given) further restricts each query row to listed keys: sel_ids
     (B|1, Hs, S, n) int32, each list's distinct block ids ascending then -1, of ``sel_block_size``
     keys each (1: key positions), query head h reading list ``h // (Hq // Hs)``; sel_counts
-    (B|1, Hs, S) int32, the ids in each list; sel_bounds (B, S, 4) int32 contiguous: the interval
-    R ``[lo, hi)`` the selection is ANDed with, and (with ``sel_union``) the interval W
-    ``[lo, hi)`` it is ORed with (before R); ``sel_span``: the most entries one row walks (W's
-    keys plus n * sel_block_size), which the splits cut."""
+    (B|1, Hs, S) int32, the ids in each list; sel_bounds (B, S, 4) int32 contiguous, per query
+    token: ``lo, hi, u_lo, u_hi`` with ``0 <= lo``, ``u_lo <= u_hi``: the token sees the keys of
+    ``[u_lo, u_hi)`` and the listed keys within ``[lo, hi)`` (the caller folds every limit into
+    them: the limits above are not applied again); ``sel_span``: the most entries one row walks
+    (``u_hi - u_lo`` plus n * sel_block_size), which the splits cut."""
     B, Hq, S, D = q.shape
     block_size, Hkv = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -552,14 +542,13 @@ def launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tenso
         Hkv, G, S, cfg["DK"], cfg["DR"], Dv, block_size, split_len, num_splits, k.shape[0], window_left,
         window_right,
         *((sel_ids, sel_counts, sel_bounds, *sel_ids.stride()[:3], *sel_counts.stride(), sel_block_size, sel_gs,
-           sel_ch, sel_mt, max_len) if sel else ()),
+           sel_ch, sel_mt) if sel else ()),
         V_FROM_K=v_from_k, HAS_ROPE=cfg["DR"] > 0, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # Triton 3.9's interpreter computes bf16 dots wrongly: there, operands go up to fp32 (exact
         # products, fp32 sums: what the GPU's bf16 dot with fp32 accumulation gives).
         DOT_F32=q.dtype == torch.bfloat16 and interpreting(),
         HAS_SOFTCAP=softcap > 0, HAS_ALIBI=slopes is not None, QUANT=quant, FP8=fp8,
         HAS_WINDOW=window_q_start is not None, DIRECT=direct, HAS_SINKS=sinks is not None,
-        **(dict(HAS_UNION=sel_union) if sel else {}),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DK=cfg["BLOCK_DK"],
         BLOCK_DR=cfg["BLOCK_DR"], BLOCK_DV=cfg["BLOCK_DV"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
@@ -579,7 +568,7 @@ def decode_op(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Te
               sinks: Tensor | None = None, k_scale: Tensor | None = None, v_scale: Tensor | None = None,
               window_q_start: Tensor | None = None, window_left: int = 0, window_right: int = 0,
               sel_ids: Tensor | None = None, sel_counts: Tensor | None = None, sel_bounds: Tensor | None = None,
-              sel_block_size: int = 1, sel_union: bool = False, sel_span: int = 0) -> Tensor:
+              sel_block_size: int = 1, sel_span: int = 0) -> Tensor:
     """:func:`launch` as the custom op ``attnkit::decode_attention``, which torch.compile keeps in
     its graph."""
     why = available(q.device)
@@ -587,13 +576,12 @@ def decode_op(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Te
         raise RuntimeError(f"attnkit::decode_attention: {why}")
     return launch(q, k, v, table, q_start, lengths, scale, v_head_dim, max_len, num_splits, softcap, slopes,
                   alibi_q_start, sinks, k_scale, v_scale, window_q_start, window_left, window_right, sel_ids,
-                  sel_counts, sel_bounds, sel_block_size, sel_union, sel_span)
+                  sel_counts, sel_bounds, sel_block_size, sel_span)
 
 
 @decode_op.register_fake
 def _(q, k, v, table, q_start, lengths, scale, v_head_dim, max_len, num_splits, softcap=0.0, slopes=None,
       alibi_q_start=None, sinks=None, k_scale=None, v_scale=None, window_q_start=None, window_left=0,
-      window_right=0, sel_ids=None, sel_counts=None, sel_bounds=None, sel_block_size=1, sel_union=False,
-      sel_span=0):
+      window_right=0, sel_ids=None, sel_counts=None, sel_bounds=None, sel_block_size=1, sel_span=0):
     B, Hq, S, _ = q.shape
     return q.new_empty((B, Hq, S, v_head_dim))

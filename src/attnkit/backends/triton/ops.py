@@ -143,17 +143,23 @@ def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor | None, blo
         raise ValueError("window_q_start is given without a window")
     k_scale = None if k_scale is None else k_scale.detach()
     v_scale = None if v_scale is None else v_scale.detach()
-    sel = {} if selection is None else _selection_args(selection, q, int(max_len), check)
+    sel = {}
+    if selection is not None:  # every limit folds into the selection's per-token bounds
+        sel = _selection_args(selection, q, int(max_len), check, qs, lens, w_qs, w_left, w_right)
+        w_qs = None
     return decode_op(q, k_pool, v_pool, block_table.to(torch.int32).contiguous(),
                      qs.clamp(-NO_CAUSAL, NO_CAUSAL).to(torch.int32).contiguous(), lens.to(torch.int32).contiguous(),
                      float(scale), int(Dv), int(max_len), int(num_splits), float(softcap or 0.0), slopes, alibi_qs,
                      sinks, k_scale, v_scale, w_qs, int(w_left), int(w_right), **sel)
 
 
-def _selection_args(selection, q: Tensor, kv_len: int, check: bool) -> dict:
+def _selection_args(selection, q: Tensor, kv_len: int, check: bool, q_start: Tensor, lengths: Tensor,
+                    w_qs: Tensor | None, w_left: int, w_right: int) -> dict:
     """The kernel's selection arguments (:func:`attnkit.backends.triton.kernel.launch`) from a
     mask holding a selection or its :class:`~attnkit.masks.reduced.ReducedSelection`, over
-    ``kv_len`` keys. Checks the shapes; with ``check``, the ids against ``kv_len`` (a sync)."""
+    ``kv_len`` keys, with the call's limits (q_start, lengths (B,); the window's w_qs (B,) | None
+    and extents) folded into each query token's bounds. Checks the shapes; with ``check``, the
+    ids against ``kv_len`` (a sync)."""
     B, Hq, S, _ = q.shape
     if isinstance(selection, ReducedSelection):
         rs = selection
@@ -177,9 +183,21 @@ def _selection_args(selection, q: Tensor, kv_len: int, check: bool) -> dict:
     n = ids.shape[-1]
     sel_ids = rs.ids(dev).expand(B, -1, -1, -1)
     sel_counts = rs.counts(dev).expand(B, -1, -1)
-    lo, hi = (t.to(dev).expand(B, S) for t in rs.within(dev))
+    # [lo, hi): R AND the call's limits (causal, lengths, window) AND [0, kv_len); W within it.
+    j = torch.arange(S, device=dev)
+    lo, hi = (t.to(dev).long().expand(B, S) for t in rs.within(dev))
+    hi = torch.minimum(hi, torch.minimum(q_start.to(dev).long()[:, None] + j + 1, lengths.to(dev).long()[:, None]))
+    hi = hi.clamp(max=kv_len)
+    lo = lo.clamp(min=0)
+    if w_qs is not None:
+        w = w_qs.to(dev).long()[:, None] + j
+        lo, hi = torch.maximum(lo, w - w_left), torch.minimum(hi, w + w_right + 1)
     union = rs.union(dev)
-    ulo, uhi = (lo, lo) if union is None else (t.to(dev).expand(B, S) for t in union)
+    if union is None:
+        ulo = uhi = lo
+    else:
+        ulo = torch.maximum(union[0].to(dev).long().expand(B, S), lo)
+        uhi = torch.maximum(torch.minimum(union[1].to(dev).long().expand(B, S), hi), ulo)
     bounds = torch.stack([lo, hi, ulo, uhi], -1).clamp(-NO_CAUSAL, NO_CAUSAL).to(torch.int32).contiguous()
     # Entries one row walks: the union's keys (at most its window's width), then n blocks.
     w = rs.union_part
@@ -188,8 +206,7 @@ def _selection_args(selection, q: Tensor, kv_len: int, check: bool) -> dict:
         u_span = min(kv_len, w.left + w.right + 1)
     bs = rs.block_size
     span = u_span + min(n, -(-kv_len // bs)) * bs
-    return dict(sel_ids=sel_ids, sel_counts=sel_counts, sel_bounds=bounds, sel_block_size=int(bs),
-                sel_union=union is not None, sel_span=int(span))
+    return dict(sel_ids=sel_ids, sel_counts=sel_counts, sel_bounds=bounds, sel_block_size=int(bs), sel_span=int(span))
 
 
 def check_paged_args(q: Tensor, k_pool: Tensor, v_pool: Tensor | None, block_table: Tensor,
