@@ -35,17 +35,19 @@ within ``[w - left, w + right]`` of the row's position ``w = window_q_start[b] +
 splits then cover only the keys some row of the sequence can see (a 4k window over a 128k cache
 reads 4k keys). A row that sees nothing gets exactly 0.
 
-Selections (``SEL``: :class:`~attnkit.masks.SelectedKeys` / :class:`~attnkit.masks.SelectedBlocks`
-as ``ReducedMask.selection`` gives them): the rows of a program must share their keys, so a
-program takes one query token and the query heads of its KV head that read one list
+Selections (``_select_kernel``: :class:`~attnkit.masks.SelectedKeys` /
+:class:`~attnkit.masks.SelectedBlocks` as ``ReducedMask.selection`` gives them; ``_split_kernel``
+is the same body, :func:`_attend`, without one): the rows of a program must share their keys, so
+a program takes one query token and the query heads of its KV head that read one list
 (``gcd(G, Hq // Hs)`` heads: all G for a list shared by every head or one per KV head). Its keys
-are ``(W | listed) & R & limits``: the visible range ``[lo, hi)`` is R's interval ANDed with
-the call's limits (causal, lengths, window); the program walks W's keys in that range first,
-then the list's entries (ids ascending, stopping at its count), a block's ``block_size`` keys in
-a row, skipping the keys W holds (each key counted once) and those outside the range. Rows of
-one key tile are gathered by position (paged: through the block table) and only visible ones
-are loaded: an unselected key is never read. Splits cut this walk (W's keys then the list's),
-not the positions, so a long list splits like a long context; ALiBi uses the keys' positions.
+are ``(W | listed) & R & limits``. The host folds R's interval and the call's limits (causal,
+lengths, window) into one visible range ``[lo, hi)`` per query token, and W into ``[u_lo, u_hi)``
+inside it; the program walks W's keys first, then the list's entries (ids ascending, stopping at
+its count), a block's ``block_size`` keys in a row, skipping the keys W holds (each key counted
+once) and those outside the range. A key tile's rows are gathered by position (paged: through
+the block table) and only visible ones are loaded: an unselected key is never read. Splits cut
+this walk (W's keys, then the list's), not the positions, so a long list splits like a long
+context; ALiBi uses the keys' true positions.
 
 Quantized K/V: a tile of int8 or e4m3 rows is widened to fp32 and then to q's dtype, exactly
 (every int8 and every e4m3 value is an fp16 and a bf16 value), so the score dot product is the

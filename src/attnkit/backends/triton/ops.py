@@ -200,10 +200,10 @@ def _selection_args(selection, q: Tensor, kv_len: int, check: bool, q_start: Ten
         uhi = torch.maximum(torch.minimum(union[1].to(dev).long().expand(B, S), hi), ulo)
     bounds = torch.stack([lo, hi, ulo, uhi], -1).clamp(-NO_CAUSAL, NO_CAUSAL).to(torch.int32).contiguous()
     # Entries one row walks: the union's keys (at most its window's width), then n blocks.
-    w = rs.union_part
-    u_span = 0 if w is None else kv_len
-    if type(w) is SlidingWindow and w.left is not None and w.right is not None:
-        u_span = min(kv_len, w.left + w.right + 1)
+    joined = rs.union_part
+    u_span = 0 if joined is None else kv_len
+    if type(joined) is SlidingWindow and joined.left is not None and joined.right is not None:
+        u_span = min(kv_len, joined.left + joined.right + 1)
     bs = rs.block_size
     span = u_span + min(n, -(-kv_len // bs)) * bs
     return dict(sel_ids=sel_ids, sel_counts=sel_counts, sel_bounds=bounds, sel_block_size=int(bs), sel_span=int(span))
