@@ -13,9 +13,9 @@ It runs, in order, each step with its own time limit so that one hang cannot eat
 4. the oracle sweep (``--sweep-budget`` seconds at most: no case starts after it, and the
    cases left out are reported): ``auto`` and every backend that accepts the call, against the fp64 oracle
    under rule R (docs/testing.md) for every mask kind (per-query selections included) and score
-   modifier, in bf16 and fp16, prefill (forward and backward), decode, decode over scattered pages (``PagedKV``), and decode
-   over quantized K/V (``QuantizedKV``, int8 and fp8 e4m3, dense and paged; the oracle runs on
-   the dequantized K/V), with the kernel ``auto`` picked;
+   modifier, in bf16 and fp16, prefill (forward and backward), decode, decode over scattered
+   pages (``PagedKV``), and decode over quantized K/V (``QuantizedKV``, int8 and fp8 e4m3, dense
+   and paged; the oracle runs on the dequantized K/V), with the kernel ``auto`` picked;
 5. ``benchmarks/bench_gpu.py`` (its tables go to ``DIR/bench``).
 
 Everything lands in ``DIR``: ``summary.md`` (read this first), ``summary.json``, ``pytest.log``,

@@ -303,8 +303,9 @@ for dt, D, Dv, vfk, rows, direct, quant, cap in json.loads(sys.argv[1]):
         src = os.path.join(d, "k.ptx")
         with open(src, "w") as f:
             f.write(k.asm["ptx"])
-        r = subprocess.run([get_ptxas(cap).path, "-v", "--regAllocOptLevel=2", f"--gpu-name={sm_arch_from_capability(cap)}",
-                            src, "-o", os.path.join(d, "k.o")], capture_output=True, text=True, check=True)
+        r = subprocess.run([get_ptxas(cap).path, "-v", "--regAllocOptLevel=2",
+                            f"--gpu-name={sm_arch_from_capability(cap)}", src, "-o", os.path.join(d, "k.o")],
+                           capture_output=True, text=True, check=True)
     spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", r.stdout + r.stderr))
     out.append(dict(case=[dt, D, Dv, vfk, rows, direct, quant, cap], shared=k.metadata.shared, spills=spills))
 print(json.dumps(out))
@@ -331,3 +332,23 @@ def test_selection_kernel_compiles_for_sm80_and_sm90_within_shared_memory():
         _, _, _, vfk, _, _, quant, _ = r["case"]
         most = 64 if vfk or quant else 0
         assert r["spills"] <= most, f"{r['case']}: {r['spills']} bytes of register spills (at most {most})"
+
+
+def test_the_wave_rule_splits_a_long_selection():
+    """One sequence, one KV head, one query: too few programs for a wave, so the wave rule
+    (:func:`attnkit.backends.triton.plan.split_plan`) splits the selection's walk of 20 blocks
+    of 8 keys and the window's keys; the merge joins the parts exactly."""
+    from attnkit.backends.triton import kernel as tk
+
+    g = torch.Generator().manual_seed(3)
+    L1 = 300
+    q = torch.randn(1, 2, 1, D, generator=g)
+    k, v = torch.randn(1, 1, L1, D, generator=g), torch.randn(1, 1, L1, DV, generator=g)
+    mask = (SelectedBlocks(torch.randperm(L1 // 8, generator=g)[:20].view(1, 1, 20), 8) | SlidingWindow(9)) & Causal()
+    cfg = tk._config(torch.float32, D, DV, 2, False)
+    span = 10 + 20 * 8  # the window's keys, then the blocks'
+    splits, _ = tk.split_plan(1, 1, 1, span, *tk._INTERPRETER_WAVE, cfg["BLOCK_N"])
+    assert splits > 1
+    out = attnkit.attention(q.to(DEV), k.to(DEV), v.to(DEV), mask, backend="triton").cpu()
+    gold = attnkit.attention_reference(q.double(), k.double(), v.double(), mask)
+    rule_r(out, base_attention(q, k, v, mask), gold, n_terms=L1)
