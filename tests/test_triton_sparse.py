@@ -352,3 +352,17 @@ def test_the_wave_rule_splits_a_long_selection():
     out = attnkit.attention(q.to(DEV), k.to(DEV), v.to(DEV), mask, backend="triton").cpu()
     gold = attnkit.attention_reference(q.double(), k.double(), v.double(), mask)
     rule_r(out, base_attention(q, k, v, mask), gold, n_terms=L1)
+
+
+def test_nan_in_a_selected_key_reaches_only_the_rows_that_select_it():
+    """NaN in gives NaN out: a NaN in one selected key row reaches the rows whose list holds it
+    (and no other row)."""
+    g = torch.Generator().manual_seed(21)
+    q = torch.randn(1, 2, 2, D, generator=g)
+    k, v = torch.randn(1, 1, 12, D, generator=g), torch.randn(1, 1, 12, DV, generator=g)
+    ids = torch.tensor([[[3, 7, -1], [2, 5, 9]]])  # query 0 selects key 7, query 1 does not
+    k[0, 0, 7, 0] = float("nan")
+    out = attnkit.attention(q.to(DEV), k.to(DEV), v.to(DEV), SelectedKeys(ids), backend="triton").cpu()
+    assert torch.isnan(out[0, :, 0]).all() and torch.isfinite(out[0, :, 1]).all()
+    with pytest.raises(ValueError, match="key position 12"):
+        triton_ops.decode_attention(q.to(DEV), k.to(DEV), v.to(DEV), selection=SelectedKeys(ids + 3))
