@@ -366,3 +366,19 @@ def test_nan_in_a_selected_key_reaches_only_the_rows_that_select_it():
     assert torch.isnan(out[0, :, 0]).all() and torch.isfinite(out[0, :, 1]).all()
     with pytest.raises(ValueError, match="key position 12"):
         triton_ops.decode_attention(q.to(DEV), k.to(DEV), v.to(DEV), selection=SelectedKeys(ids + 3))
+
+
+def test_a_selection_call_compiles_without_graph_breaks():
+    """attention() with a block selection, a window joined to it and causal, forced to triton,
+    under torch.compile(fullgraph=True): the custom op with its selection arguments stays in the
+    graph and gives the eager result."""
+    q, k, v = torch.randn(1, 4, 1, D).to(DEV), torch.randn(1, 2, 40, D).to(DEV), torch.randn(1, 2, 40, DV).to(DEV)
+    ids = torch.tensor([[[[0, 3, -1]], [[1, 1, 4]]]], device=DEV)
+
+    def f(q, k, v, ids):
+        mask = (SelectedBlocks(ids, 8, num_heads=4) | SlidingWindow(3)) & Causal()
+        return attnkit.attention(q, k, v, mask, backend="triton")
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(q, k, v, ids), f(q, k, v, ids))
