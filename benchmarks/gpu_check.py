@@ -12,10 +12,10 @@ It runs, in order, each step with its own time limit so that one hang cannot eat
    step 4, its workers sharing the cores out among torch's threads;
 4. the oracle sweep (``--sweep-budget`` seconds at most: no case starts after it, and the
    cases left out are reported): ``auto`` and every backend that accepts the call, against the fp64 oracle
-   under rule R (docs/testing.md) for every mask kind and score modifier, in bf16 and fp16,
-   prefill (forward and backward), decode, decode over scattered pages (``PagedKV``), and decode
-   over quantized K/V (``QuantizedKV``, int8 and fp8 e4m3, dense and paged; the oracle runs on
-   the dequantized K/V), with the kernel ``auto`` picked;
+   under rule R (docs/testing.md) for every mask kind (per-query selections included) and score
+   modifier, in bf16 and fp16, prefill (forward and backward), decode, decode over scattered
+   pages (``PagedKV``), and decode over quantized K/V (``QuantizedKV``, int8 and fp8 e4m3, dense
+   and paged; the oracle runs on the dequantized K/V), with the kernel ``auto`` picked;
 5. ``benchmarks/bench_gpu.py`` (its tables go to ``DIR/bench``).
 
 Everything lands in ``DIR``: ``summary.md`` (read this first), ``summary.json``, ``pytest.log``,
@@ -112,11 +112,19 @@ def pytest_counts(log: Path) -> str:
 # ---------------------------------------------------------------------------- the oracle sweep
 
 
-def sweep_cases(B: int, H: int, Sq: int, Sk: int) -> dict:
-    """name -> (mask, kwargs of attention()) for every mask kind and score modifier."""
+def sweep_cases(B: int, H: int, Sq: int, Sk: int, Hkv: int = 1) -> dict:
+    """name -> (mask, kwargs of attention()) for every mask kind and score modifier (H query heads,
+    Hkv KV heads: a block selection has one list per KV head)."""
     g = torch.Generator().manual_seed(0)
     pad = torch.tensor([Sk, max(1, Sk // 3)])[:B]
     slopes = M.alibi_slopes(H)
+    # Selections (their own generator: the other cases' tensors stay as they were): top keys shared
+    # by every head (-1 padding, duplicates), and top blocks per KV head joined with the local
+    # window, as sparse-attention models ask for them.
+    gs = torch.Generator().manual_seed(1)
+    keys = torch.randint(-1, Sk, (B, Sq, max(4, Sk // 8)), generator=gs)
+    bs = 16 if Sk <= 256 else 64
+    blocks = torch.randint(-1, -(-Sk // bs), (B, Hkv, Sq, 4), generator=gs)
     return {
         "none": (None, {}),
         "causal": (M.Causal(), {}),
@@ -138,6 +146,11 @@ def sweep_cases(B: int, H: int, Sq: int, Sk: int) -> dict:
         "softcap+alibi+causal": (M.ALiBi(slopes) & M.Causal(), {"softcap": 20.0}),
         "sinks+causal": (M.Causal(), {"sinks": torch.randn(H, generator=g)}),
         "sinks+window": (M.SlidingWindow(max(1, Sk // 8)), {"sinks": torch.randn(H, generator=g)}),
+        "selected-keys+causal": (M.SelectedKeys(keys) & M.Causal(), {}),
+        "selected-blocks+window": ((M.SelectedBlocks(blocks, bs, num_heads=H) | M.SlidingWindow(bs - 1))
+                                   & M.Causal(), {}),
+        "selected+sinks+alibi": (M.ALiBi(slopes) & M.SelectedKeys(keys) & M.Causal(),
+                                 {"sinks": torch.randn(H, generator=gs), "softcap": 20.0}),
     }
 
 
@@ -166,7 +179,8 @@ def _verdict(row: dict, check) -> dict:
 
 
 #: Cases the paged phase runs (masks a cache's step carries, with every score modifier).
-PAGED_CASES = ("none", "causal", "window", "alibi+causal", "softcap+causal", "sinks+causal")
+PAGED_CASES = ("none", "causal", "window", "alibi+causal", "softcap+causal", "sinks+causal", "selected-keys+causal",
+               "selected-blocks+window", "selected+sinks+alibi")
 
 
 def _paged(k, v, block: int, g: torch.Generator):
@@ -230,7 +244,7 @@ def sweep(device: str, quick: bool, budget: float | None = None) -> list[dict]:
     rows = []
     for phase, (B, Hq, Hkv, Sq, Sk, D) in shapes.items():
         for dtype in dtypes:
-            cases = sweep_cases(B, Hq, Sq, Sk)
+            cases = sweep_cases(B, Hq, Sq, Sk, Hkv)
             for name, (mask, kw) in cases.items():
                 if deadline is not None and time.time() > deadline:
                     rows.append({"phase": phase, "dtype": str(dtype).replace("torch.", ""), "case": name,

@@ -12,9 +12,18 @@ paged) are read in place, one byte per element, and widened in registers; fp8 is
 integer ops, so it needs no fp8 hardware (sm_80 runs it as sm_90 does) and nothing about it
 depends on the device.
 
+A per-query selection (:class:`~attnkit.masks.SelectedKeys`, :class:`~attnkit.masks.SelectedBlocks`;
+``ReducedMask.selection``: cut by interval masks such as causal, padding and windows, joined with
+at most one) is walked in place: each program takes the query heads of one KV head that read one
+list, for one query token, and visits only the listed keys (a block's keys in a row) and the
+joined interval's keys, each once, split over the list's entries for long selections.
+``describe_call(detail=True)`` says ``triton[split-k+selection]`` then, ``triton[split-k]``
+otherwise.
+
 ``auto`` uses it on CUDA for paged and quantized K/V (read in place; any other backend would
-gather, and dequantize, the whole cache first) and where SDPA has no fused kernel for the call: K
-and V of different widths, as in MLA's absorbed decode (576 / 512), and score modifiers
+gather, and dequantize, the whole cache first), for selections (only the selected keys are read),
+and where SDPA has no fused kernel for the call: K and V of different widths, as in MLA's
+absorbed decode (576 / 512), and score modifiers
 (soft-cap, sinks, ALiBi), which SDPA cannot run or runs only from a materialized bias. Plain
 dense calls with equal widths stay with SDPA's kernels; force ``backend="triton"`` to use it
 there. On CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``), for tests only:
@@ -56,23 +65,37 @@ class TritonBackend(BackendBase):
             why.append("CPU tensors without TRITON_INTERPRET=1")
         elif call.device_type not in ("cpu", "cuda"):
             why.append(f"device {call.device_type}")
-        if call.reduced.limit_parts() is None:
-            why.append(f"mask {call.mask!r} (takes causal, right-side key padding and one sliding window only)")
+        if call.reduced.limit_parts() is None and call.reduced.selection is None:
+            why.append(f"mask {call.mask!r} (takes causal, right-side key padding, one sliding window, and one "
+                       f"per-query selection cut by those and joined with at most one interval)")
         return why
 
     def auto_skip_reason(self, call: AttentionCall) -> str | None:
         if call.device_type != "cuda":
             return "not CUDA (on CPU it runs in Triton's interpreter: for tests)"
+        if call.reduced.limit_parts() is None:
+            return None  # a selection: only its keys are read (SDPA would score every key through a dense mask)
         if call.kv_layout == "dense" and call.head_dim == call.v_head_dim and not call.modifiers:
             return "dense K/V of equal widths and no score modifier: SDPA's fused kernels serve these"
         return None  # paged / quantized K/V: read in place (the alternative gathers the whole cache every step)
+
+    def kernel_name(self, q, k, v, call: AttentionCall) -> str:
+        """``split-k``, or ``split-k+selection`` when the kernel walks a per-query selection
+        (reads only the selected keys)."""
+        return "split-k+selection" if call.reduced.limit_parts() is None else "split-k"
 
     def run(self, q, k, v, call: AttentionCall):
         from . import ops  # imports Triton: only a call that runs here does
 
         alibi = call.reduced.alibi
-        q_start, lengths, w_q_start = call.reduced.limits(q.device, NO_CAUSAL)
         mods = dict(softcap=call.softcap, sinks=call.sinks)
+        if call.reduced.limit_parts() is None:  # a selection (not_supported_reasons): its intervals hold every limit
+            q_start = NO_CAUSAL
+            lengths = torch.full((call.batch,), call.kv_len, device=q.device)
+            w_q_start = None
+            mods.update(selection=call.reduced.selection)
+        else:
+            q_start, lengths, w_q_start = call.reduced.limits(q.device, NO_CAUSAL)
         if w_q_start is not None:  # read only the window's keys (its own anchor, which may differ from Causal's)
             window = call.reduced.limit_parts()[2]
             mods.update(window=(window.left, window.right), window_q_start=w_q_start)

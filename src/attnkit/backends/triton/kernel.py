@@ -35,6 +35,20 @@ within ``[w - left, w + right]`` of the row's position ``w = window_q_start[b] +
 splits then cover only the keys some row of the sequence can see (a 4k window over a 128k cache
 reads 4k keys). A row that sees nothing gets exactly 0.
 
+Selections (``_select_kernel``: :class:`~attnkit.masks.SelectedKeys` /
+:class:`~attnkit.masks.SelectedBlocks` as ``ReducedMask.selection`` gives them; ``_split_kernel``
+is the same body, :func:`_attend`, without one): the rows of a program must share their keys, so
+a program takes one query token and the query heads of its KV head that read one list
+(``gcd(G, Hq // Hs)`` heads: all G for a list shared by every head or one per KV head). Its keys
+are ``(W | listed) & R & limits``. The host folds R's interval and the call's limits (causal,
+lengths, window) into one visible range ``[lo, hi)`` per query token, and W into ``[u_lo, u_hi)``
+inside it; the program walks W's keys first, then the list's entries (ids ascending, stopping at
+its count), a block's ``block_size`` keys in a row, skipping the keys W holds (each key counted
+once) and those outside the range. A key tile's rows are gathered by position (paged: through
+the block table) and only visible ones are loaded: an unselected key is never read. Splits cut
+this walk (W's keys, then the list's), not the positions, so a long list splits like a long
+context; ALiBi uses the keys' true positions.
+
 Quantized K/V: a tile of int8 or e4m3 rows is widened to fp32 and then to q's dtype, exactly
 (every int8 and every e4m3 value is an fp16 and a bf16 value), so the score dot product is the
 float kernel's, on the stored integers. The scales are then applied per key, not per element:
@@ -61,6 +75,8 @@ check it on CPU.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -110,7 +126,7 @@ if triton is not None:
             return x.to(tl.float32)
 
     @triton.jit
-    def _split_kernel(
+    def _attend(
         Q, K, V, TABLE, QSTART, LENGTHS, OP, LSEP, SLOPES, ALIBI_QSTART, KS, VS, WIN_QSTART, OUT, SINKS,
         scale_log2, softcap,
         stride_qb, stride_qh, stride_qs,
@@ -120,9 +136,13 @@ if triton is not None:
         stride_vsn, stride_vst, stride_vsh,
         stride_tb,
         HKV, G, S, DK, DR, DV, KV_BLOCK_SIZE, SPLIT_LEN, NSPLIT, NUM_KV_BLOCKS, WLEFT, WRIGHT,
+        SEL_IDS, SEL_COUNTS, SEL_BOUNDS,
+        stride_ib, stride_ih, stride_is, stride_cb, stride_ch, stride_cs,
+        SEL_BLOCK, SEL_GS, SEL_CH, SEL_MT,
         V_FROM_K: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, QUANT: tl.constexpr, FP8: tl.constexpr,
         HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, HAS_SINKS: tl.constexpr,
+        SEL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_DK: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
     ):
@@ -141,19 +161,46 @@ if triton is not None:
             KSh = KS + kvh.to(tl.int64) * stride_ksh
             VSh = VS + kvh.to(tl.int64) * stride_vsh
 
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # row = g * S + j
-        row_ok = rows < G * S
-        j = rows % S
-        h = kvh * G + rows // S
-        length = tl.load(LENGTHS + b)
-        lim = tl.minimum(tl.load(QSTART + b) + j + 1, length)  # keys < lim are visible
-        if HAS_WINDOW:  # and keys >= low: the window around each row's own position
-            w_qstart = tl.load(WIN_QSTART + b)
-            lim = tl.minimum(lim, w_qstart + j + WRIGHT + 1)
-            low = w_qstart + j - WLEFT
-            base = tl.maximum(w_qstart - WLEFT, 0)  # the first key any row of the sequence sees
-        else:
+        if SEL:
+            # One query token jq and a chunk of SEL_CH query heads that read one selection list:
+            # every row of the program sees the same keys. pid_m = (chunk * S + jq) * SEL_MT + tile.
+            mt = pid_m % SEL_MT
+            jq = (pid_m // SEL_MT) % S
+            chunk = pid_m // (SEL_MT * S)
+            r = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_ok = r < SEL_CH
+            g = chunk * SEL_CH + r
+            j = jq + 0 * r
+            h = kvh * G + g
+            lst = (kvh * G + chunk * SEL_CH) // SEL_GS  # the list these heads read
+            # The keys the rows see: [lo, hi) (the call's limits AND the selection's interval R,
+            # folded on the host), W's keys in it, [u_lo, u_hi), once, then the listed keys in it
+            # that W does not hold.
+            bounds = SEL_BOUNDS + (S * b + jq) * 4  # (B, S, 4): lo, hi, u_lo, u_hi
+            lo = tl.load(bounds)
+            hi = tl.load(bounds + 1)
+            u_lo = tl.load(bounds + 2)
+            u_hi = tl.load(bounds + 3)
+            u_len = u_hi - u_lo
+            ids_row = SEL_IDS + b * stride_ib + lst * stride_ih + jq * stride_is
+            n_sel = tl.load(SEL_COUNTS + b * stride_cb + lst * stride_ch + jq * stride_cs)
+            n_sel = tl.where(hi > lo, n_sel, 0)  # nothing visible: no entry to walk
+            total = u_len + n_sel * SEL_BLOCK  # entries of this program's walk: W's keys, then the list's
             base = 0
+        else:
+            rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # row = g * S + j
+            row_ok = rows < G * S
+            j = rows % S
+            h = kvh * G + rows // S
+            length = tl.load(LENGTHS + b)
+            lim = tl.minimum(tl.load(QSTART + b) + j + 1, length)  # keys < lim are visible
+            if HAS_WINDOW:  # and keys >= low: the window around each row's own position
+                w_qstart = tl.load(WIN_QSTART + b)
+                lim = tl.minimum(lim, w_qstart + j + WRIGHT + 1)
+                low = w_qstart + j - WLEFT
+                base = tl.maximum(w_qstart - WLEFT, 0)  # the first key any row of the sequence sees
+            else:
+                base = 0
         if HAS_ALIBI:  # slope of each row's head (log2 units), and the row's ALiBi query position
             slope = tl.load(SLOPES + h, mask=row_ok, other=0.0) * 1.4426950408889634
             alibi_pos = tl.load(ALIBI_QSTART + b) + j
@@ -175,10 +222,28 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
         start = base + pid_s * SPLIT_LEN
-        end = tl.minimum(start + SPLIT_LEN, length)
+        if SEL:
+            end = tl.minimum(start + SPLIT_LEN, total)
+        else:
+            end = tl.minimum(start + SPLIT_LEN, length)
         for n0 in range(start, end, BLOCK_N):
-            pos = n0 + tl.arange(0, BLOCK_N)
-            pos_ok = pos < end
+            if SEL:
+                # Entry e of the walk: W's key u_lo + e (e < u_len), else key t % SEL_BLOCK of the
+                # list's entry t // SEL_BLOCK (t = e - u_len): a block's keys are contiguous.
+                e = n0 + tl.arange(0, BLOCK_N)
+                e_ok = e < end
+                in_u = e < u_len
+                t = tl.maximum(e - u_len, 0)
+                sid = tl.load(ids_row + t // SEL_BLOCK, mask=e_ok & (e >= u_len), other=-1)
+                spos = sid * SEL_BLOCK + t % SEL_BLOCK
+                # A listed key counts if visible and not W's (W's keys were counted above).
+                s_ok = (sid >= 0) & (spos >= lo) & (spos < hi) & ((spos < u_lo) | (spos >= u_hi))
+                pos = tl.where(in_u, u_lo + e, spos)
+                pos_ok = e_ok & (in_u | s_ok)
+                pos = tl.where(pos_ok, pos, 0)
+            else:
+                pos = n0 + tl.arange(0, BLOCK_N)
+                pos_ok = pos < end
             blk = tl.load(TABLE + b * stride_tb + pos // KV_BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
             # A table entry outside the pool (a caller's check=False table that lies: checking
             # it would cost a device sync) is never read; its keys count as masked.
@@ -213,9 +278,12 @@ if triton is not None:
                 s = s * scale_log2
             if HAS_ALIBI:
                 s += slope[:, None] * (pos[None, :] - alibi_pos[:, None]).to(tl.float32)
-            vis = (pos[None, :] < lim[:, None]) & pos_ok[None, :]
-            if HAS_WINDOW:
-                vis = vis & (pos[None, :] >= low[:, None])
+            if SEL:  # every row of the program sees the same keys
+                vis = pos_ok[None, :] & row_ok[:, None]
+            else:
+                vis = (pos[None, :] < lim[:, None]) & pos_ok[None, :]
+                if HAS_WINDOW:
+                    vis = vis & (pos[None, :] >= low[:, None])
             s = tl.where(vis, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
@@ -266,6 +334,74 @@ if triton is not None:
             prow = ((b * HKV * G + h) * S + j).to(tl.int64) * NSPLIT + pid_s
             tl.store(LSEP + prow, lse, mask=row_ok)
             tl.store(OP + prow[:, None] * DV + dv[None, :], out, mask=row_ok[:, None] & (dv[None, :] < DV))
+
+    @triton.jit
+    def _split_kernel(
+        Q, K, V, TABLE, QSTART, LENGTHS, OP, LSEP, SLOPES, ALIBI_QSTART, KS, VS, WIN_QSTART, OUT, SINKS,
+        scale_log2, softcap,
+        stride_qb, stride_qh, stride_qs,
+        stride_kn, stride_kt, stride_kh,
+        stride_vn, stride_vt, stride_vh,
+        stride_ksn, stride_kst, stride_ksh,
+        stride_vsn, stride_vst, stride_vsh,
+        stride_tb,
+        HKV, G, S, DK, DR, DV, KV_BLOCK_SIZE, SPLIT_LEN, NSPLIT, NUM_KV_BLOCKS, WLEFT, WRIGHT,
+        V_FROM_K: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, QUANT: tl.constexpr, FP8: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, HAS_SINKS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_DK: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
+    ):
+        # The decode kernel over the call's limits (causal, lengths, window): _attend without a selection.
+        _attend(Q, K, V, TABLE, QSTART, LENGTHS, OP, LSEP, SLOPES, ALIBI_QSTART, KS, VS, WIN_QSTART, OUT, SINKS,
+            scale_log2, softcap,
+            stride_qb, stride_qh, stride_qs,
+            stride_kn, stride_kt, stride_kh,
+            stride_vn, stride_vt, stride_vh,
+            stride_ksn, stride_kst, stride_ksh,
+            stride_vsn, stride_vst, stride_vsh,
+            stride_tb,
+            HKV, G, S, DK, DR, DV, KV_BLOCK_SIZE, SPLIT_LEN, NSPLIT, NUM_KV_BLOCKS, WLEFT, WRIGHT,
+            LENGTHS, LENGTHS, LENGTHS, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1,  # no selection: unread
+            V_FROM_K, HAS_ROPE, PRECISION, DOT_F32, HAS_SOFTCAP, HAS_ALIBI, QUANT, FP8, HAS_WINDOW, DIRECT,
+            HAS_SINKS,
+            False, BLOCK_M, BLOCK_N, BLOCK_DK, BLOCK_DR, BLOCK_DV)
+
+    @triton.jit
+    def _select_kernel(
+        Q, K, V, TABLE, QSTART, LENGTHS, OP, LSEP, SLOPES, ALIBI_QSTART, KS, VS, WIN_QSTART, OUT, SINKS,
+        scale_log2, softcap,
+        stride_qb, stride_qh, stride_qs,
+        stride_kn, stride_kt, stride_kh,
+        stride_vn, stride_vt, stride_vh,
+        stride_ksn, stride_kst, stride_ksh,
+        stride_vsn, stride_vst, stride_vsh,
+        stride_tb,
+        HKV, G, S, DK, DR, DV, KV_BLOCK_SIZE, SPLIT_LEN, NSPLIT, NUM_KV_BLOCKS, WLEFT, WRIGHT,
+        SEL_IDS, SEL_COUNTS, SEL_BOUNDS,
+        stride_ib, stride_ih, stride_is, stride_cb, stride_ch, stride_cs,
+        SEL_BLOCK, SEL_GS, SEL_CH, SEL_MT,
+        V_FROM_K: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, QUANT: tl.constexpr, FP8: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, HAS_SINKS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_DK: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
+    ):
+        # The decode kernel walking a per-query selection (within the call's limits): _attend with SEL.
+        _attend(Q, K, V, TABLE, QSTART, LENGTHS, OP, LSEP, SLOPES, ALIBI_QSTART, KS, VS, WIN_QSTART, OUT, SINKS,
+            scale_log2, softcap,
+            stride_qb, stride_qh, stride_qs,
+            stride_kn, stride_kt, stride_kh,
+            stride_vn, stride_vt, stride_vh,
+            stride_ksn, stride_kst, stride_ksh,
+            stride_vsn, stride_vst, stride_vsh,
+            stride_tb,
+            HKV, G, S, DK, DR, DV, KV_BLOCK_SIZE, SPLIT_LEN, NSPLIT, NUM_KV_BLOCKS, WLEFT, WRIGHT,
+            SEL_IDS, SEL_COUNTS, SEL_BOUNDS, stride_ib, stride_ih, stride_is, stride_cb, stride_ch, stride_cs,
+            SEL_BLOCK, SEL_GS, SEL_CH, SEL_MT,
+            V_FROM_K, HAS_ROPE, PRECISION, DOT_F32, HAS_SOFTCAP, HAS_ALIBI, QUANT, FP8, HAS_WINDOW, DIRECT,
+            HAS_SINKS,
+            True, BLOCK_M, BLOCK_N, BLOCK_DK, BLOCK_DR, BLOCK_DV)
 
     @triton.jit
     def _merge_kernel(OP, LSEP, OUT, SINKS, NSPLIT, DV, HQ, S, HAS_SINKS: tl.constexpr, BLOCK_SPLIT: tl.constexpr,
@@ -330,14 +466,25 @@ def launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tenso
            scale: float, v_head_dim: int, max_len: int, num_splits: int, softcap: float = 0.0,
            slopes: Tensor | None = None, alibi_q_start: Tensor | None = None, sinks: Tensor | None = None,
            k_scale: Tensor | None = None, v_scale: Tensor | None = None, window_q_start: Tensor | None = None,
-           window_left: int = 0, window_right: int = 0) -> Tensor:
+           window_left: int = 0, window_right: int = 0, sel_ids: Tensor | None = None,
+           sel_counts: Tensor | None = None, sel_bounds: Tensor | None = None, sel_block_size: int = 1,
+           sel_span: int = 0) -> Tensor:
     """Launch the split and merge kernels on checked arguments: q (B, Hq, S, D); k (N, bs, Hkv, D)
     and v (N, bs, Hkv, Dv) | None (V = K[..., :Dv]) with bs tokens per cache block, last dims
     contiguous; table (B, nb) int; q_start, lengths (B,) int32; softcap (0: off); slopes (Hq,)
     fp32 with alibi_q_start (B,) int32 (ALiBi query position of each sequence's first query);
     sinks (Hq,) fp32; quantized (int8 / fp8 e4m3) k and v: k_scale (N, bs, Hkv) and v_scale
     (N, bs, Hkv) | None (with v None) fp32, any strides; window_q_start (B,) int32 with
-    window_left / window_right in [0, UNBOUNDED]: a sliding window. Returns (B, Hq, S, Dv)."""
+    window_left / window_right in [0, UNBOUNDED]: a sliding window. Returns (B, Hq, S, Dv).
+
+    A selection (``sel_ids`` given) further restricts each query row to listed keys: sel_ids
+    (B|1, Hs, S, n) int32, each list's distinct block ids ascending then -1, of ``sel_block_size``
+    keys each (1: key positions), query head h reading list ``h // (Hq // Hs)``; sel_counts
+    (B|1, Hs, S) int32, the ids in each list; sel_bounds (B, S, 4) int32 contiguous, per query
+    token: ``lo, hi, u_lo, u_hi`` with ``0 <= lo``, ``u_lo <= u_hi``: the token sees the keys of
+    ``[u_lo, u_hi)`` and the listed keys within ``[lo, hi)`` (the caller folds every limit into
+    them: the limits above are not applied again); ``sel_span``: the most entries one row walks
+    (``u_hi - u_lo`` plus n * sel_block_size), which the splits cut."""
     B, Hq, S, D = q.shape
     block_size, Hkv = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -346,12 +493,21 @@ def launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tenso
     if out.numel() == 0:
         return out
     v_from_k = v is None
-    cfg = _config(q.dtype, D, Dv, G * S, v_from_k)
+    sel = sel_ids is not None
+    if sel:  # programs of sel_ch query heads that share a KV head and a list, one query token each
+        sel_gs = Hq // sel_ids.shape[1]
+        sel_ch = math.gcd(G, sel_gs)
+        cfg = _config(q.dtype, D, Dv, sel_ch, v_from_k)
+        sel_mt = -(-sel_ch // cfg["BLOCK_M"])
+        m_tiles = G // sel_ch * S * sel_mt
+        span = max(1, sel_span)
+    else:
+        cfg = _config(q.dtype, D, Dv, G * S, v_from_k)
+        m_tiles = -(-G * S // cfg["BLOCK_M"])
+        span = max(1, max_len)  # keys the splits of a sequence cover
+        if window_q_start is not None and max(window_left, window_right) < UNBOUNDED:
+            span = max(1, min(span, window_left + window_right + S))  # what the rows of a window can see
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    m_tiles = -(-G * S // block_m)
-    span = max(1, max_len)  # keys the splits of a sequence cover
-    if window_q_start is not None and max(window_left, window_right) < UNBOUNDED:
-        span = max(1, min(span, window_left + window_right + S))  # what the rows of a window can see
     longest = -(-span // block_n)  # key tiles of the longest span
     if num_splits <= 0:  # the wave rule (plan.split_plan)
         num_splits, split_len = split_plan(B, Hkv, m_tiles, span, *_wave(q.device, cfg), block_n)
@@ -373,7 +529,8 @@ def launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tenso
     ks = k_scale if quant else q  # unread when not quantized
     vs = ks if v_scale is None else v_scale
     scale_strides = (*ks.stride(), *vs.stride()) if quant else (0,) * 6  # (N, bs, Hkv) each
-    _split_kernel[(B * Hkv, m_tiles, num_splits)](
+    kernel = _select_kernel if sel else _split_kernel
+    kernel[(B * Hkv, m_tiles, num_splits)](
         q, k, vv, table, q_start, lengths, op, lsep,
         lengths if slopes is None else slopes, lengths if alibi_q_start is None else alibi_q_start,  # unread if off
         ks, vs, lengths if window_q_start is None else window_q_start,  # unread if off
@@ -386,6 +543,8 @@ def launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tenso
         table.stride(0),
         Hkv, G, S, cfg["DK"], cfg["DR"], Dv, block_size, split_len, num_splits, k.shape[0], window_left,
         window_right,
+        *((sel_ids, sel_counts, sel_bounds, *sel_ids.stride()[:3], *sel_counts.stride(), sel_block_size, sel_gs,
+           sel_ch, sel_mt) if sel else ()),
         V_FROM_K=v_from_k, HAS_ROPE=cfg["DR"] > 0, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # Triton 3.9's interpreter computes bf16 dots wrongly: there, operands go up to fp32 (exact
         # products, fp32 sums: what the GPU's bf16 dot with fp32 accumulation gives).
@@ -409,19 +568,22 @@ def decode_op(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Te
               scale: float, v_head_dim: int, max_len: int, num_splits: int, softcap: float = 0.0,
               slopes: Tensor | None = None, alibi_q_start: Tensor | None = None,
               sinks: Tensor | None = None, k_scale: Tensor | None = None, v_scale: Tensor | None = None,
-              window_q_start: Tensor | None = None, window_left: int = 0, window_right: int = 0) -> Tensor:
+              window_q_start: Tensor | None = None, window_left: int = 0, window_right: int = 0,
+              sel_ids: Tensor | None = None, sel_counts: Tensor | None = None, sel_bounds: Tensor | None = None,
+              sel_block_size: int = 1, sel_span: int = 0) -> Tensor:
     """:func:`launch` as the custom op ``attnkit::decode_attention``, which torch.compile keeps in
     its graph."""
     why = available(q.device)
     if why:
         raise RuntimeError(f"attnkit::decode_attention: {why}")
     return launch(q, k, v, table, q_start, lengths, scale, v_head_dim, max_len, num_splits, softcap, slopes,
-                  alibi_q_start, sinks, k_scale, v_scale, window_q_start, window_left, window_right)
+                  alibi_q_start, sinks, k_scale, v_scale, window_q_start, window_left, window_right, sel_ids,
+                  sel_counts, sel_bounds, sel_block_size, sel_span)
 
 
 @decode_op.register_fake
 def _(q, k, v, table, q_start, lengths, scale, v_head_dim, max_len, num_splits, softcap=0.0, slopes=None,
       alibi_q_start=None, sinks=None, k_scale=None, v_scale=None, window_q_start=None, window_left=0,
-      window_right=0):
+      window_right=0, sel_ids=None, sel_counts=None, sel_bounds=None, sel_block_size=1, sel_span=0):
     B, Hq, S, _ = q.shape
     return q.new_empty((B, Hq, S, v_head_dim))

@@ -16,6 +16,8 @@ from torch import Tensor
 
 from ..._checks import shape_of
 from ...kvquant import QUANTIZED_DTYPES
+from ...masks import Mask, SlidingWindow
+from ...masks.reduced import ReducedSelection
 from .kernel import available, decode_op
 from .limits import MAX_HEAD_DIM, MAX_Q_LEN, MAX_V_HEAD_DIM, NO_CAUSAL, UNBOUNDED, interpreting
 
@@ -50,7 +52,8 @@ def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor | None, blo
                            softcap: float | None = None, alibi_slopes: Tensor | None = None, alibi_q_start=None,
                            sinks: Tensor | None = None, k_scale: Tensor | None = None,
                            v_scale: Tensor | None = None, window: tuple[int | None, int | None] | None = None,
-                           window_q_start=None, seq_lens=None, alibi_start=None, window_start=None) -> Tensor:
+                           window_q_start=None, selection=None, seq_lens=None, alibi_start=None,
+                           window_start=None) -> Tensor:
     """Attention of a few new queries per sequence over a paged KV cache, in one fused kernel.
 
     Args:
@@ -85,6 +88,13 @@ def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor | None, blo
             ``[w - left, w + right]`` of its window position ``w = window_q_start + j``.
         window_q_start: (B,) or int window position of each sequence's first query; default
             ``lengths - S`` (bottom-right).
+        selection: a mask holding one per-query selection (:class:`attnkit.masks.SelectedKeys`,
+            :class:`attnkit.masks.SelectedBlocks`), alone, ORed with one interval mask (a
+            :class:`~attnkit.masks.SlidingWindow`: "the listed blocks and the local ones") and
+            ANDed with interval masks (causal, padding, windows), over Sk = ``max_len`` keys; or
+            that mask's reduction (``ReducedMask.selection``). Query j then sees only the keys
+            the selection allows, within the limits above: the kernel walks each query's list
+            (ids ascending, a block's keys in a row) and reads no other key.
         seq_lens, alibi_start, window_start: deprecated spellings of ``lengths``,
             ``alibi_q_start`` and ``window_q_start``.
 
@@ -133,10 +143,70 @@ def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor | None, blo
         raise ValueError("window_q_start is given without a window")
     k_scale = None if k_scale is None else k_scale.detach()
     v_scale = None if v_scale is None else v_scale.detach()
+    sel = {}
+    if selection is not None:  # every limit folds into the selection's per-token bounds
+        sel = _selection_args(selection, q, int(max_len), check, qs, lens, w_qs, w_left, w_right)
+        w_qs = None
     return decode_op(q, k_pool, v_pool, block_table.to(torch.int32).contiguous(),
                      qs.clamp(-NO_CAUSAL, NO_CAUSAL).to(torch.int32).contiguous(), lens.to(torch.int32).contiguous(),
                      float(scale), int(Dv), int(max_len), int(num_splits), float(softcap or 0.0), slopes, alibi_qs,
-                     sinks, k_scale, v_scale, w_qs, int(w_left), int(w_right))
+                     sinks, k_scale, v_scale, w_qs, int(w_left), int(w_right), **sel)
+
+
+def _selection_args(selection, q: Tensor, kv_len: int, check: bool, q_start: Tensor, lengths: Tensor,
+                    w_qs: Tensor | None, w_left: int, w_right: int) -> dict:
+    """The kernel's selection arguments (:func:`attnkit.backends.triton.kernel.launch`) from a
+    mask holding a selection or its :class:`~attnkit.masks.reduced.ReducedSelection`, over
+    ``kv_len`` keys, with the call's limits (q_start, lengths (B,); the window's w_qs (B,) | None
+    and extents) folded into each query token's bounds. Checks the shapes; with ``check``, the
+    ids against ``kv_len`` (a sync)."""
+    B, Hq, S, _ = q.shape
+    if isinstance(selection, ReducedSelection):
+        rs = selection
+    elif isinstance(selection, Mask):
+        rs = ReducedSelection.of(selection, B, S, kv_len)
+        if rs is None:
+            raise ValueError(f"selection must hold one SelectedKeys / SelectedBlocks, alone, ORed with one interval "
+                             f"mask and ANDed with interval masks (causal, padding, windows), got {selection!r}")
+    else:
+        raise TypeError(f"selection must be an attnkit mask holding a selection, got {type(selection).__name__}")
+    ids = rs.mask.ids
+    shape = tuple(ids.shape)
+    if ids.shape[0] not in (1, B) or ids.shape[-2] != S or Hq % rs.heads:
+        raise ValueError(f"selection ids of shape {shape} do not fit q {shape_of(q)}: (B|1, [Hs,] S, n) with "
+                         f"B={B}, S={S} and Hs dividing Hq={Hq}")
+    if ids.device != q.device and ids.device.type != "cpu":
+        raise TypeError(f"selection ids are on {ids.device}, q on {q.device}")
+    if check and not torch.compiler.is_compiling():
+        rs.mask.check_range(kv_len)
+    dev = q.device
+    n = ids.shape[-1]
+    sel_ids = rs.ids(dev).expand(B, -1, -1, -1)
+    sel_counts = rs.counts(dev).expand(B, -1, -1)
+    # [lo, hi): R AND the call's limits (causal, lengths, window) AND [0, kv_len); W within it.
+    j = torch.arange(S, device=dev)
+    lo, hi = (t.to(dev).long().expand(B, S) for t in rs.within(dev))
+    hi = torch.minimum(hi, torch.minimum(q_start.to(dev).long()[:, None] + j + 1, lengths.to(dev).long()[:, None]))
+    hi = hi.clamp(max=kv_len)
+    lo = lo.clamp(min=0)
+    if w_qs is not None:
+        w = w_qs.to(dev).long()[:, None] + j
+        lo, hi = torch.maximum(lo, w - w_left), torch.minimum(hi, w + w_right + 1)
+    union = rs.union(dev)
+    if union is None:
+        ulo = uhi = lo
+    else:
+        ulo = torch.maximum(union[0].to(dev).long().expand(B, S), lo)
+        uhi = torch.maximum(torch.minimum(union[1].to(dev).long().expand(B, S), hi), ulo)
+    bounds = torch.stack([lo, hi, ulo, uhi], -1).clamp(-NO_CAUSAL, NO_CAUSAL).to(torch.int32).contiguous()
+    # Entries one row walks: the union's keys (at most its window's width), then n blocks.
+    joined = rs.union_part
+    u_span = 0 if joined is None else kv_len
+    if type(joined) is SlidingWindow and joined.left is not None and joined.right is not None:
+        u_span = min(kv_len, joined.left + joined.right + 1)
+    bs = rs.block_size
+    span = u_span + min(n, -(-kv_len // bs)) * bs
+    return dict(sel_ids=sel_ids, sel_counts=sel_counts, sel_bounds=bounds, sel_block_size=int(bs), sel_span=int(span))
 
 
 def check_paged_args(q: Tensor, k_pool: Tensor, v_pool: Tensor | None, block_table: Tensor,
@@ -239,7 +309,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor | None, *, lengths=None, q_
     Quantized (int8 / fp8 e4m3) k and v take k_scale (B, Hkv, L) and v_scale (B, Hkv, L) | None.
     ``seq_lens`` is the deprecated spelling of ``lengths``; ``modifiers`` are
     :func:`paged_decode_attention`'s (softcap, alibi_slopes, alibi_q_start, sinks, window,
-    window_q_start)."""
+    window_q_start, selection)."""
     lengths = _renamed(lengths, seq_lens, "seq_lens", "lengths", "decode_attention")
     if not isinstance(k, Tensor) or k.dim() != 4 or not isinstance(q, Tensor) or q.dim() != 4 or k.shape[0] != q.shape[0]:
         raise ValueError(f"q must be (B, Hq, S, D) and k (B, Hkv, L, D) with the same B, got q {shape_of(q)}, "
