@@ -269,8 +269,8 @@ def test_a_query_with_nothing_selected_outputs_zero(kind):
 
 
 def test_describe_call_names_the_backend_that_runs_a_selection():
-    """describe_call names the backend that runs a selection call, auto and forced; backends
-    that read only key intervals (triton) or plain masks (flash) refuse it, naming the mask."""
+    """describe_call names the backend that runs a selection call, auto and forced, and the
+    Triton kernel says it walks the selection."""
     q, k, v = make_qkv(1, 4, 2, 1, 64, 16)
     mask = M.SelectedKeys(rand_ids((1, 1, 8), 64, 2)) & M.Causal()
     chosen = attnkit.describe_call(q, k, v, mask)
@@ -279,8 +279,7 @@ def test_describe_call_names_the_backend_that_runs_a_selection():
     for forced in ("math", "sdpa", "decode"):
         assert attnkit.describe_call(q, k, v, mask, backend=forced) == forced
     if get_backend("triton").available() is None:
-        with pytest.raises(BackendNotSupported, match=r"triton: mask \(SelectedKeys"):
-            attnkit.attention(q, k, v, mask, backend="triton")
+        assert attnkit.describe_call(q, k, v, mask, backend="triton", detail=True) == "triton[split-k+selection]"
 
 
 def test_auto_sends_cuda_prefill_with_a_selection_to_a_kernel_that_skips_blocks():
