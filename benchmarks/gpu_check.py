@@ -2,11 +2,15 @@
 
     python benchmarks/gpu_check.py --out DIR            # on a CUDA machine: at most about 9 minutes
     python benchmarks/gpu_check.py --quick --out DIR    # on CPU, Triton in its interpreter: a smoke test (CI)
+    python benchmarks/gpu_check.py --tune --out DIR     # tune the Triton kernel first (gpu_tune.py, < 5 min)
 
 It runs, in order, each step with its own time limit so that one hang cannot eat the window:
 
 1. the environment: GPU, compute capability, torch / CUDA / Triton / transformers versions, CPU;
-2. the native CPU kernel's build (once, before the tests, so no test waits on a compile);
+2. the native CPU kernel's build (once, before the tests, so no test waits on a compile), and
+   with ``--tune`` the Triton kernel's tuning (``benchmarks/gpu_tune.py``), which writes this
+   GPU's launch parameters to ``src/attnkit/backends/triton/tuned.json`` (commit it) before
+   anything else runs the kernel;
 3. the test suite under ``pytest -n`` (every CUDA test and every Triton kernel compiled for the
    GPU; ``--tests`` narrows it), the failures' full text kept in ``pytest.log``; it runs beside
    step 4, its workers sharing the cores out among torch's threads;
@@ -329,6 +333,9 @@ def main(argv=None) -> int:
     p.add_argument("--sweep-budget", type=float, default=None,
                    help="seconds after which no new sweep case starts (default 240 on CUDA, none in quick mode)")
     p.add_argument("--skip", nargs="*", default=[], choices=["tests", "sweep", "bench"], help="steps to leave out")
+    p.add_argument("--tune", action="store_true",
+                   help="first tune the Triton kernel's launch parameters on this GPU (benchmarks/gpu_tune.py) and "
+                        "write them to the table it reads, then run the check with them")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     if not cuda and not args.quick:
@@ -341,6 +348,9 @@ def main(argv=None) -> int:
     py = sys.executable
     steps["native build"] = run_step([py, "-c", "from attnkit import native; print(native.status())"],
                                      out / "native.log", timeout=600)
+    if args.tune and cuda:  # before the tests and the bench, which then run the tuned kernel
+        steps["tune"] = run_step([py, "benchmarks/gpu_tune.py", "--out", str(out / "tune")], out / "tune.log",
+                                 timeout=300)
     tests = None
     if "tests" not in args.skip:  # started first, then runs beside the sweep (GPU and cores both shared)
         files = args.tests if args.tests is not None else (QUICK_TESTS if args.quick else ["tests"])

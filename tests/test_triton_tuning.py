@@ -17,6 +17,7 @@ def test_a_table_entry_overrides_only_what_it_sets(tmp_path):
     key = tuning.shape_key(torch.bfloat16, 128, 128, False, None)
     assert key == "bfloat16-d128-dv128"
     assert tuning.shape_key(torch.float16, 576, 512, True, torch.int8) == "float16-d576-dv512-vk-kv_int8"
+    assert tuning.shape_key(torch.bfloat16, 128, 128, False, None, selection=True) == "bfloat16-d128-dv128-sel"
     tuning.record("sm_90", key, {"BLOCK_N": 128, "num_stages": 4}, table)
     cfg = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "BLOCK_M": 16}
     assert tuning.tuned(cfg, "sm_90", key, table) == {"BLOCK_N": 128, "num_warps": 4, "num_stages": 4, "BLOCK_M": 16}
@@ -52,3 +53,26 @@ def test_the_committed_table_is_well_formed():
         assert arch.startswith("sm_")
         for key in entries:
             tuning.lookup(arch, key)
+
+
+def test_the_kernel_launches_with_the_entry_it_is_given(monkeypatch):
+    """A forced entry (what a table entry becomes on its GPU) reaches the launch: the split rule
+    sees its keys per tile, and the output still equals the oracle (Triton's interpreter on CPU)."""
+    ops = pytest.importorskip("attnkit.backends.triton.ops")
+    if ops.available() is not None:
+        pytest.skip(f"Triton kernels unavailable: {ops.available()}")
+    import attnkit
+    from attnkit.backends.triton import kernel
+
+    seen = []
+    real = kernel.split_plan
+    monkeypatch.setattr(kernel, "split_plan", lambda *a, **kw: seen.append(a[-1]) or real(*a, **kw))
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 1, 16, generator=g)
+    k, v = torch.randn(1, 2, 70, 16, generator=g), torch.randn(1, 2, 70, 16, generator=g)
+    want = attnkit.attention_reference(q, k, v, causal=True).float()
+    for block_n in (16, 32):
+        with tuning.forced({"BLOCK_N": block_n, "num_stages": 2}):
+            got = ops.decode_attention(q, k, v)
+        assert seen[-1] == block_n
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)

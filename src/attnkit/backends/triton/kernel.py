@@ -81,6 +81,7 @@ import math
 import torch
 from torch import Tensor
 
+from . import tuning
 from .limits import UNBOUNDED, interpreting
 from .plan import split_plan
 
@@ -494,15 +495,18 @@ def launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tenso
         return out
     v_from_k = v is None
     sel = sel_ids is not None
+    # the kernel's own tiles, with this GPU's tuned launch parameters where the table has them
+    arch = tuning.arch_of(q.device) if q.device.type == "cuda" else None
+    key = tuning.shape_key(q.dtype, D, Dv, v_from_k, None if k_scale is None else k.dtype, sel)
     if sel:  # programs of sel_ch query heads that share a KV head and a list, one query token each
         sel_gs = Hq // sel_ids.shape[1]
         sel_ch = math.gcd(G, sel_gs)
-        cfg = _config(q.dtype, D, Dv, sel_ch, v_from_k)
+        cfg = tuning.tuned(_config(q.dtype, D, Dv, sel_ch, v_from_k), arch, key)
         sel_mt = -(-sel_ch // cfg["BLOCK_M"])
         m_tiles = G // sel_ch * S * sel_mt
         span = max(1, sel_span)
     else:
-        cfg = _config(q.dtype, D, Dv, G * S, v_from_k)
+        cfg = tuning.tuned(_config(q.dtype, D, Dv, G * S, v_from_k), arch, key)
         m_tiles = -(-G * S // cfg["BLOCK_M"])
         span = max(1, max_len)  # keys the splits of a sequence cover
         if window_q_start is not None and max(window_left, window_right) < UNBOUNDED:

@@ -12,6 +12,7 @@ never a silent fallback.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from pathlib import Path
 
@@ -29,18 +30,21 @@ _loaded: dict[Path, dict] = {}
 _forced: list[dict] = []  # a tuning run's candidate, applied to every shape while it is set
 
 
+@functools.lru_cache(maxsize=None)
 def arch_of(device: torch.device | str) -> str:
     """``"sm_<major><minor>"`` of a CUDA device (the table's first key)."""
     major, minor = torch.cuda.get_device_capability(torch.device(device))
     return f"sm_{major}{minor}"
 
 
-def shape_key(dtype: torch.dtype, head_dim: int, v_head_dim: int, v_from_k: bool, kv_dtype: torch.dtype | None) -> str:
+def shape_key(dtype: torch.dtype, head_dim: int, v_head_dim: int, v_from_k: bool, kv_dtype: torch.dtype | None,
+              selection: bool = False) -> str:
     """The table's second key: what decides a kernel's tiles. ``kv_dtype`` is the stored K/V dtype
-    when it differs from q's (int8 / fp8), else None."""
+    when it differs from q's (int8 / fp8), else None; ``selection``: the kernel that walks a
+    per-query selection."""
     name = str(dtype).removeprefix("torch.")
     kv = "" if kv_dtype is None else f"-kv_{str(kv_dtype).removeprefix('torch.')}"
-    return f"{name}-d{head_dim}-dv{v_head_dim}{'-vk' if v_from_k else ''}{kv}"
+    return f"{name}-d{head_dim}-dv{v_head_dim}{'-vk' if v_from_k else ''}{kv}{'-sel' if selection else ''}"
 
 
 def _check(entry: dict, where: str) -> dict:
