@@ -110,7 +110,8 @@ def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor | None, blo
     why = available(q.device if isinstance(q, Tensor) else None)
     if why:
         raise RuntimeError(f"{fn}: {why}")
-    Dv = check_paged_args(q, k_pool, v_pool, block_table, v_head_dim, k_scale, v_scale)
+    Dv = check_paged_args(q, k_pool, v_pool, block_table, v_head_dim, k_scale, v_scale,
+                          any_q_len=selection is not None)
     B, _, S, D = q.shape
     block_size = k_pool.shape[1]
     lens = _per_sequence(lengths, "lengths", B, q.device)
@@ -211,7 +212,7 @@ def _selection_args(selection, q: Tensor, kv_len: int, check: bool, q_start: Ten
 
 def check_paged_args(q: Tensor, k_pool: Tensor, v_pool: Tensor | None, block_table: Tensor,
                      v_head_dim: int | None = None, k_scale: Tensor | None = None,
-                     v_scale: Tensor | None = None) -> int:
+                     v_scale: Tensor | None = None, *, any_q_len: bool = False) -> int:
     """Check :func:`paged_decode_attention`'s tensors against each other and the kernel's limits
     (shapes, dtypes, devices; nothing that needs a device sync) and return Dv. Raises
     ValueError / TypeError naming the argument and the shapes."""
@@ -226,8 +227,9 @@ def check_paged_args(q: Tensor, k_pool: Tensor, v_pool: Tensor | None, block_tab
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"query heads ({Hq}, q {shape_of(q)}) must be a multiple of KV heads ({Hkv}, k_pool "
                          f"{shape_of(k_pool)})")
-    if S > MAX_Q_LEN:
-        raise ValueError(f"q has {S} tokens per sequence (shape {shape_of(q)}); this kernel takes at most {MAX_Q_LEN}")
+    if S > MAX_Q_LEN and not any_q_len:  # a selection's programs take one query token each: any S
+        raise ValueError(f"q has {S} tokens per sequence (shape {shape_of(q)}); this kernel takes at most {MAX_Q_LEN} "
+                         f"(any number with a selection)")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"q dtype must be float16, bfloat16 or float32, got {q.dtype}")
     if D > MAX_HEAD_DIM:
