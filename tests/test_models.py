@@ -515,3 +515,63 @@ def test_a_failing_forward_leaves_every_layers_cache_unchanged(attention, kind):
         handle.remove()
         assert _lengths(caches) == before
         torch.testing.assert_close(m(tok, caches=caches), m(tok, caches=twin), rtol=0, atol=0)
+
+
+_INDEXED = {"q_lora_rank": 16, "index_topk": 3}
+_KPM_LIMIT = ("IndexedLatentAttention.forward (models/indexer.py) checks key_padding_mask against "
+              "IndexedLatentCache.key_length: longest row + S, not the step's view width")
+
+
+_RAGGED_CASES = [(a, k) for a in ("gqa", "mla") for k in ("dynamic", "static", "paged")] + [("dsa", "static")] + [
+    pytest.param("dsa", k, marks=pytest.mark.xfail(strict=True, raises=ValueError, reason=_KPM_LIMIT))
+    for k in ("dynamic", "paged")]
+
+
+@pytest.mark.parametrize("attention,kind", _RAGGED_CASES)
+def test_key_padding_mask_width_with_ragged_num_new(attention, kind):
+    """Rows of different lengths (2 and 4) gaining different numbers of tokens in one step
+    (num_new = [S, S - 2], S = 3): the views reach max(lengths + num_new) = 5 keys (a static
+    cache: max_len), not longest row + S = 7. A mask of the views' width runs and equals each
+    row run alone; the width of longest row + S raises naming both widths and changes nothing.
+    "dsa": DeepSeek-V3.2's indexed latent attention (an IndexedLatentCache per layer)."""
+    extra = _INDEXED if attention == "dsa" else {}
+    attention = "mla" if attention == "dsa" else attention
+    m = tiny(attention, seed=7, **extra)
+    max_len = 16
+    width = max_len if kind == "static" else 5
+    g = torch.Generator().manual_seed(7)
+    prompt, step = torch.randint(0, 96, (2, 4), generator=g), torch.randint(0, 96, (2, 3), generator=g)
+    kpm = torch.zeros(2, width, dtype=torch.bool)
+    kpm[0, 1] = kpm[1, 0] = True  # a padding key in each row, seen by every query of the step
+    lengths, gain = [2, 4], [3, 1]
+    with torch.no_grad():
+        caches = m.new_caches(kind, max_batch=2, max_len=max_len)
+        m(prompt, caches=caches, num_new=torch.tensor(lengths))
+        before = _lengths(caches)
+        wrong = torch.zeros(2, 7, dtype=torch.bool)
+        if kind != "static":
+            with pytest.raises(ValueError, match=r"key_padding_mask has 7 columns, but this call attends over 5 keys"):
+                m(step, caches=caches, num_new=torch.tensor(gain), key_padding_mask=wrong)
+            assert _lengths(caches) == before
+        out = m(step, caches=caches, num_new=torch.tensor(gain), key_padding_mask=kpm)
+        assert _lengths(caches)[0] == [5, 5]
+        for b in range(2):
+            solo = m.new_caches(kind, max_batch=1, max_len=max_len)
+            m(prompt[b:b + 1, :lengths[b]], caches=solo)
+            ref = m(step[b:b + 1, :gain[b]], caches=solo, key_padding_mask=kpm[b:b + 1])
+            torch.testing.assert_close(out[b:b + 1, :gain[b]], ref, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "paged"])
+def test_key_padding_mask_check_counts_num_new_for_the_indexed_cache(kind):
+    """The decoder's own check asks an IndexedLatentCache for its latent's view width,
+    max(lengths + num_new), like any dynamic or paged cache (the layer's module checks it again:
+    see the xfail above)."""
+    from attnkit.models.decoder import _key_length
+    m = tiny("mla", seed=7, **_INDEXED)
+    with torch.no_grad():
+        caches = m.new_caches(kind, max_batch=2, max_len=16)
+        m(torch.randint(0, 96, (2, 4)), caches=caches, num_new=torch.tensor([2, 4]))
+    assert [_key_length(c, 3, torch.tensor([3, 1])) for c in caches] == [5, 5]
+    assert [_key_length(c, 3) for c in caches] == [7, 7]
+    assert [_key_length(c, 3, 1) for c in caches] == [5, 5]

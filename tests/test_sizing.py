@@ -11,9 +11,10 @@ import torch
 
 from attnkit import DynamicCache, MultiHeadAttention, StaticCache
 from attnkit.modules.mla import MLAConfig, MultiHeadLatentAttention
-from attnkit.sizing import (PRESETS, AttentionDims, SelectionSpec, add_kv_arguments, bytes_per_token, cache_spec,
-                            decode_read_bytes, expanded_dims, gqa_equivalent_groups, kv_cache_bytes, kv_cache_table,
-                            parse_context, parse_dtype, parse_select, parse_spec, run_kv, values_per_token)
+from attnkit.sizing import (PRESETS, AttentionDims, IndexedLatentDims, SelectionSpec, add_kv_arguments,
+                            bytes_per_token, cache_spec, decode_read_bytes, expanded_dims, gqa_equivalent_groups,
+                            kv_cache_bytes, kv_cache_table, parse_context, parse_dtype, parse_select, parse_spec, run_kv,
+                            values_per_token)
 
 V3 = MLAConfig(hidden_size=7168, num_heads=128, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
                v_head_dim=128, q_lora_rank=1536)
@@ -215,3 +216,108 @@ def test_parse_select_and_the_table_columns(capsys):
 def test_bad_selection_says_what_is_wrong(kw, text):
     with pytest.raises(ValueError, match=text):
         SelectionSpec(**kw)
+
+
+# --------------------------------------------------------------------------- DeepSeek-V3.2 (DSA)
+
+
+def _tiny_dsa(dtype=torch.float32):
+    from attnkit.models.indexer import IndexedLatentAttention, IndexerConfig
+    torch.manual_seed(0)
+    cfg = MLAConfig(hidden_size=64, num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                    v_head_dim=12, q_lora_rank=24)
+    return IndexedLatentAttention(cfg, IndexerConfig(num_heads=2, head_dim=20, topk=4), dtype=dtype)
+
+
+def test_deepseek_v32_counts_the_indexers_keys_from_first_principles():
+    """A DSA layer caches MLA's 576-value latent row and the indexer's 128-value key per token.
+    The key is never quantized: an int8 latent (576 bytes + one fp32 scale) sits beside bf16 keys
+    (256 bytes). A decode step reads the selected latent rows and every indexer key."""
+    v32 = PRESETS["deepseek-v3.2"]
+    assert v32.spec == IndexedLatentDims(V3, 128) and v32.layers == 61
+    assert values_per_token(v32.spec) == 576 + 128 == 704
+    assert bytes_per_token(v32.spec, torch.bfloat16) == 704 * 2
+    assert bytes_per_token(v32.spec, torch.float32) == 704 * 4
+    assert bytes_per_token(v32.spec, torch.int8) == 576 + 4 + 128 * 2 == 836
+    assert bytes_per_token(v32.spec, torch.float8_e4m3fn) == 836
+    assert bytes_per_token(v32.spec, torch.int8, index_dtype=torch.float32) == 576 + 4 + 128 * 4
+    assert kv_cache_bytes("deepseek-v3.2", context=131072, layers=61, batch=2) == 2 * 61 * 131072 * 1408
+    ctx, dsa = 131072, SelectionSpec(top_k=2048)
+    assert decode_read_bytes(v32.spec, context=ctx) == ctx * 1408
+    assert decode_read_bytes(v32.spec, context=ctx, select=dsa) == 2048 * 1152 + ctx * 256 == 35_913_728
+    assert decode_read_bytes(v32.spec, context=ctx, select=dsa, batch=3, dtype=torch.int8) == \
+        3 * (2048 * (576 + 4) + ctx * 256)
+    assert decode_read_bytes(v32.spec, context=1000, select=dsa) == 1000 * 1408  # fewer keys than top-k
+    assert gqa_equivalent_groups(v32.spec) == 704 / 256
+
+
+def test_dsa_spec_from_a_module_a_decoder_config_and_a_hf_config():
+    from attnkit.models import DecoderConfig
+    m = _tiny_dsa()
+    assert cache_spec(m) == IndexedLatentDims(m.config, 20)
+    base = dict(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, attention="mla", kv_lora_rank=32,
+                qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, q_lora_rank=24)
+    dsa = cache_spec(DecoderConfig(**base, index_topk=4, index_head_dim=20))
+    assert isinstance(dsa, IndexedLatentDims) and dsa.index_head_dim == 20 and values_per_token(dsa) == 40 + 20
+    assert isinstance(cache_spec(DecoderConfig(**base)), MLAConfig)  # dense MLA: no indexer
+    gqa = DecoderConfig(vocab_size=64, hidden_size=64, num_layers=1, num_heads=4, attention="gqa", num_kv_heads=2)
+    assert cache_spec(gqa) == AttentionDims(2, 16, num_heads=4)
+    transformers = pytest.importorskip("transformers")
+    hf = cache_spec(transformers.DeepseekV32Config())
+    assert isinstance(hf, IndexedLatentDims) and hf.index_head_dim == 128
+    assert values_per_token(hf) == values_per_token("deepseek-v3.2") == 704
+    assert cache_spec(transformers.DeepseekV3Config()) == V3  # no indexer there
+
+
+@pytest.mark.parametrize("module_dtype,kv_dtype", [(torch.bfloat16, None), (torch.bfloat16, "int8"),
+                                                   (torch.float32, None), (torch.float32, "int8")])
+def test_dsa_sizing_equals_what_the_indexed_cache_reports(module_dtype, kv_dtype):
+    """bytes_per_token of a DSA module is IndexedLatentCache.bytes_per_token: the latent in the
+    cache's dtype (int8 + scale when quantized) and the indexer's keys in the compute dtype."""
+    m = _tiny_dsa(module_dtype)
+    cache = m.new_cache("dynamic", kv_dtype=kv_dtype)
+    dtype = torch.int8 if kv_dtype else module_dtype
+    assert bytes_per_token(m, dtype, index_dtype=module_dtype) == cache.bytes_per_token
+    assert cache.bytes_per_token == cache.latent.bytes_per_token + 20 * module_dtype.itemsize
+    if module_dtype == torch.bfloat16:  # the default for a quantized cache's keys
+        assert bytes_per_token(m, dtype) == cache.bytes_per_token
+
+
+def test_decoder_kv_bytes_per_token_of_a_dsa_model_equals_the_sizing():
+    from attnkit.models import Decoder, DecoderConfig
+    cfg = DecoderConfig(vocab_size=64, hidden_size=64, num_layers=3, num_heads=4, attention="mla", kv_lora_rank=32,
+                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, q_lora_rank=24, index_topk=4,
+                        index_head_dim=20)
+    model = Decoder(cfg, dtype=torch.bfloat16)
+    assert model.kv_bytes_per_token() == kv_cache_bytes(cfg, layers=3, dtype=torch.bfloat16) == 3 * 60 * 2
+    assert model.kv_bytes_per_token(kv_dtype="int8") == kv_cache_bytes(cfg, layers=3, dtype=torch.int8) == \
+        3 * (40 + 4 + 20 * 2)
+
+
+def test_dsa_in_the_table_and_on_the_command_line(capsys):
+    name, spec, layers = parse_spec("mla:heads=128,rank=512,rope=64,nope=128,v=128,index=128,layers=61")
+    assert values_per_token(spec) == 704 and spec.index_head_dim == 128 and layers == 61
+    assert parse_spec("deepseek-v3.2") == ("deepseek-v3.2", PRESETS["deepseek-v3.2"].spec, 61)
+    table = kv_cache_table(["deepseek-v3.2"], context=131072, select=SelectionSpec(top_k=2048))
+    row = next(line for line in table.splitlines() if line.startswith("| deepseek-v3.2 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    # 704 values, 1,408 bytes; 61 layers; (40,960 + 128) / 704 = 58.4x; reads 131072 * 1408 and
+    # 2048 * 1152 + 131072 * 256 bytes
+    assert cells[1] == "DSA: MLA (r=512, rope=64, 128 heads) + indexer key 128"
+    assert cells[2:] == ["61", "704", "1,408", "83.88 KiB", "10.48 GiB", "58.4x", "2.75", "176.00 MiB",
+                         "34.25 MiB"]
+    p = add_kv_arguments(argparse.ArgumentParser())
+    assert run_kv(p.parse_args(["deepseek-v3.2", "--context", "128k", "--dtype", "int8"])) == 0
+    out = capsys.readouterr().out
+    assert "| deepseek-v3.2 |" in out and "| 836 |" in out and "DSA indexer keys bf16" in out
+
+
+@pytest.mark.parametrize("call,exc,text", [
+    (lambda: IndexedLatentDims(V3, 0), ValueError, "index_head_dim must be a positive int"),
+    (lambda: IndexedLatentDims(AttentionDims(1, 8), 128), TypeError, "must be an MLAConfig"),
+    (lambda: bytes_per_token("deepseek-v3.2", torch.int8, index_dtype=torch.int8), ValueError, "never quantized"),
+    (lambda: parse_spec("mla:heads=128,rank=512,rope=64,nope=128,v=128,index=0"), ValueError, "index_head_dim"),
+])
+def test_bad_dsa_input(call, exc, text):
+    with pytest.raises(exc, match=text):
+        call()

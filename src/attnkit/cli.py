@@ -478,12 +478,13 @@ def build_parser() -> argparse.ArgumentParser:
     viz.set_defaults(func=lambda a: (viz.print_help(), 2)[1])
 
     from attnkit.sizing import add_kv_arguments
-    kv = sub.add_parser("kv", help="KV-cache bytes per token (per layer and per model) for MHA/GQA/MQA/MLA",
+    kv = sub.add_parser("kv", help="KV-cache bytes per token (per layer and per model) for MHA/GQA/MQA/MLA/DSA",
                         description="KV-cache sizes of attention variants: presets of real models or your own "
                                     "specs, e.g. `attnkit kv deepseek-v3 llama-3-8b gqa:heads=32,num_kv_heads=8,"
                                     "head_dim=128,layers=32 --context 128k`; `--select 2048` adds what a decode "
                                     "step reads per layer with a sparse selection of 2048 keys per query, beside "
-                                    "the dense read.")
+                                    "the dense read (a DeepSeek-V3.2 layer, `deepseek-v3.2` or `mla:..,index=128`, "
+                                    "also caches and reads every key of its indexer).")
     add_kv_arguments(kv)
     kv.set_defaults(func=cmd_kv)
 

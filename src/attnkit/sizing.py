@@ -7,10 +7,16 @@ DeepSeek-V3 dimensions), where expanding them per head would hold ``num_heads * 
 qk_rope + v_head_dim)`` = 128 * (128 + 64 + 128) = 40,960: a 71x reduction. The DeepSeek-V2 paper
 (section 2.1.4) puts it as "equal to GQA with only 2.25 groups": 576 = 2.25 * 2 * 128.
 
+DeepSeek-V3.2's sparse attention (DSA, :class:`IndexedLatentDims`) caches MLA's latent and, beside
+it, the lightning indexer's key: ``index_head_dim`` more values per token (576 + 128 = 704), in
+the cache's compute dtype whatever ``kv_dtype`` quantizes (what
+:class:`~attnkit.models.indexer.IndexedLatentCache` stores).
+
 :func:`decode_read_bytes` is what one decode step needs from a layer's cache: every cached row,
 or under a sparse selection of fewer keys per query (:class:`SelectionSpec`: DeepSeek sparse
 attention's top 2048 keys, MiniMax-M3's blocks plus a local window) the selected rows only: K
-and V of each KV head, or MLA's latent rows (V is read from them).
+and V of each KV head, or MLA's latent rows (V is read from them). A DSA layer's indexer reads
+every cached key of its own each step, selection or not.
 
 A quantized cache (``dtype=torch.int8`` or ``torch.float8_e4m3fn``, a cache's ``kv_dtype``) stores
 one byte per value plus an fp32 scale per row (:mod:`attnkit.kvquant`): per token per layer,
@@ -30,6 +36,11 @@ Example::
     580
     >>> decode_read_bytes(v3, context=131072), decode_read_bytes(v3, context=131072, select=SelectionSpec(top_k=2048))
     (150994944, 2359296)
+    >>> v32 = PRESETS["deepseek-v3.2"].spec  # + the indexer's 128-value key per token
+    >>> values_per_token(v32), kv_cache_bytes(v32, context=1, layers=1, dtype=torch.int8)  # keys stay bf16
+    (704, 836)
+    >>> decode_read_bytes(v32, context=131072, select=SelectionSpec(top_k=2048))  # + every indexer key
+    35913728
 """
 
 from __future__ import annotations
@@ -44,12 +55,14 @@ import torch
 from ._checks import positive_int
 from .kvquant import QUANTIZED_DTYPES
 from .modules.attention import MultiHeadAttention
+from .models.config import DecoderConfig
+from .models.indexer import IndexedLatentAttention
 from .modules.mla import MLAConfig, MultiHeadLatentAttention
 
-__all__ = ["AttentionDims", "Preset", "PRESETS", "SelectionSpec", "cache_spec", "values_per_token", "scales_per_token",
-           "bytes_per_token", "kv_cache_bytes", "decode_read_bytes", "expanded_dims", "gqa_equivalent_groups",
-           "kv_cache_table", "parse_spec", "parse_dtype", "parse_context", "parse_select", "add_kv_arguments",
-           "run_kv"]
+__all__ = ["AttentionDims", "IndexedLatentDims", "Preset", "PRESETS", "SelectionSpec", "cache_spec", "values_per_token",
+           "scales_per_token", "bytes_per_token", "kv_cache_bytes", "decode_read_bytes", "expanded_dims",
+           "gqa_equivalent_groups", "kv_cache_table", "parse_spec", "parse_dtype", "parse_context", "parse_select",
+           "add_kv_arguments", "run_kv"]
 
 
 @dataclass(frozen=True)
@@ -84,7 +97,24 @@ class AttentionDims:
         return "MQA" if self.num_kv_heads == 1 else "GQA"
 
 
-Spec = MLAConfig | AttentionDims
+@dataclass(frozen=True)
+class IndexedLatentDims:
+    """What a DeepSeek-V3.2 sparse-attention (DSA) layer caches per token: MLA's latent and rope
+    key (``mla``, its :class:`MLAConfig`) and the lightning indexer's key, ``index_head_dim``
+    values (one head). :class:`~attnkit.models.indexer.IndexedLatentCache` holds the two; a
+    quantized ``kv_dtype`` applies to the latent only, the indexer's keys stay in the cache's
+    compute dtype (``index_dtype`` in :func:`bytes_per_token`)."""
+
+    mla: MLAConfig
+    index_head_dim: int
+
+    def __post_init__(self):
+        if not isinstance(self.mla, MLAConfig):
+            raise TypeError(f"IndexedLatentDims mla must be an MLAConfig, got {type(self.mla).__name__}")
+        positive_int("index_head_dim", self.index_head_dim)
+
+
+Spec = MLAConfig | AttentionDims | IndexedLatentDims
 
 
 class Preset(NamedTuple):
@@ -101,6 +131,8 @@ def _mla(hidden, heads, q_lora_rank) -> MLAConfig:
 #: Published attention dimensions of well-known models (their config.json files).
 PRESETS: dict[str, Preset] = {
     "deepseek-v3": Preset(_mla(7168, 128, 1536), 61, "DeepSeek-V3 / R1, 671B"),
+    "deepseek-v3.2": Preset(IndexedLatentDims(_mla(7168, 128, 1536), 128), 61,
+                            "DeepSeek-V3.2, 671B: DSA, indexer 64 heads x 128, top 2048 keys"),
     "deepseek-v2": Preset(_mla(5120, 128, 1536), 60, "DeepSeek-V2, 236B"),
     "deepseek-v2-lite": Preset(_mla(2048, 16, None), 27, "DeepSeek-V2-Lite, 16B"),
     "llama-2-7b": Preset(AttentionDims(32, 128, num_heads=32), 32, "MHA"),
@@ -111,21 +143,28 @@ PRESETS: dict[str, Preset] = {
 
 
 def cache_spec(obj: Any) -> Spec:
-    """Normalise ``obj`` to an :class:`MLAConfig` or :class:`AttentionDims`.
+    """Normalise ``obj`` to an :class:`MLAConfig`, :class:`AttentionDims` or
+    :class:`IndexedLatentDims`.
 
-    Accepts those two, a preset name, a :class:`~attnkit.modules.mla.MultiHeadLatentAttention` or
-    :class:`~attnkit.MultiHeadAttention`, a mapping of :class:`AttentionDims` fields, or a Hugging
-    Face config (``kv_lora_rank`` present: MLA; else ``num_key_value_heads`` / ``head_dim``).
+    Accepts those three, a preset name, a :class:`~attnkit.models.indexer.IndexedLatentAttention`,
+    :class:`~attnkit.modules.mla.MultiHeadLatentAttention` or :class:`~attnkit.MultiHeadAttention`,
+    a :class:`~attnkit.models.DecoderConfig` (its full-attention layers' cache), a mapping of
+    :class:`AttentionDims` fields, or a Hugging Face config (``kv_lora_rank`` present: MLA, and
+    with ``index_head_dim`` too, DeepSeek-V3.2's DSA; else ``num_key_value_heads`` / ``head_dim``).
     """
-    if isinstance(obj, (MLAConfig, AttentionDims)):
+    if isinstance(obj, (MLAConfig, AttentionDims, IndexedLatentDims)):
         return obj
     if isinstance(obj, str):
         key = obj.lower()
         if key not in PRESETS:
             raise ValueError(f"unknown preset {obj!r}; presets: {', '.join(PRESETS)}")
         return PRESETS[key].spec
+    if isinstance(obj, IndexedLatentAttention):  # before its base class, MLA
+        return IndexedLatentDims(obj.config, obj.indexer.config.head_dim)
     if isinstance(obj, MultiHeadLatentAttention):
         return obj.config
+    if isinstance(obj, DecoderConfig):
+        return _decoder_spec(obj)
     if isinstance(obj, MultiHeadAttention):
         return AttentionDims(obj.num_kv_heads, obj.head_dim, obj.v_head_dim, obj.num_heads)
     if isinstance(obj, Mapping):
@@ -135,18 +174,38 @@ def cache_spec(obj: Any) -> Spec:
             raise TypeError(f"a mapping spec takes AttentionDims fields (num_kv_heads, head_dim, v_head_dim, "
                             f"num_heads): {e}") from None
     if getattr(obj, "kv_lora_rank", None) is not None:
-        return MLAConfig.from_hf_config(obj)
+        mla = MLAConfig.from_hf_config(obj)
+        index_head_dim = getattr(obj, "index_head_dim", None)  # DeepseekV32Config
+        return mla if index_head_dim is None else IndexedLatentDims(mla, index_head_dim)
     heads = getattr(obj, "num_attention_heads", None)
     if heads is not None:
         head_dim = getattr(obj, "head_dim", None) or obj.hidden_size // heads
         return AttentionDims(getattr(obj, "num_key_value_heads", None) or heads, head_dim, num_heads=heads)
     raise TypeError(f"cannot size the KV cache of a {type(obj).__name__}; pass an MLAConfig, AttentionDims, "
-                    f"preset name, attnkit attention module or Hugging Face config")
+                    f"IndexedLatentDims, preset name, attnkit attention module, DecoderConfig or Hugging Face config")
+
+
+def _decoder_spec(cfg: DecoderConfig) -> Spec:
+    """The cache of one full-attention layer of a :class:`DecoderConfig` (the dims only)."""
+    if cfg.attention != "mla":
+        return AttentionDims(cfg.num_kv_heads, cfg.head_dim, num_heads=cfg.num_heads)
+    mla = MLAConfig(hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, kv_lora_rank=cfg.kv_lora_rank,
+                    qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
+                    v_head_dim=cfg.v_head_dim, q_lora_rank=cfg.q_lora_rank)
+    return mla if cfg.index_topk is None else IndexedLatentDims(mla, cfg.index_head_dim)
+
+
+def _index_values(s: Spec) -> int:
+    """Values of the indexer's key a token stores (a DSA layer; 0 for any other)."""
+    return s.index_head_dim if isinstance(s, IndexedLatentDims) else 0
 
 
 def values_per_token(spec) -> int:
-    """Values one token of one sequence stores in one layer's cache."""
+    """Values one token of one sequence stores in one layer's cache (a DSA layer: the latent's
+    and the indexer key's)."""
     s = cache_spec(spec)
+    if isinstance(s, IndexedLatentDims):
+        return s.mla.latent_dim + s.index_head_dim
     if isinstance(s, MLAConfig):
         return s.latent_dim
     return s.num_kv_heads * (s.head_dim + s.v_head_dim)
@@ -161,33 +220,58 @@ def _element_size(dtype: torch.dtype) -> int:
 def scales_per_token(spec, dtype: torch.dtype = torch.int8) -> int:
     """fp32 scales one token stores in one layer's cache in ``dtype``: for a quantized dtype (int8,
     fp8) one per row of K and one per row of V of each KV head, one for MLA's latent (V is read
-    from the same row); 0 for a float dtype."""
+    from the same row; a DSA layer's indexer keys are never quantized); 0 for a float dtype."""
     _element_size(dtype)
     if dtype not in QUANTIZED_DTYPES:
         return 0
     s = cache_spec(spec)
-    return 1 if isinstance(s, MLAConfig) else 2 * s.num_kv_heads
+    return 1 if isinstance(s, (MLAConfig, IndexedLatentDims)) else 2 * s.num_kv_heads
 
 
-def bytes_per_token(spec, dtype: torch.dtype = torch.bfloat16) -> int:
+def _index_dtype(dtype: torch.dtype, index_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a DSA layer's indexer keys are stored in: ``index_dtype``, else ``dtype`` when it
+    is a float dtype, else (a quantized cache) bf16, the compute dtype DeepSeek-V3.2 runs in."""
+    if index_dtype is not None:
+        _element_size(index_dtype)
+        if index_dtype in QUANTIZED_DTYPES:
+            raise ValueError(f"index_dtype is the cache's compute dtype (the indexer's keys are never quantized), "
+                             f"got {index_dtype}")
+        return index_dtype
+    return torch.bfloat16 if dtype in QUANTIZED_DTYPES else dtype
+
+
+def _row_bytes(spec, dtype: torch.dtype, index_dtype: torch.dtype | None) -> tuple[int, int]:
+    """Bytes one token costs in one layer: (attention's row: K and V, or MLA's latent, scales
+    included; a DSA layer's indexer key, 0 for any other layer)."""
+    s = cache_spec(spec)
+    index = _index_values(s)
+    attn = (values_per_token(s) - index) * _element_size(dtype) + 4 * scales_per_token(s, dtype)
+    return attn, index * _element_size(_index_dtype(dtype, index_dtype)) if index else 0
+
+
+def bytes_per_token(spec, dtype: torch.dtype = torch.bfloat16, *, index_dtype: torch.dtype | None = None) -> int:
     """Bytes per token per layer, scales of a quantized dtype included (what
-    ``cache.bytes_per_token`` reports for the matching cache)."""
-    return values_per_token(spec) * _element_size(dtype) + 4 * scales_per_token(spec, dtype)
+    ``cache.bytes_per_token`` reports for the matching cache). A DSA layer
+    (:class:`IndexedLatentDims`) adds its indexer key, stored unquantized in ``index_dtype``: the
+    cache's compute dtype (default ``dtype``, or bf16 when ``dtype`` is quantized), as
+    :class:`~attnkit.models.indexer.IndexedLatentCache` stores it."""
+    return sum(_row_bytes(spec, dtype, index_dtype))
 
 
 def kv_cache_bytes(spec, *, context: int = 1, layers: int = 1, batch: int = 1,
-                   dtype: torch.dtype = torch.bfloat16) -> int:
+                   dtype: torch.dtype = torch.bfloat16, index_dtype: torch.dtype | None = None) -> int:
     """Bytes of KV cache for ``batch`` sequences of ``context`` tokens over ``layers`` layers.
 
     ``spec``: anything :func:`cache_spec` accepts (an :class:`MLAConfig` sizes the latent cache;
     use :func:`expanded_dims` for the per-head cache the naive path would keep). A quantized
     ``dtype`` (int8, fp8) counts its fp32 scales (:func:`scales_per_token`), not an int8 cache's
-    K channel scale: one (Hkv, D) fp32 tensor per layer, whatever the context.
+    K channel scale: one (Hkv, D) fp32 tensor per layer, whatever the context. A DSA layer's
+    indexer keys are counted in ``index_dtype`` (:func:`bytes_per_token`).
     """
     for name, val in (("context", context), ("layers", layers), ("batch", batch)):
         if not isinstance(val, int) or isinstance(val, bool) or val < 0:
             raise ValueError(f"{name} must be a non-negative int, got {val!r}")
-    return bytes_per_token(spec, dtype) * context * layers * batch
+    return bytes_per_token(spec, dtype, index_dtype=index_dtype) * context * layers * batch
 
 
 @dataclass(frozen=True)
@@ -236,17 +320,20 @@ class SelectionSpec:
 
 
 def decode_read_bytes(spec, *, context: int, select: SelectionSpec | None = None, batch: int = 1,
-                      dtype: torch.dtype = torch.bfloat16) -> int:
+                      dtype: torch.dtype = torch.bfloat16, index_dtype: torch.dtype | None = None) -> int:
     """Bytes one decode step (one new query per sequence) reads from one layer's KV cache, for
     ``batch`` sequences of ``context`` cached tokens: every row (dense), or with ``select`` the
     rows it keeps, ``select.keys_read(context)`` per sequence. A row is what a token costs
     (:func:`bytes_per_token`): K and V of every KV head, each read once for its whole group of
     query heads, or MLA's latent and rope key (V is read from the latent), fp32 scales of a
-    quantized ``dtype`` included. A sparse layer's indexer reads its own key cache besides (one
-    small key per token, every token), which this does not count."""
+    quantized ``dtype`` included. A DSA layer (:class:`IndexedLatentDims`) reads its indexer's
+    keys besides, every cached one, whatever the selection (the indexer scores every key to
+    select; in ``index_dtype``, :func:`bytes_per_token`)."""
     positive_int("batch", batch)
-    keys = positive_int("context", context) if select is None else select.keys_read(context)
-    return keys * bytes_per_token(spec, dtype) * batch
+    context = positive_int("context", context)
+    keys = context if select is None else select.keys_read(context)
+    attn, index = _row_bytes(spec, dtype, index_dtype)
+    return (keys * attn + context * index) * batch
 
 
 def expanded_dims(config: MLAConfig) -> AttentionDims:
@@ -260,13 +347,15 @@ def expanded_dims(config: MLAConfig) -> AttentionDims:
 def gqa_equivalent_groups(spec, head_dim: int | None = None) -> float:
     """How many GQA key/value groups of ``head_dim`` (K and V each) cache as much per token:
     ``values_per_token / (2 * head_dim)``. Without ``head_dim``: MLA uses its
-    ``qk_nope_head_dim`` (the DeepSeek-V2 paper's d_h; 576 / (2 * 128) = 2.25 for V2/V3), and an
-    MHA/GQA/MQA layer its own K+V width per head (so the answer is its ``num_kv_heads``)."""
+    ``qk_nope_head_dim`` (the DeepSeek-V2 paper's d_h; 576 / (2 * 128) = 2.25 for V2/V3; a DSA
+    layer counts its indexer key too, 704 / 256 = 2.75 for V3.2), and an MHA/GQA/MQA layer its
+    own K+V width per head (so the answer is its ``num_kv_heads``)."""
     s = cache_spec(spec)
     if head_dim is not None:
         return values_per_token(s) / (2 * positive_int("head_dim", head_dim))
-    if isinstance(s, MLAConfig):
-        return values_per_token(s) / (2 * s.qk_nope_head_dim)
+    if isinstance(s, (MLAConfig, IndexedLatentDims)):
+        mla = s.mla if isinstance(s, IndexedLatentDims) else s
+        return values_per_token(s) / (2 * mla.qk_nope_head_dim)
     return values_per_token(s) / (s.head_dim + s.v_head_dim)
 
 
@@ -320,7 +409,10 @@ def kv_cache_table(specs=None, *, context: int = 4096, dtype: torch.dtype = torc
             reads per layer (:func:`decode_read_bytes`), of every cached row and of the selected
             rows only.
 
-    MLA rows are followed by their expanded per-head equivalent. "vs per-head" is how many times
+    MLA rows are followed by their expanded per-head equivalent. A DSA row (DeepSeek-V3.2,
+    :class:`IndexedLatentDims`) counts the indexer's keys as well, in bf16 when ``dtype`` is
+    quantized (:func:`bytes_per_token`), and compares with the per-head K/V plus those keys.
+    "vs per-head" is how many times
     smaller the cache is than K and V for every query head; "= GQA with n KV heads" is
     :func:`gqa_equivalent_groups`: the KV heads (of the model's head dim, K and V each) a GQA cache
     of the same size would hold, fractional for MLA (DeepSeek-V3: 2.25).
@@ -331,7 +423,7 @@ def kv_cache_table(specs=None, *, context: int = 4096, dtype: torch.dtype = torc
     positive_int("batch", batch)
     elem = _element_size(dtype)
     what = (f"{_dtype_name(dtype)} + fp32 scale per row ({elem} byte/value, 4 bytes per token per KV head for K and "
-            f"for V, per token for an MLA latent)" if dtype in QUANTIZED_DTYPES
+            f"for V, per token for an MLA latent; DSA indexer keys bf16)" if dtype in QUANTIZED_DTYPES
             else f"{_dtype_name(dtype)} ({elem} bytes/value)")
     title = f"KV cache at {context} tokens x batch {batch}, {what}"
     head = ("| model | attention | layers | values/token/layer | bytes/token/layer | bytes/token (model) "
@@ -350,7 +442,12 @@ def kv_cache_table(specs=None, *, context: int = 4096, dtype: torch.dtype = torc
         for label, spec in pairs:
             vals = values_per_token(spec)
             per_layer = bytes_per_token(spec, dtype)
-            if isinstance(spec, MLAConfig):
+            if isinstance(spec, IndexedLatentDims):
+                m = spec.mla
+                kind = (f"DSA: MLA (r={m.kv_lora_rank}, rope={m.qk_rope_head_dim}, {m.num_heads} heads) + indexer "
+                        f"key {spec.index_head_dim}")
+                full = values_per_token(expanded_dims(m)) + spec.index_head_dim
+            elif isinstance(spec, MLAConfig):
                 kind = f"MLA (r={spec.kv_lora_rank}, rope={spec.qk_rope_head_dim}, {spec.num_heads} heads)"
                 full = values_per_token(expanded_dims(spec))
             else:
@@ -380,7 +477,7 @@ _SPEC_KEYS = {
             "rope": "qk_rope_head_dim", "qk_rope_head_dim": "qk_rope_head_dim", "nope": "qk_nope_head_dim",
             "qk_nope_head_dim": "qk_nope_head_dim", "v": "v_head_dim", "v_head_dim": "v_head_dim",
             "hidden": "hidden_size", "hidden_size": "hidden_size", "q_lora_rank": "q_lora_rank",
-            "layers": "layers"},
+            "index": "index_head_dim", "index_head_dim": "index_head_dim", "layers": "layers"},
     "dims": {"heads": "num_heads", "num_heads": "num_heads", "kv_heads": "num_kv_heads",
              "num_kv_heads": "num_kv_heads", "head_dim": "head_dim", "v_head_dim": "v_head_dim", "v": "v_head_dim",
              "layers": "layers"},
@@ -430,7 +527,8 @@ def parse_spec(text: str) -> tuple[str, Spec, int | None]:
 
     * a preset name: ``deepseek-v3``, ``llama-3-8b``, ... (:data:`PRESETS`);
     * ``mla:heads=128,rank=512,rope=64,nope=128,v=128[,layers=61]`` (``hidden`` and
-      ``q_lora_rank`` optional: they do not change the cache);
+      ``q_lora_rank`` optional: they do not change the cache); ``index=128`` (``index_head_dim``)
+      makes it a DSA layer (:class:`IndexedLatentDims`) whose indexer caches 128 values a token;
     * ``mha:heads=32,head_dim=128``, ``gqa:heads=32,num_kv_heads=8,head_dim=128[,v=..]``,
       ``mqa:heads=71,head_dim=64``, each with optional ``layers=``.
 
@@ -464,7 +562,10 @@ def parse_spec(text: str) -> tuple[str, Spec, int | None]:
             if missing:
                 raise ValueError(f"mla spec {text!r} is missing {missing}")
             vals.setdefault("hidden_size", vals["num_heads"] * vals["v_head_dim"])
+            index_head_dim = vals.pop("index_head_dim", None)
             spec: Spec = MLAConfig(**vals)
+            if index_head_dim is not None:
+                spec = IndexedLatentDims(spec, index_head_dim)
         else:
             if kind == "mha" and "num_heads" in vals:
                 vals.setdefault("num_kv_heads", vals["num_heads"])
@@ -496,7 +597,7 @@ def add_kv_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     """The ``attnkit kv`` options: specs, ``--context``, ``--dtype``, ``--batch``, ``--layers``,
     ``--select``."""
     parser.add_argument("specs", nargs="*", metavar="SPEC",
-                        help=f"preset ({', '.join(PRESETS)}) or mla:heads=..,rank=..,rope=..,nope=..,v=.. "
+                        help=f"preset ({', '.join(PRESETS)}) or mla:heads=..,rank=..,rope=..,nope=..,v=..[,index=..] "
                              f"or mha/gqa/mqa:heads=..,num_kv_heads=..,head_dim=.. (default: every preset)")
     parser.add_argument("--context", type=_argument(parse_context), default=4096, help="tokens per sequence (4096, 128k)")
     parser.add_argument("--dtype", type=_argument(parse_dtype), default=torch.bfloat16,

@@ -273,17 +273,31 @@ class _Backbone(nn.Module):
         return h if self.embed_scale is None else h * self.embed_scale.to(h.dtype)
 
 
-def _key_length(cache, tokens: int) -> int | None:
-    """Keys the attention of a step of ``tokens`` new tokens per row sees over ``cache`` (what a
-    ``key_padding_mask`` must cover), or None where the cache's layout has no such columns."""
-    if isinstance(cache, IndexedLatentCache):
-        return cache.key_length(tokens)
+def _key_length(cache, tokens: int, num_new=None) -> int | None:
+    """Keys the attention of a step of ``tokens`` new tokens per row, row b keeping ``num_new[b]``
+    of them (default all), sees over ``cache`` (what a ``key_padding_mask`` must cover): a static
+    cache's ``max_len``; a dynamic or paged cache's view reaches the longest row after the step,
+    ``max(lengths + num_new)`` (ragged rows gaining different counts included). None where the
+    cache's layout has no such columns. Reads the cache only (called before the step begins)."""
+    if isinstance(cache, IndexedLatentCache):  # its views are the latent's
+        cache = cache.latent
     if isinstance(cache, StaticCache):
         return cache.max_len
-    if isinstance(cache, (DynamicCache, PagedKVCache)):
-        lengths = cache.lengths
-        return (int(lengths.max()) if lengths.numel() else 0) + tokens
-    return None
+    if not isinstance(cache, (DynamicCache, PagedKVCache)):
+        return None
+    lengths = cache.lengths
+    gain = torch.as_tensor(tokens if num_new is None else num_new, device=lengths.device).long()
+    if not lengths.numel():  # nothing cached yet: the rows start at 0
+        return int(gain.max()) if gain.numel() else 0
+    if gain.dim() and gain.shape[0] != lengths.shape[0]:  # a batch the cache will refuse itself
+        return int(lengths.max()) + tokens
+    return int((lengths + gain).max())
+
+
+def _key_rule(cache) -> str:
+    """How :func:`_key_length` counts ``cache``'s keys (for the error message)."""
+    base = cache.latent if isinstance(cache, IndexedLatentCache) else cache
+    return "max_len" if isinstance(base, StaticCache) else "longest row after this step, max(lengths + num_new)"
 
 
 class Decoder(nn.Module, GenerationMixin):
@@ -415,7 +429,7 @@ class Decoder(nn.Module, GenerationMixin):
                 hold (each row at its own length), else 0..S-1.
             key_padding_mask: (B, Sk) bool, True = a padding key to ignore, over every key
                 attended to (for a static cache: its whole capacity; a dynamic or paged one: its
-                longest row after this call; no cache: S).
+                longest row after this call, ``max(lengths + num_new)``; no cache: S).
             caches: one cache per layer (:meth:`new_caches`). The call is one step of all of
                 them: committed in every layer when it returns, in none if it raises.
             num_new: (B,) ints (or an int): row b's real tokens are its first ``num_new[b]``
@@ -525,13 +539,13 @@ class Decoder(nn.Module, GenerationMixin):
             if torch.compiler.is_compiling():
                 return B, S
             for i, c in enumerate([None] if caches is None else caches):
-                want = S if c is None else _key_length(c, S)
+                want = S if c is None else _key_length(c, S, num_new)
                 if c is not None and want is None:
                     raise ValueError(f"key_padding_mask cannot apply to caches[{i}] ({type(c).__name__}), whose "
                                      f"keys are not positions 0..Sk-1; pass num_new= for right-padded rows instead")
                 if kpm.shape[1] != want:
                     where = "S (no caches)" if c is None else \
-                        f"caches[{i}]'s key length ({type(c).__name__}: {'max_len' if isinstance(c, StaticCache) else 'longest row + S'})"
+                        f"caches[{i}]'s key length ({type(c).__name__}: {_key_rule(c)})"
                     raise ValueError(f"key_padding_mask has {kpm.shape[1]} columns, but this call attends over "
                                      f"{want} keys ({where})")
         return B, S
