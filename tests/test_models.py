@@ -518,13 +518,9 @@ def test_a_failing_forward_leaves_every_layers_cache_unchanged(attention, kind):
 
 
 _INDEXED = {"q_lora_rank": 16, "index_topk": 3}
-_KPM_LIMIT = ("IndexedLatentAttention.forward (models/indexer.py) checks key_padding_mask against "
-              "IndexedLatentCache.key_length: longest row + S, not the step's view width")
 
 
-_RAGGED_CASES = [(a, k) for a in ("gqa", "mla") for k in ("dynamic", "static", "paged")] + [("dsa", "static")] + [
-    pytest.param("dsa", k, marks=pytest.mark.xfail(strict=True, raises=ValueError, reason=_KPM_LIMIT))
-    for k in ("dynamic", "paged")]
+_RAGGED_CASES = [(a, k) for a in ("gqa", "mla", "dsa") for k in ("dynamic", "static", "paged")]
 
 
 @pytest.mark.parametrize("attention,kind", _RAGGED_CASES)
@@ -565,8 +561,8 @@ def test_key_padding_mask_width_with_ragged_num_new(attention, kind):
 @pytest.mark.parametrize("kind", ["dynamic", "paged"])
 def test_key_padding_mask_check_counts_num_new_for_the_indexed_cache(kind):
     """The decoder's own check asks an IndexedLatentCache for its latent's view width,
-    max(lengths + num_new), like any dynamic or paged cache (the layer's module checks it again:
-    see the xfail above)."""
+    max(lengths + num_new), like any dynamic or paged cache (the layer's module checks it again
+    against the step's view)."""
     from attnkit.models.decoder import _key_length
     m = tiny("mla", seed=7, **_INDEXED)
     with torch.no_grad():

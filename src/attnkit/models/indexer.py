@@ -337,13 +337,6 @@ class IndexedLatentCache(KVCache):
         self.latent.reorder(indices)  # validates first; the index cache takes the same indices
         self.index.reorder(indices)
 
-    def key_length(self, tokens: int) -> int:
-        """Keys a step of ``tokens`` new tokens attends over (a static cache: its capacity)."""
-        if isinstance(self.latent, StaticCache):
-            return self.latent.max_len
-        lengths = self.latent.lengths
-        return (int(lengths.max()) if lengths.numel() else 0) + tokens
-
 
 class IndexedLatentAttention(MultiHeadLatentAttention):
     """Multi-head latent attention restricted, per query, to the keys its lightning indexer
@@ -429,8 +422,8 @@ class IndexedLatentAttention(MultiHeadLatentAttention):
             positions = cache.positions(S) if cache is not None else torch.arange(S, device=x.device)[None]
         angles = self.rope.angles(positions)  # validates the positions
         user_mask = None
-        if key_padding_mask is not None:  # checked before any cache changes
-            user_mask = torch_key_padding(key_padding_mask, B, S if cache is None else cache.key_length(S))
+        if key_padding_mask is not None:  # its width is checked against the step's view in _select (aborted on error)
+            user_mask = torch_key_padding(key_padding_mask, B, S if cache is None else None)
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).unflatten(-1, (c.num_heads, c.qk_head_dim)).transpose(1, 2)
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
