@@ -382,3 +382,29 @@ def test_a_selection_call_compiles_without_graph_breaks():
     torch._dynamo.reset()
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(q, k, v, ids), f(q, k, v, ids))
+
+
+@pytest.mark.parametrize("layout", ["dense", "paged", "mla-paged"])
+def test_prefill_with_a_selection_walks_each_query_token(layout):
+    """A selection call longer than a decode step (Sq = 40 > MAX_Q_LEN) runs the same walk, one
+    program per query token, against the oracle; without a selection such a call is refused."""
+    from attnkit.backends import BackendNotSupported
+
+    Sq = 40
+    g = torch.Generator().manual_seed(stable_seed("prefill", layout))
+    width = D + 8 if "mla" in layout else D
+    k, v = torch.randn(B, HKV, L, width, generator=g), torch.randn(B, HKV, L, DV, generator=g)
+    kv_args, kv_ref, pad = _layout(layout, k, v, dtype=torch.float32)
+    q = torch.randn(B, HQ, Sq, width, generator=g)
+    Lq = kv_ref[0].shape[2]
+    for mask in (SelectedKeys(_ids(g, (B, Sq, 7), Lq)) & Causal(),
+                 (SelectedBlocks(_ids(g, (B, HKV, Sq, 2), -(-Lq // 4)), 4, num_heads=HQ) | SlidingWindow(3))):
+        assert attnkit.describe_call(q.to(DEV), *kv_args, mask, backend="triton",
+                                     detail=True) == "triton[split-k+selection]"
+        out = attnkit.attention(q.to(DEV), *kv_args, mask, backend="triton").cpu()
+        full = mask if pad is None else mask & pad
+        gold = attnkit.attention_reference(q.double(), kv_ref[0].double(), kv_ref[1].double(), full)
+        base = base_attention(q, kv_ref[0].to(q.dtype), kv_ref[1].to(q.dtype), full)
+        rule_r(out, base, gold, n_terms=Lq)
+    with pytest.raises(BackendNotSupported, match="Sq=40 > 16"):
+        attnkit.attention(q.to(DEV), *kv_args, Causal(), backend="triton")

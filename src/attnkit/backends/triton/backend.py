@@ -1,6 +1,6 @@
 """``triton``: the fused split-K decode kernel (:mod:`attnkit.backends.triton.kernel`, entry
 points in :mod:`attnkit.backends.triton.ops`) for ``attnkit.attention`` calls with a few queries
-per sequence (Sq <= 16).
+per sequence (Sq <= 16), and for calls of any length with a per-query selection.
 
 It takes the masks a KV cache produces, causal (any ``q_start``), right-side key padding and a
 sliding window (any ``q_start``, its own anchor), which it turns into per-sequence limits: query j
@@ -16,12 +16,14 @@ A per-query selection (:class:`~attnkit.masks.SelectedKeys`, :class:`~attnkit.ma
 ``ReducedMask.selection``: cut by interval masks such as causal, padding and windows, joined with
 at most one) is walked in place: each program takes the query heads of one KV head that read one
 list, for one query token, and visits only the listed keys (a block's keys in a row) and the
-joined interval's keys, each once, split over the list's entries for long selections.
+joined interval's keys, each once, split over the list's entries for long selections; prefill
+is the same walk, one program per query token (no (Sq, Sk) tensor).
 ``describe_call(detail=True)`` says ``triton[split-k+selection]`` then, ``triton[split-k]``
 otherwise.
 
 ``auto`` uses it on CUDA for paged and quantized K/V (read in place; any other backend would
-gather, and dequantize, the whole cache first), for selections (only the selected keys are read),
+gather, and dequantize, the whole cache first), for selections at any length without gradients
+(only the selected keys are read; with gradients they go to ``flex``),
 and where SDPA has no fused kernel for the call: K and V of different widths, as in MLA's
 absorbed decode (576 / 512), and score modifiers
 (soft-cap, sinks, ALiBi), which SDPA cannot run or runs only from a materialized bias. Plain
@@ -54,7 +56,9 @@ class TritonBackend(BackendBase):
         return None
 
     def not_supported_reasons(self, call: AttentionCall) -> list[str]:
-        why = decode_refusals(call, MAX_Q_LEN)
+        walks = call.reduced.limit_parts() is None and call.reduced.selection is not None
+        # a selection's programs take one query token each: prefill too (only the selected keys read)
+        why = decode_refusals(call, None if walks else MAX_Q_LEN)
         if call.needs_grad:
             why.append("gradients required (forward-only kernel)")
         if call.dtype not in (torch.float16, torch.bfloat16, torch.float32):
