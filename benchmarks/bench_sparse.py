@@ -9,7 +9,9 @@ indexer picked (random distinct positions here; the kernels never look at how th
 * ``dense``: the same call without the selection, over all C keys (the engine too).
 * ``dense k``: dense decode over a cache of only k keys: the floor a selection can reach.
 * ``sdpa mask``: torch SDPA with the selection as a dense bool mask (1, 1, 1, C), built before
-  the timing: transformers' sdpa path for DSA models, minus its mask build.
+  the timing: transformers' sdpa path for DSA models, minus its mask build. For MLA's one latent
+  head the 128 query heads go in as 128 queries of one head (SDPA would otherwise expand the
+  latent to every head: gigabytes at 32k).
 
 Two shapes: GQA (Hq 32 / Hkv 8, D 128) and absorbed MLA (128 heads over one 512 + 64 latent,
 V the latent's first 512 channels), bf16.
@@ -86,24 +88,31 @@ def _decode_inputs(shape: str, cfg: dict, dtype=torch.bfloat16):
     return q, k, v, M.SelectedKeys(ids) & M.Causal(), dense
 
 
+def _sdpa_masked(q, k, v, mask, scale):
+    """SDPA over a dense (1, 1, 1, C) mask: GQA through ``enable_gqa``; one KV head (MLA) with the
+    query heads as queries of that head, so nothing is expanded per head."""
+    if k.shape[1] == 1:
+        B, H, _, _ = q.shape
+        out = F.scaled_dot_product_attention(q.reshape(B, 1, H, -1), k, v, attn_mask=mask, scale=scale)
+        return out.view(B, H, 1, -1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
 def _decode_row(shape: str, cfg: dict) -> dict:
     q, k, v, sel, dense_mask = _decode_inputs(shape, cfg)
     kk = cfg["topk"]
     k_small = k[:, :, :kk].contiguous()
     v_small = k_small[..., :v.shape[-1]] if v.data_ptr() == k.data_ptr() else v[:, :, :kk].contiguous()
     scale = q.shape[-1] ** -0.5
-    gqa = q.shape[1] != k.shape[1]
     with torch.inference_mode():
         got = attnkit.attention(q, k, v, sel, scale=scale)
-        want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=dense_mask, scale=scale,
-                                              enable_gqa=gqa)
+        want = _sdpa_masked(q.float(), k.float(), v.float(), dense_mask, scale)
         torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
         fns = {
             "sparse": timed(lambda: attnkit.attention(q, k, v, sel, scale=scale)),
             "dense": timed(lambda: attnkit.attention(q, k, v, causal=True, scale=scale)),
             "dense k": timed(lambda: attnkit.attention(q, k_small, v_small, causal=True, scale=scale)),
-            "sdpa mask": timed(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask, scale=scale,
-                                                                      enable_gqa=gqa)),
+            "sdpa mask": timed(lambda: _sdpa_masked(q, k, v, dense_mask, scale)),
         }
         samples = interleaved_samples(fns, cfg["reps"], warmup=2)
     med = medians(samples)
