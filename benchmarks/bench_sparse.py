@@ -13,8 +13,9 @@ indexer picked (random distinct positions here; the kernels never look at how th
   head the 128 query heads go in as 128 queries of one head (SDPA would otherwise expand the
   latent to every head: gigabytes at 32k).
 
-Two shapes: GQA (Hq 32 / Hkv 8, D 128) and absorbed MLA (128 heads over one 512 + 64 latent,
-V the latent's first 512 channels), bf16.
+Three selections: top-k keys over GQA (Hq 32 / Hkv 8, D 128) and over absorbed MLA (128 heads over
+one 512 + 64 latent, V the latent's first 512 channels), and the same k keys as whole blocks of 64
+over GQA (MiniMax-M3's and NSA's block selection), bf16.
 
 Quality, beside the speed: how far the sparse output is from dense attention over the same cache
 when the selection is the top-k of the true scores (an exact indexer; DSA's indexer approximates
@@ -51,6 +52,10 @@ QUICK = dict(context=4096, topk=256, prefill=512, prefill_topk=64, reps=3, prefi
              gqa=(8, 2, 64), mla=(16, 64, 16))
 
 
+#: Keys per block of the block selection row.
+BLOCK = 64
+
+
 def _topk_ids(S: int, C: int, k: int, seed: int, block: int = 256) -> torch.Tensor:
     """(1, S, k) int64: query i of S (the last S of C positions) picks k random distinct keys
     among the C - S + i + 1 before it (all of them, then -1, when there are fewer), a block of
@@ -72,7 +77,7 @@ def _decode_inputs(shape: str, cfg: dict, dtype=torch.bfloat16):
     form (1, 1, 1, C)."""
     C, k_sel = cfg["context"], cfg["topk"]
     g = torch.Generator().manual_seed(1)
-    if shape == "gqa":
+    if shape.startswith("gqa"):
         Hq, Hkv, D = cfg["gqa"]
         q = torch.randn(1, Hq, 1, D, generator=g).to(dtype)
         k = torch.randn(1, Hkv, C, D, generator=g).to(dtype)
@@ -82,8 +87,12 @@ def _decode_inputs(shape: str, cfg: dict, dtype=torch.bfloat16):
         q = torch.randn(1, Hq, 1, r + dr, generator=g).to(dtype)
         k = torch.randn(1, 1, C, r + dr, generator=g).to(dtype)
         v = k[..., :r]
-    ids = _topk_ids(1, C, k_sel, seed=2)
     dense = torch.zeros(1, 1, 1, C, dtype=torch.bool)
+    if shape == "gqa-blocks":  # k keys as k / BLOCK whole blocks (MiniMax-M3, NSA)
+        blocks = torch.randperm(C // BLOCK, generator=g)[:k_sel // BLOCK]
+        dense.view(C // BLOCK, BLOCK)[blocks] = True
+        return q, k, v, M.SelectedBlocks(blocks.view(1, 1, -1), BLOCK) & M.Causal(), dense
+    ids = _topk_ids(1, C, k_sel, seed=2)
     dense[0, 0, 0, ids[0, 0]] = True
     return q, k, v, M.SelectedKeys(ids) & M.Causal(), dense
 
@@ -230,7 +239,7 @@ def run(quick: bool) -> dict:
     cfg = QUICK if quick else FULL
     load_start = os.getloadavg()[0]
     decode = []
-    for shape in ("gqa", "mla"):
+    for shape in ("gqa", "gqa-blocks", "mla"):
         decode.append(_decode_row(shape, cfg))
         print(f"  decode {shape}: " + ", ".join(f"{k} {v:.3g}" for k, v in decode[-1].items()
                                                 if isinstance(v, float)), flush=True)
@@ -253,8 +262,10 @@ def to_markdown(res: dict) -> str:
              "| dense / sparse | sparse / dense-k | SDPA mask / sparse | kernel |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in res["decode"]:
-        shape = (f"GQA {r['heads'][0]}/{r['heads'][1]}, D {r['head_dim'][0]}" if r["shape"] == "gqa" else
+        shape = (f"GQA {r['heads'][0]}/{r['heads'][1]}, D {r['head_dim'][0]}" if r["shape"].startswith("gqa") else
                  f"MLA {r['heads'][0]} heads, latent {r['head_dim'][1]} + {r['head_dim'][0] - r['head_dim'][1]}")
+        if r["shape"] == "gqa-blocks":
+            shape += f", {r['topk'] // BLOCK} blocks of {BLOCK}"
         lines.append(f"| {shape} | {r['context']} | {r['topk']} | {r['sparse_ms']:.3f} | {r['dense_ms']:.3f} | "
                      f"{r['dense k_ms']:.3f} | {r['sdpa mask_ms']:.3f} | {r['dense_over_sparse']:.1f}x | "
                      f"{r['sparse_over_dense_k']:.2f}x | {r['sdpa_over_sparse']:.1f}x | `{r['kernel']}` |")

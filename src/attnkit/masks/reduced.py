@@ -389,7 +389,8 @@ class ReducedSelection:
     def within(self, device) -> tuple[Tensor, Tensor]:
         """R as (lo, hi) int64 broadcastable to (B, Sq); (0, Sk) without R."""
         def make():
-            if self.within_part is None:
+            # no R, or a decode step's bottom-right causal (its one query sees every key): no positions to work out
+            if self.within_part is None or (self.q_len == 1 and _is_bottom_right_causal(self.within_part)):
                 z = torch.zeros(1, 1, dtype=torch.long, device=device)
                 return z, z + self.kv_len
             return self.within_part.key_range(self.batch, self.q_len, self.kv_len, device)

@@ -270,6 +270,15 @@ def _selected(c: SplitKCall) -> tuple[Tensor, Tensor | None]:
         within = [t.to(device=q.device, dtype=torch.long).expand(B, Sq) for t in sel.within(q.device)]
         union = sel.union(q.device)
         union = None if union is None else [t.to(device=q.device, dtype=torch.long).expand(B, Sq) for t in union]
+        if Sq == 1:  # a decode step: q (B, Hq, 1, D) is already B sequences of one query each
+            per_query = [t.reshape(B).contiguous() for t in within + (union or [])]
+            uni = per_query[2:] if union is not None else [None, None]
+            out, lse = c.ops.splitk_attention(_plain(q, whole=True), k, v, _scales(c.k_scale), _scales(c.v_scale), Dv,
+                                              table, None, None, None, slopes,
+                                              None if qpos is None else qpos.contiguous(), c.sinks, float(c.scale),
+                                              float(c.softcap or 0.0), c.num_kv_heads, c.return_lse, ids,
+                                              sel.block_size, per_query[0], per_query[1], uni[0], uni[1], 1)
+            return out, (lse if c.return_lse else None)
     else:
         row = c.num_kv_heads * (c.q.shape[-1] + Dv) * c.k.element_size()
         longest = sel.mask.ids.shape[-1] * sel.block_size + (c.kv_len if sel.union_part is not None else 0)
