@@ -20,7 +20,7 @@ Timed settings, batch 1, greedy, every contender in one process, interleaved (al
   and 8-bit (llama.cpp ``q8_0``, which needs flash attention; attnkit ``kv_dtype="int8"``);
 - llama.cpp with flash attention on and off (off only with f16 K/V), attnkit eager (the default
   dynamic cache) and ``compile=True`` (static cache; its compilation is done before timing);
-- contexts prompt + new tokens of 32 + 128 and 8192 + 64.
+- contexts prompt + new tokens of 512 + 128 and 8192 + 64.
 
 Decode tokens/s excludes the prompt: (new - 1) tokens over the time after the first new token
 (attnkit's ``Generation.decode_seconds``; the same split around llama.cpp's ``eval`` calls).
@@ -57,7 +57,7 @@ from attnkit._sysinfo import cpu_flags
 SHAPE, SHAPE_QUICK = (1024, 8, 16, 4, 2816, 32000), (256, 2, 4, 2, 688, 4096)
 #: (prompt, new tokens, repetitions): the long rows run once each (a prefill of 8k tokens takes
 #: most of a minute per contender on a small CPU); their decode rate is still a mean over 63 steps.
-CONTEXTS, CONTEXTS_QUICK = ((32, 128, 3), (8192, 64, 1)), ((32, 16, 2),)
+CONTEXTS, CONTEXTS_QUICK = ((512, 128, 3), (8192, 64, 1)), ((32, 16, 2),)
 #: New tokens of the warm-up call each contender makes before the short rows' timing.
 WARMUP_NEW = 8
 #: Positions the model and llama.cpp's context allow (the long rows need 8256).
