@@ -134,6 +134,55 @@ def test_compiled_cpu_decode_calls_the_split_k_kernel_once_it_is_loaded(storage)
     torch.testing.assert_close(out, call(q), rtol=0, atol=0)
 
 
+#: The native split-K op's schema. Inductor's cache keys a compiled graph by code that names the
+#: op and its arguments, not its schema: a change here must change the arguments every call passes
+#: or the op's name, or graphs cached before it call the new op with the old arguments.
+SPLITK_SCHEMA = (
+    "attnkit_cpu::splitk_attention(Tensor q, Tensor k, Tensor? v, Tensor? k_scale, Tensor? v_scale, "
+    "int v_head_dim, Tensor? block_table, Tensor? lo, Tensor? hi, Tensor? bias, Tensor? slopes, Tensor? qpos, "
+    "Tensor? sinks, float scale, float softcap, int num_kv_heads, bool return_lse, Tensor? sel_ids, "
+    "int sel_block, Tensor? sel_lo, Tensor? sel_hi, Tensor? union_lo, Tensor? union_hi, "
+    "int seq_div) -> (Tensor, Tensor)")
+
+
+def test_the_split_k_op_schema_is_the_one_calls_are_written_for():
+    from attnkit import native
+
+    if native.load() is None:
+        pytest.skip("the native kernel cannot be built here")
+    assert str(torch.ops.attnkit_cpu.splitk_attention.default._schema) == SPLITK_SCHEMA
+
+
+@pytest.mark.slow
+def test_the_split_k_op_runs_from_inductors_cpp_wrapper():
+    """The compiled decode step on CPU (``generate(compile=True)``: inductor with ``cpp_wrapper``)
+    calls the native op from C++ with exactly the arguments the traced call named: a dense decode
+    step, a selection step and a chunk of prefill with a selection give the eager call's numbers
+    (an op schema with defaulted arguments made that call read past its arguments and crash)."""
+    from attnkit import native
+    from attnkit.models.generation import compile_settings
+
+    if native.load() is None:
+        pytest.skip("the native kernel cannot be built here")
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(2, 2, 300, 64, generator=g), torch.randn(2, 2, 300, 64, generator=g)
+    q1, q5 = torch.randn(2, 8, 1, 64, generator=g), torch.randn(2, 8, 5, 64, generator=g)
+    pad = attnkit.masks.KeyPadding(torch.tensor([300, 123]))
+    sel1 = attnkit.masks.SelectedKeys(torch.randint(-1, 300, (2, 1, 9), generator=g)) & attnkit.masks.Causal()
+    sel5 = attnkit.masks.SelectedBlocks(torch.randint(-1, 19, (2, 2, 5, 3), generator=g), 16, num_heads=8) & pad
+
+    def step(q1, q5, k, v):
+        return (attnkit.attention(q1, k, v, pad, backend="decode"), attnkit.attention(q1, k, v, sel1, backend="decode"),
+                attnkit.attention(q5, k, v, sel5, backend="decode"))
+
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        got = torch.compile(step, fullgraph=True, **compile_settings("inductor", "cpu"))(q1, q5, k, v)
+        want = step(q1, q5, k, v)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_v_from_k_check_traces_under_fullgraph_compile():
     """MLA's V is a prefix view of K's rows; eagerly the decode kernels read it once, through K.
     Under a trace tensors have no addresses (torch 2.11's dynamo failed compiled MLA decode on CUDA

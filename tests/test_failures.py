@@ -148,7 +148,8 @@ def lying_table_battery(thread_counts=(1, 2, 16)) -> list[str]:
                         for name, kw in calls.items():
                             try:
                                 ops.splitk_attention(q[:, :, :1].contiguous(), k, v, None, None, D, None, lo, kw["hi"],
-                                                     kw["bias"], None, None, None, 1.0, 0.0, Hkv, False)
+                                                     kw["bias"], None, None, None, 1.0, 0.0, Hkv, False,
+                                                     None, 1, None, None, None, None, 1)
                                 failures.append(f"{where} dense kernel {name}: no error")
                             except ValueError:
                                 pass
@@ -216,7 +217,7 @@ def test_zero_block_size_pools_raise_a_value_error():
         if ops is not None:  # the kernel refuses it too, called directly
             try:
                 ops.splitk_attention(q, pool, pool, None, None, 8, torch.tensor([[0, 1]]), None, torch.tensor([[4]]), None,
-                                     None, None, None, 1.0, 0.0, 1, False)
+                                     None, None, None, 1.0, 0.0, 1, False, None, 1, None, None, None, None, 1)
                 print("NO ERROR kernel")
             except ValueError as e:
                 assert "block size" in str(e), e
@@ -249,7 +250,7 @@ def test_huge_lengths_raise_without_allocating(length):
                 torch.set_num_threads(threads)
                 try:
                     ops.splitk_attention(q, pool, pool, None, None, 8, table, None, torch.tensor([[{length}]]), None, None,
-                                         None, None, 1.0, 0.0, 1, False)
+                                         None, None, 1.0, 0.0, 1, False, None, 1, None, None, None, None, 1)
                     print("NO ERROR kernel")
                 except ValueError as e:
                     assert "block_table" in str(e), e

@@ -1794,12 +1794,18 @@ std::tuple<at::Tensor, at::Tensor> splitk_attention_meta(
 
 }  // namespace
 
+// No argument has a default, so every call names them all. Inductor caches a compiled graph by its
+// code, which names the op and the arguments a call passed but not the op's schema: a graph cached
+// before a schema change would call the new op with the old arguments from its C++ wrapper
+// (cpp_wrapper), and the dispatcher would read past them. A schema change must change what a call
+// passes (here, the number of arguments) or the op's name; tests/test_compile_safety.py pins the
+// schema so the change is made on purpose.
 TORCH_LIBRARY(attnkit_cpu, m) {
   m.def(
       "splitk_attention(Tensor q, Tensor k, Tensor? v, Tensor? k_scale, Tensor? v_scale, int v_head_dim, Tensor? block_table, Tensor? lo, "
       "Tensor? hi, Tensor? bias, Tensor? slopes, Tensor? qpos, Tensor? sinks, float scale, float softcap, "
-      "int num_kv_heads, bool return_lse, Tensor? sel_ids=None, int sel_block=1, Tensor? sel_lo=None, "
-      "Tensor? sel_hi=None, Tensor? union_lo=None, Tensor? union_hi=None, int seq_div=1) -> (Tensor, Tensor)");
+      "int num_kv_heads, bool return_lse, Tensor? sel_ids, int sel_block, Tensor? sel_lo, Tensor? sel_hi, "
+      "Tensor? union_lo, Tensor? union_hi, int seq_div) -> (Tensor, Tensor)");
   m.impl("splitk_attention", c10::DispatchKey::CPU, TORCH_FN(splitk_attention));
   m.impl("splitk_attention", c10::DispatchKey::Meta, TORCH_FN(splitk_attention_meta));
 }

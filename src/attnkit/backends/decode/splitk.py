@@ -199,12 +199,18 @@ def run_call(c: SplitKCall) -> tuple[Tensor, Tensor | None]:
     return out.to(q.dtype), (lse if c.return_lse else None)
 
 
-def _native(c: SplitKCall, q, k, v, table, lo, hi, bias, slopes, qpos, sinks=None):
+#: The native op's selection arguments when there is none (sel_ids, sel_block, sel_lo, sel_hi,
+#: union_lo, union_hi, seq_div).
+_NO_SELECTION = (None, 1, None, None, None, None, 1)
+
+
+def _native(c: SplitKCall, q, k, v, table, lo, hi, bias, slopes, qpos, sinks=None, selection=_NO_SELECTION):
     """One call of the native kernel (inputs already as it reads them; ``sinks`` the call's
-    unless given): (out in q's dtype, lse)."""
+    unless given; ``selection`` the op's selection arguments): (out in q's dtype, lse). Every
+    argument is passed: a compiled graph's C++ wrapper passes exactly those a traced call names."""
     return c.ops.splitk_attention(q, k, v, _scales(c.k_scale), _scales(c.v_scale), c.v_head_dim, table, lo, hi,
                                   bias, slopes, qpos, c.sinks if sinks is None else sinks, float(c.scale),
-                                  float(c.softcap or 0.0), c.num_kv_heads, c.return_lse)
+                                  float(c.softcap or 0.0), c.num_kv_heads, c.return_lse, *selection)
 
 
 def _torch(c: SplitKCall, q, lo, hi, bias, slopes, qpos):
@@ -273,11 +279,9 @@ def _selected(c: SplitKCall) -> tuple[Tensor, Tensor | None]:
         if Sq == 1:  # a decode step: q (B, Hq, 1, D) is already B sequences of one query each
             per_query = [t.reshape(B).contiguous() for t in within + (union or [])]
             uni = per_query[2:] if union is not None else [None, None]
-            out, lse = c.ops.splitk_attention(_plain(q, whole=True), k, v, _scales(c.k_scale), _scales(c.v_scale), Dv,
-                                              table, None, None, None, slopes,
-                                              None if qpos is None else qpos.contiguous(), c.sinks, float(c.scale),
-                                              float(c.softcap or 0.0), c.num_kv_heads, c.return_lse, ids,
-                                              sel.block_size, per_query[0], per_query[1], uni[0], uni[1], 1)
+            out, lse = _native(c, _plain(q, whole=True), k, v, table, None, None, None, slopes,
+                               None if qpos is None else qpos.contiguous(),
+                               selection=(ids, sel.block_size, per_query[0], per_query[1], uni[0], uni[1], 1))
             return out, (lse if c.return_lse else None)
     else:
         row = c.num_kv_heads * (c.q.shape[-1] + Dv) * c.k.element_size()
@@ -296,10 +300,8 @@ def _selected(c: SplitKCall) -> tuple[Tensor, Tensor | None]:
         if native_ops:
             per_query = [t[:, i0:i1].reshape(B * m).contiguous() for t in within + (union or [])]
             uni = per_query[2:] if union is not None else [None, None]
-            o, l_c = c.ops.splitk_attention(qc, k, v, _scales(c.k_scale), _scales(c.v_scale), Dv, table, None, None,
-                                            None, slopes, pc, sc, float(c.scale), float(c.softcap or 0.0),
-                                            c.num_kv_heads, c.return_lse, ids[:, :, i0:i1], sel.block_size,
-                                            per_query[0], per_query[1], uni[0], uni[1], m)
+            o, l_c = _native(c, qc, k, v, table, None, None, None, slopes, pc, sc,
+                             selection=(ids[:, :, i0:i1], sel.block_size, per_query[0], per_query[1], uni[0], uni[1], m))
         else:
             keys, lo, hi = sel.lists(q.device, i0, i1)  # (B, m, Hs, L), (B, m, Hs)
             o, l_c = torch_selected(qc, c.k, c.v, Dv, c.num_kv_heads, c.scale, keys.flatten(0, 1), lo.flatten(0, 1),
