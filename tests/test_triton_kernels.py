@@ -562,16 +562,14 @@ for dt, D, Dv, vfk, rows, direct, cap in json.loads(sys.argv[1]):
     cv = dict(V_FROM_K=vfk, HAS_ROPE=cfg["DR"] > 0, PRECISION="ieee" if short == "fp32" else "tf32",
               DOT_F32=False, HAS_SOFTCAP=True, HAS_ALIBI=True, QUANT=False, FP8=False, HAS_WINDOW=True,
               DIRECT=direct, HAS_SINKS=direct,
-              **{k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_DK", "BLOCK_DR", "BLOCK_DV")},
-              **td._even(cfg, Dv))
+              **{k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_DK", "BLOCK_DR", "BLOCK_DV")})
     assert set(cv) == set(consts), sorted(set(consts) ^ set(cv))
     sig.update({k: "constexpr" for k in cv})
     k = triton.compile(triton.compiler.ASTSource(fn, sig, cv, attrs), target=GPUTarget("cuda", cap, 32),
                        options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
     spills, regs = ptxas_report(k.asm["ptx"], cap)
     out.append(dict(case=[dt, D, Dv, vfk, rows, direct, cap], shared=k.metadata.shared, spills=spills, regs=regs,
-                    wgmma="wgmma" in k.asm["ptx"], block_m=cfg["BLOCK_M"],
-                    vector_loads=len(re.findall(r"ld\.global(?:\.[a-z0-9]+)*\.v[24]\.", k.asm["ptx"]))))
+                    wgmma="wgmma" in k.asm["ptx"], block_m=cfg["BLOCK_M"]))
 print(json.dumps(out))
 """
 
@@ -611,14 +609,6 @@ def test_bf16_gqa_and_mla_kernels_fit_without_spills_on_sm80_and_sm90():
     for r in _compiled_decode_kernels():
         assert r["shared"] <= _SMEM[r["case"][-1]], f"{r['case']}: {r['shared']} B shared"
         assert r["spills"] == 0, f"{r['case']}: {r['spills']} bytes of register spills ({r['regs']} registers)"
-
-
-@pytest.mark.slow
-def test_bf16_kernels_load_k_and_v_rows_as_vectors():
-    """Channel tiles exactly as wide as the channels carry no mask along the row, so the K, V
-    and q rows are read as whole vectors (ld.global.v2 / .v4 in the PTX), not element by element."""
-    for r in _compiled_decode_kernels():
-        assert r["vector_loads"] > 0, f"{r['case']}: no vector loads in the PTX"
 
 
 @pytest.mark.slow

@@ -294,8 +294,7 @@ for dt, D, Dv, vfk, rows, direct, quant, cap in json.loads(sys.argv[1]):
     cv = dict(V_FROM_K=vfk, HAS_ROPE=cfg["DR"] > 0, PRECISION="ieee" if short == "fp32" else "tf32",
               DOT_F32=False, HAS_SOFTCAP=True, HAS_ALIBI=True, QUANT=quant, FP8=False, HAS_WINDOW=True,
               DIRECT=direct, HAS_SINKS=direct,
-              **{k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_DK", "BLOCK_DR", "BLOCK_DV")},
-              **td._even(cfg, Dv))
+              **{k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_DK", "BLOCK_DR", "BLOCK_DV")})
     assert set(cv) == set(consts), sorted(set(consts) ^ set(cv))
     sig.update({k: "constexpr" for k in cv})
     k = triton.compile(triton.compiler.ASTSource(fn, sig, cv, attrs), target=GPUTarget("cuda", cap, 32),

@@ -146,7 +146,6 @@ if triton is not None:
         SEL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_DK: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
-        EVEN_DK: tl.constexpr, EVEN_DR: tl.constexpr, EVEN_DV: tl.constexpr,
     ):
         pid_bh = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -207,23 +206,17 @@ if triton is not None:
             slope = tl.load(SLOPES + h, mask=row_ok, other=0.0) * 1.4426950408889634
             alibi_pos = tl.load(ALIBI_QSTART + b) + j
 
-        # Masks on the channel axes only where a tile is wider than its channels (EVEN_*: the
-        # tile is exactly as wide): a mask that varies along the contiguous axis keeps Triton from
-        # loading whole 16-byte vectors of a row.
         dk = tl.arange(0, BLOCK_DK)
-        dk_ok = (dk < BLOCK_DK) if EVEN_DK else (dk < DK)
         q_base = Qb + h[:, None] * stride_qh + j[:, None] * stride_qs
-        q = tl.load(q_base + dk[None, :], mask=row_ok[:, None] & dk_ok[None, :], other=0.0)
+        q = tl.load(q_base + dk[None, :], mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
         if DOT_F32:
             q = q.to(tl.float32)
         if HAS_ROPE:
             dr = tl.arange(0, BLOCK_DR)
-            dr_ok = (dr < BLOCK_DR) if EVEN_DR else (dr < DR)
-            q_r = tl.load(q_base + DK + dr[None, :], mask=row_ok[:, None] & dr_ok[None, :], other=0.0)
+            q_r = tl.load(q_base + DK + dr[None, :], mask=row_ok[:, None] & (dr[None, :] < DR), other=0.0)
             if DOT_F32:
                 q_r = q_r.to(tl.float32)
         dv = tl.arange(0, BLOCK_DV)
-        dv_ok = (dv < BLOCK_DV) if EVEN_DV else (dv < DV)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -260,14 +253,15 @@ if triton is not None:
             # int64 too: a contiguous cache is one block of L slots, and L x its slot stride can pass 2**31.
             slot = (pos % KV_BLOCK_SIZE).to(tl.int64)
             k_base = Kh + blk * stride_kn + slot * stride_kt
-            k = tl.load(k_base[:, None] + dk[None, :], mask=pos_ok[:, None] & dk_ok[None, :], other=0.0)
+            k = tl.load(k_base[:, None] + dk[None, :], mask=pos_ok[:, None] & (dk[None, :] < DK), other=0.0)
             if QUANT:  # exact: int8 and e4m3 values are values of q's dtype
                 k = _widen(k, FP8).to(q.dtype)
             elif DOT_F32:
                 k = k.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
             if HAS_ROPE:
-                k_r = tl.load(k_base[:, None] + DK + dr[None, :], mask=pos_ok[:, None] & dr_ok[None, :], other=0.0)
+                k_r = tl.load(k_base[:, None] + DK + dr[None, :], mask=pos_ok[:, None] & (dr[None, :] < DR),
+                              other=0.0)
                 if QUANT:
                     k_r = _widen(k_r, FP8).to(q_r.dtype)
                 elif DOT_F32:
@@ -301,7 +295,7 @@ if triton is not None:
                 v = k  # V = K[..., :Dv]: the tile just read (DK == DV), widened if quantized
             else:
                 v_base = Vh + blk * stride_vn + slot * stride_vt
-                v = tl.load(v_base[:, None] + dv[None, :], mask=pos_ok[:, None] & dv_ok[None, :], other=0.0)
+                v = tl.load(v_base[:, None] + dv[None, :], mask=pos_ok[:, None] & (dv[None, :] < DV), other=0.0)
                 if QUANT:
                     v = _widen(v, FP8).to(q.dtype)
                 elif DOT_F32:
@@ -333,14 +327,14 @@ if triton is not None:
             out = acc / tl.where(seen, den, 1.0)[:, None]
             orow = ((b * HKV * G + h) * S + j).to(tl.int64)  # OUT is contiguous (B, Hq, S, DV)
             tl.store(OUT + orow[:, None] * DV + dv[None, :], out.to(OUT.dtype.element_ty),
-                     mask=row_ok[:, None] & dv_ok[None, :])
+                     mask=row_ok[:, None] & (dv[None, :] < DV))
         else:
             lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
             out = acc / tl.where(seen, l_i, 1.0)[:, None]
             # Partials are contiguous (B, Hq, S, NSPLIT[, DV]); row (b, h, j).
             prow = ((b * HKV * G + h) * S + j).to(tl.int64) * NSPLIT + pid_s
             tl.store(LSEP + prow, lse, mask=row_ok)
-            tl.store(OP + prow[:, None] * DV + dv[None, :], out, mask=row_ok[:, None] & dv_ok[None, :])
+            tl.store(OP + prow[:, None] * DV + dv[None, :], out, mask=row_ok[:, None] & (dv[None, :] < DV))
 
     @triton.jit
     def _split_kernel(
@@ -358,7 +352,6 @@ if triton is not None:
         HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, HAS_SINKS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_DK: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
-        EVEN_DK: tl.constexpr, EVEN_DR: tl.constexpr, EVEN_DV: tl.constexpr,
     ):
         # The decode kernel over the call's limits (causal, lengths, window): _attend without a selection.
         _attend(Q, K, V, TABLE, QSTART, LENGTHS, OP, LSEP, SLOPES, ALIBI_QSTART, KS, VS, WIN_QSTART, OUT, SINKS,
@@ -373,7 +366,7 @@ if triton is not None:
             LENGTHS, LENGTHS, LENGTHS, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1,  # no selection: unread
             V_FROM_K, HAS_ROPE, PRECISION, DOT_F32, HAS_SOFTCAP, HAS_ALIBI, QUANT, FP8, HAS_WINDOW, DIRECT,
             HAS_SINKS,
-            False, BLOCK_M, BLOCK_N, BLOCK_DK, BLOCK_DR, BLOCK_DV, EVEN_DK, EVEN_DR, EVEN_DV)
+            False, BLOCK_M, BLOCK_N, BLOCK_DK, BLOCK_DR, BLOCK_DV)
 
     @triton.jit
     def _select_kernel(
@@ -394,7 +387,6 @@ if triton is not None:
         HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, HAS_SINKS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_DK: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
-        EVEN_DK: tl.constexpr, EVEN_DR: tl.constexpr, EVEN_DV: tl.constexpr,
     ):
         # The decode kernel walking a per-query selection (within the call's limits): _attend with SEL.
         _attend(Q, K, V, TABLE, QSTART, LENGTHS, OP, LSEP, SLOPES, ALIBI_QSTART, KS, VS, WIN_QSTART, OUT, SINKS,
@@ -410,7 +402,7 @@ if triton is not None:
             SEL_BLOCK, SEL_GS, SEL_CH, SEL_MT,
             V_FROM_K, HAS_ROPE, PRECISION, DOT_F32, HAS_SOFTCAP, HAS_ALIBI, QUANT, FP8, HAS_WINDOW, DIRECT,
             HAS_SINKS,
-            True, BLOCK_M, BLOCK_N, BLOCK_DK, BLOCK_DR, BLOCK_DV, EVEN_DK, EVEN_DR, EVEN_DV)
+            True, BLOCK_M, BLOCK_N, BLOCK_DK, BLOCK_DR, BLOCK_DV)
 
     @triton.jit
     def _merge_kernel(OP, LSEP, OUT, SINKS, NSPLIT, DV, HQ, S, HAS_SINKS: tl.constexpr, BLOCK_SPLIT: tl.constexpr,
@@ -452,12 +444,6 @@ def _config(dtype: torch.dtype, D: int, Dv: int, rows: int, v_from_k: bool) -> d
         block_n = 64 if width <= 512 else 32
     return dict(DK=dk, DR=dr, BLOCK_DK=bdk, BLOCK_DR=bdr, BLOCK_DV=bdv, BLOCK_M=block_m, BLOCK_N=block_n,
                 num_warps=4 if width <= 512 else 8, num_stages=3)
-
-
-def _even(cfg: dict, Dv: int) -> dict:
-    """The channel tiles exactly as wide as their channels (no mask along the row needed)."""
-    return dict(EVEN_DK=cfg["BLOCK_DK"] == cfg["DK"], EVEN_DR=cfg["BLOCK_DR"] == cfg["DR"],
-                EVEN_DV=cfg["BLOCK_DV"] == Dv)
 
 
 #: The interpreter's stand-in for a GPU's size (SMs, programs per SM) in the split rule.
@@ -570,8 +556,7 @@ def launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tenso
         HAS_SOFTCAP=softcap > 0, HAS_ALIBI=slopes is not None, QUANT=quant, FP8=fp8,
         HAS_WINDOW=window_q_start is not None, DIRECT=direct, HAS_SINKS=sinks is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DK=cfg["BLOCK_DK"],
-        BLOCK_DR=cfg["BLOCK_DR"], BLOCK_DV=cfg["BLOCK_DV"], **_even(cfg, Dv),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        BLOCK_DR=cfg["BLOCK_DR"], BLOCK_DV=cfg["BLOCK_DV"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if direct:
         return out
