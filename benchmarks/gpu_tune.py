@@ -9,6 +9,8 @@ registers) is listed with its error and skipped.
 
     python benchmarks/gpu_tune.py                 # tune and write the table (a CUDA GPU)
     python benchmarks/gpu_tune.py --dry-run       # tune, print, write nothing
+    python benchmarks/gpu_tune.py --quick         # tiny shapes, two candidates, no table: CPU allowed
+                                                  # (Triton's interpreter; the CI's smoke test)
     python benchmarks/gpu_check.py --tune         # the same, as gpu_check's first step
 """
 
@@ -25,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench_gpu import contiguous_from_pool, copy_bandwidth, kernel_call, median_ms, scattered_pool
+from bench_gpu import DEV, contiguous_from_pool, copy_bandwidth, kernel_call, median_ms, scattered_pool
 from attnkit.backends.triton import tuning
 
 #: (name, dtype, B, Hq, Hkv, D, Dv (None: V from K), page, contexts): the shapes of the GPU check.
@@ -34,6 +36,12 @@ SHAPES = [
     ("mla", torch.bfloat16, 32, 128, 1, 576, None, 64, (4096, 32768)),
 ]
 CANDIDATES = {"BLOCK_N": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3, 4)}
+#: --quick: tiny shapes of both kinds and two candidates (the interpreter on CPU).
+SHAPES_QUICK = [
+    ("gqa", torch.float32, 2, 4, 2, 32, 32, 16, (64,)),
+    ("mla", torch.float32, 2, 8, 1, 48, None, 16, (64,)),
+]
+CANDIDATES_QUICK = {"BLOCK_N": (16, 32), "num_warps": (4,), "num_stages": (2,)}
 
 
 def _steps(shape, dev):
@@ -45,7 +53,7 @@ def _steps(shape, dev):
         vp = None if Dv is None else scattered_pool(B, ctx, page, Hkv, Dv, dtype, seed=2)[0]
         q = torch.randn(B, Hq, 1, D, dtype=dtype, device=dev)
         seq = torch.full((B,), ctx, dtype=torch.int32, device=dev)
-        dv = D - 64 if Dv is None else Dv
+        dv = D - _rope(D) if Dv is None else Dv
         scale = (192 if Dv is None else D) ** -0.5
         steps.append(kernel_call(q, kp, vp, table, seq, seq - 1, scale, dv, ctx))
         k = contiguous_from_pool(kp, table, ctx)
@@ -55,14 +63,19 @@ def _steps(shape, dev):
     return steps, sdpa, nbytes
 
 
-def tune_shape(shape, dev, reps: int) -> dict:
+def _rope(D: int) -> int:
+    """MLA's rope channels past the latent: 64 of 576; a quarter of a small latent."""
+    return 64 if D >= 256 else D // 4
+
+
+def tune_shape(shape, dev, reps: int, candidates: dict) -> dict:
     name, dtype, B, Hq, Hkv, D, Dv, page, contexts = shape
-    dv = D - 64 if Dv is None else Dv
+    dv = D - _rope(D) if Dv is None else Dv
     key = tuning.shape_key(dtype, D, dv, Dv is None, None)
     steps, sdpa, nbytes = _steps(shape, dev)
     results = []
-    for values in itertools.product(*CANDIDATES.values()):
-        entry = dict(zip(CANDIDATES, values))
+    for values in itertools.product(*candidates.values()):
+        entry = dict(zip(candidates, values))
         try:
             with tuning.forced(entry):
                 times = [median_ms(step, reps) for step in steps]
@@ -81,7 +94,7 @@ def tune_shape(shape, dev, reps: int) -> dict:
             sdpa_ms.append(median_ms(fn, max(3, reps // 5)))
         except RuntimeError:
             sdpa_ms.append(None)
-    return {"name": name, "key": key, "contexts": list(contexts), "best": {k: best[k] for k in CANDIDATES},
+    return {"name": name, "key": key, "contexts": list(contexts), "best": {k: best[k] for k in candidates},
             "best_ms": best["ms"], "default_ms": default, "sdpa_contiguous_ms": sdpa_ms,
             "kv_bytes": nbytes, "candidates": results}
 
@@ -91,29 +104,34 @@ def main(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true", help="print the choices, write no table")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", type=Path, default=None, help="also write the run's JSON here")
+    p.add_argument("--quick", action="store_true", help="tiny shapes, two candidates, no table written")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("skipped: tuning needs a CUDA GPU", file=sys.stderr)
+    if not torch.cuda.is_available() and not args.quick:
+        print("skipped: tuning needs a CUDA GPU (--quick runs the interpreter on CPU)", file=sys.stderr)
         return 0
-    dev = torch.device("cuda")
-    arch = tuning.arch_of(dev)
+    dev = torch.device(DEV)
+    arch = tuning.arch_of(dev) if dev.type == "cuda" else "interpreter"
+    dry = args.dry_run or args.quick
     t0 = time.perf_counter()
-    copy_gbs = copy_bandwidth(1 << 32, 10)
-    rows = [tune_shape(s, dev, args.reps) for s in SHAPES]
+    copy_gbs = copy_bandwidth(1 << (20 if args.quick else 32), 3 if args.quick else 10)
+    reps = 2 if args.quick else args.reps
+    rows = [tune_shape(s, dev, reps, CANDIDATES_QUICK if args.quick else CANDIDATES)
+            for s in (SHAPES_QUICK if args.quick else SHAPES)]
     for r in rows:
         gbs = [b / (t * 1e-3) / 1e9 for b, t in zip(r["kv_bytes"], r["best_ms"])]
         print(f"{arch} {r['key']}: best {r['best']} -> " + ", ".join(
             f"ctx {c}: {t:.3f} ms ({g:.0f} GB/s, {g / copy_gbs:.0%} of copy; default {d:.3f} ms; SDPA contiguous "
             f"{'n/a' if s is None else f'{s:.3f} ms'})"
             for c, t, g, d, s in zip(r["contexts"], r["best_ms"], gbs, r["default_ms"], r["sdpa_contiguous_ms"])))
-        if not args.dry_run:
+        if not dry:
             tuning.record(arch, r["key"], r["best"])
-    res = {"arch": arch, "gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__,
+    res = {"arch": arch, "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "none (CPU)",
+           "torch": torch.__version__,
            "copy_GBps": copy_gbs, "seconds": time.perf_counter() - t0, "rows": rows}
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "tune.json").write_text(json.dumps(res, indent=1))
-    print(f"tuned in {res['seconds']:.0f} s" + ("" if args.dry_run else f"; wrote {tuning.TABLE}"))
+    print(f"tuned in {res['seconds']:.0f} s" + ("" if dry else f"; wrote {tuning.TABLE}"))
     return 0
 
 

@@ -27,6 +27,8 @@ from attnkit.models.indexer import (IndexedLatentAttention, IndexedLatentCache, 
 from attnkit.rope import RotaryEmbedding
 from attnkit.modules.mla import MLAConfig, MultiHeadLatentAttention
 
+from test_families import _randomise  # weights of std 0.2 (norms around 1): decisive logits and indexer scores
+
 transformers = pytest.importorskip("transformers")
 
 HF = dict(hidden_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, intermediate_size=96,
@@ -34,15 +36,6 @@ HF = dict(hidden_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_va
           v_head_dim=10, q_lora_rank=16, first_k_dense_replace=2, n_routed_experts=4, moe_intermediate_size=8,
           n_group=1, topk_group=1, num_experts_per_tok=2, index_topk=8, index_head_dim=16, index_n_heads=16)
 PROMPT = 40
-
-
-def _randomise(model, seed=0):
-    """Weights of std 0.2 (norms around 1): decisive logits and indexer scores."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            is_norm = "norm" in name
-            p.copy_(torch.randn(p.shape, generator=g) * (0.1 if is_norm else 0.2) + (1.0 if is_norm else 0.0))
 
 
 @pytest.fixture(scope="module")

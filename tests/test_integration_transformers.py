@@ -156,19 +156,26 @@ def test_generate_greedy_same_tokens_as_eager(family, cache):
     assert got.tolist() == want.tolist()
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_training_gradients_rule_r(family):
-    ours, eager, gold = _three(family)
-    ids, am = _batch(3)
+def _gradients_rule_r(ours, eager, gold, ids, am, hidden: int) -> list[str]:
+    """Train-mode loss gradients of the three copies; rule R on every parameter the gold model
+    has a gradient for. Returns their names."""
     labels = ids.masked_fill(am == 0, -100)
     for m in (ours, eager, gold):
         m.train()
         m(ids, attention_mask=am, labels=labels).loss.backward()
-    n = ids.numel() * _COMMON["hidden_size"]
+    checked = []
     for (name, po), pe, pg in zip(ours.named_parameters(), eager.parameters(), gold.parameters()):
         if pg.grad is None:
             continue
-        rule_r(po.grad, pe.grad, pg.grad, factor=3.0, n_terms=n, what=f"grad {name}")
+        rule_r(po.grad, pe.grad, pg.grad, factor=3.0, n_terms=ids.numel() * hidden, what=f"grad {name}")
+        checked.append(name)
+    return checked
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_gradients_rule_r(family):
+    ids, am = _batch(3)
+    assert _gradients_rule_r(*_three(family), ids, am, _COMMON["hidden_size"])
 
 
 def _capture(monkeypatch):
@@ -582,39 +589,17 @@ def test_inkling2_generate_greedy_same_tokens_as_eager(model_type, cache, layer_
 @pytest.mark.parametrize("model_type", INKLING)
 def test_inkling2_training_gradients_rule_r(model_type):
     """Gradients of every parameter, the sink projections (through the per-query sinks) included."""
-    ours, eager, gold = _three_tiny(model_type)
     ids, am = _batch(3)
-    labels = ids.masked_fill(am == 0, -100)
-    for m in (ours, eager, gold):
-        m.train()
-        m(ids, attention_mask=am, labels=labels).loss.backward()
-    n = ids.numel() * _TINY["hidden_size"]
-    checked = []
-    for (name, po), pe, pg in zip(ours.named_parameters(), eager.parameters(), gold.parameters()):
-        if pg.grad is None:
-            continue
-        rule_r(po.grad, pe.grad, pg.grad, factor=3.0, n_terms=n, what=f"grad {name}")
-        checked.append(name)
+    checked = _gradients_rule_r(*_three_tiny(model_type), ids, am, _TINY["hidden_size"])
     assert any("sink_proj" in name for name in checked)
 
 
 def test_minimax_m3_sparse_training_gradients_rule_r():
     """Gradients of every parameter through MiniMax-M3's block selection (a SelectedBlocks on the
     backends that take gradients), under rule R against the fp64 oracle."""
-    ours, eager, gold = _three_tiny("minimax_m3_vl_text", **_MINIMAX_SPARSE)
     ids, am = _batch(lengths=(11, 11))
-    labels = ids.masked_fill(am == 0, -100)
-    for m in (ours, eager, gold):
-        m.train()
-        m(ids, attention_mask=am, labels=labels).loss.backward()
-    n = ids.numel() * _TINY["hidden_size"]
-    checked = 0
-    for (name, po), pe, pg in zip(ours.named_parameters(), eager.parameters(), gold.parameters()):
-        if pg.grad is None:
-            continue
-        rule_r(po.grad, pe.grad, pg.grad, factor=3.0, n_terms=n, what=f"grad {name}")
-        checked += 1
-    assert checked > 10
+    checked = _gradients_rule_r(*_three_tiny("minimax_m3_vl_text", **_MINIMAX_SPARSE), ids, am, _TINY["hidden_size"])
+    assert len(checked) > 10
 
 
 @pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])

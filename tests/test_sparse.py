@@ -558,6 +558,24 @@ def test_the_engine_never_reads_a_key_no_query_selected(implementation, layout, 
         torch.testing.assert_close(out.double(), gold, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("layout", ["dense", "paged"])
+def test_nan_in_a_selected_key_reaches_the_rows_that_select_it(implementation, layout):
+    """NaN in one key row that some queries select: those queries' outputs are NaN, every other
+    row equals the oracle's (only the selection decides what a row reads)."""
+    B, Hq, Hkv, Sq, Sk, D = 1, 4, 2, 3, 40, 16
+    q, k, v = make_qkv(B, Hq, Hkv, Sq, Sk, D, seed=9)
+    ids = torch.tensor([[[3, 7, -1], [7, 11, 20], [1, 2, 5]]])  # query 2 does not select key 7
+    mask = M.SelectedKeys(ids)
+    gold = attnkit.attention_reference(q.double(), k.double(), v.double(), mask)
+    k, v = k.clone(), v.clone()
+    k[:, 1, 7] = float("nan")  # KV head 1: query heads 2 and 3
+    kv, v_arg, _, _ = _layout(layout, q, k, v, 9) if layout == "paged" else (k, v, None, None)
+    out = attnkit.attention(q, kv, v_arg, mask, backend="decode" if layout == "dense" else "paged")
+    assert out[0, 2:, :2].isnan().all() and not out[0, :2].isnan().any() and not out[0, :, 2].isnan().any()
+    ok = ~out.isnan().any(-1, keepdim=True).expand_as(out)
+    torch.testing.assert_close(out[ok].double(), gold[ok], rtol=0, atol=1e-5)
+
+
 def test_auto_reads_the_selection_in_place_on_cpu_and_never_builds_a_dense_mask(monkeypatch):
     """On CPU, auto gives a selection call of any length to the split-K engine, which says so in
     describe_call, and the call builds no (Sq, Sk) mask: the reduced mask's dense form is never
