@@ -13,7 +13,14 @@
 (d) windowed decode over a paged cache, through ``attnkit.attention`` with the cache step's
     mask: a gpt-oss-like layer (window 128, sinks) and a Mistral-like one (window 4096), against
     what ``auto`` ran before the Triton kernel read windows (the pages gathered, then ``math``
-    with sinks, SDPA without), forced.
+    with sinks, SDPA without), forced;
+(e) sparse decode (DeepSeek-V3.2's DSA: top 2048 keys per query, shared by the query heads) over a
+    paged cache of 32k tokens, the kernel walking each query's list and reading no other key:
+    absorbed MLA (128 heads over a 512 + 64 latent, bf16 and fp8 e4m3 latent) in TFLOP/s of the
+    selected keys (``2 x B x Hq x k x (576 + 512)`` per step, FlashMLA's count) against FlashMLA's
+    published 410 TFLOP/s for its FP8 sparse decode (H800; target: at least half), and GQA 32/8 at
+    D 128; each against dense decode over the whole cache and over a cache of only k keys (the
+    floor a selection can reach).
 
 Bandwidth counts the cache bytes a kernel must read once (K and V, or the latent once); copy
 bandwidth is (read + write bytes) / time of ``dst.copy_(src)`` on a buffer larger than L2.
@@ -76,12 +83,13 @@ def try_ms(fn, reps: int):
         return None
 
 
-def kernel_call(q, k_pool, v_pool, table, seq_lens, q_start, scale: float, dv: int, max_len: int):
+def kernel_call(q, k_pool, v_pool, table, seq_lens, q_start, scale: float, dv: int, max_len: int, k_scale=None):
     """The custom op itself, index tensors prebuilt: what a serving loop calls once per layer
-    (no validation syncs, no conversions inside the timed region)."""
+    (no validation syncs, no conversions inside the timed region). ``k_scale``: the row scales of
+    a quantized (V-from-K) pool."""
     args = (q, k_pool, v_pool, table.to(torch.int32).contiguous(), q_start.to(torch.int32).contiguous(),
             seq_lens.to(torch.int32).contiguous(), float(scale), dv, max_len, 0)
-    return lambda: torch.ops.attnkit.decode_attention(*args)
+    return lambda: torch.ops.attnkit.decode_attention(*args, k_scale=k_scale)
 
 
 def max_diff(a, b) -> float | None:
@@ -224,6 +232,98 @@ def windowed_decode(quick: bool, reps: int) -> list[dict]:
     return rows
 
 
+#: FlashMLA's published figure for its FP8 sparse MLA decode (H800 SXM5, top 2048 of 128k context):
+#: TFLOP/s of the selected keys. The GPU goal for (e) is at least half of it.
+FLASHMLA_SPARSE_DECODE_TFLOPS = 410.0
+
+
+def _select_call(q, pool, v_pool, table, ctx: int, ids, scale: float, dv: int, k_scale=None):
+    """The decode op over a selection, every index tensor prebuilt (what a serving loop calls per
+    layer): ids (B, S, k) key positions, -1 unused."""
+    from attnkit import masks as M
+    from attnkit.backends.triton.ops import _selection_args
+
+    B, _, S, _ = q.shape
+    lens = torch.full((B,), ctx, dtype=torch.int32, device=DEV)
+    qs = lens - S
+    sel = _selection_args(M.SelectedKeys(ids), q, ctx, False, qs, lens, None, 0, 0)
+    args = (q, pool, v_pool, table.to(torch.int32).contiguous(), qs.contiguous(), lens.contiguous(), float(scale), dv,
+            ctx, 0)
+    return lambda: torch.ops.attnkit.decode_attention(*args, k_scale=k_scale, **sel)
+
+
+def _random_ids(B: int, S: int, ctx: int, k: int, seed: int):
+    """(B, S, k) distinct random key positions per query among the ctx keys (each query sees them all)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.rand(B * S, ctx - S, generator=g).topk(k, -1).indices
+    return ids.view(B, S, k).to(DEV)
+
+
+def sparse_decode(quick: bool, reps: int) -> list[dict]:
+    """(e): top-k selected keys per query over a paged cache, MLA and GQA."""
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    ctx, topk = (256, 32) if quick else (32768, 2048)
+    H, r, dr = (8, 64, 16) if quick else (128, 512, 64)
+    rows = []
+    name = str(dtype).removeprefix("torch.")
+    mla_cases = [(2, name), (2, "fp8")] if quick else [(64, name), (128, name), (64, "fp8"), (128, "fp8")]
+    for B, kv in mla_cases:
+        page = 16 if quick else 64
+        pool, table = scattered_pool(B, ctx, page, 1, r + dr, dtype, seed=5)
+        small, stable = scattered_pool(B, topk, page, 1, r + dr, dtype, seed=6)
+        q = torch.randn(B, H, 1, r + dr, dtype=dtype, device=DEV)
+        scale = (192 if not quick else r + dr) ** -0.5
+        ids = _random_ids(B, 1, ctx, topk, seed=7)
+        k_scale = ks_small = None
+        if kv == "fp8":  # scale 1: the stored values are the latent's (normal samples fit e4m3's range)
+            pool, small = pool.to(torch.float8_e4m3fn), small.to(torch.float8_e4m3fn)
+            k_scale = torch.ones(pool.shape[:3], dtype=torch.float32, device=DEV)
+            ks_small = torch.ones(small.shape[:3], dtype=torch.float32, device=DEV)
+        sparse_fn = _select_call(q, pool, None, table, ctx, ids, scale, r, k_scale)
+        seq = torch.full((B,), ctx, dtype=torch.int32, device=DEV)
+        dense_fn = kernel_call(q, pool, None, table, seq, seq - 1, scale, r, ctx, k_scale)
+        ss = torch.full((B,), topk, dtype=torch.int32, device=DEV)
+        floor_fn = kernel_call(q, small, None, stable, ss, ss - 1, scale, r, topk, ks_small)
+        sparse, dense, floor = median_ms(sparse_fn, reps), try_ms(dense_fn, reps), try_ms(floor_fn, reps)
+        tflops = 2 * B * H * topk * (r + dr + r) / (sparse * 1e-3) / 1e12
+        # exactness: SDPA over the selected latent rows, gathered (the heads as queries of one head)
+        lat = pool.to(dtype)[table.long()].flatten(1, 2)  # (B, ctx, 1, r + dr)
+        picked = lat.gather(1, ids[:, 0][:, :, None, None].expand(-1, -1, 1, r + dr)).permute(0, 2, 1, 3)
+        want = F.scaled_dot_product_attention(q.float().reshape(B, 1, H, -1), picked.float(), picked[..., :r].float(),
+                                              scale=scale).view(B, H, 1, r)
+        rows.append({"layout": "MLA", "batch": B, "heads": H, "latent": f"{r}+{dr}", "kv": kv, "context": ctx,
+                     "topk": topk, "sparse_ms": sparse, "TFLOPs": tflops,
+                     "vs_flashmla": None if quick else tflops / FLASHMLA_SPARSE_DECODE_TFLOPS,
+                     "dense_ms": dense, "dense_over_sparse": None if dense is None else dense / sparse,
+                     "dense_k_ms": floor, "sparse_over_dense_k": None if floor is None else sparse / floor,
+                     "max_abs_diff": max_diff(sparse_fn(), want)})
+    Hq, Hkv, D = (4, 2, 32) if quick else (32, 8, 128)
+    B, page = (2, 16) if quick else (32, 16)
+    kp, table = scattered_pool(B, ctx, page, Hkv, D, dtype, seed=8)
+    vp, _ = scattered_pool(B, ctx, page, Hkv, D, dtype, seed=9)
+    q = torch.randn(B, Hq, 1, D, dtype=dtype, device=DEV)
+    ids = _random_ids(B, 1, ctx, topk, seed=10)
+    sparse_fn = _select_call(q, kp, vp, table, ctx, ids, D ** -0.5, D)
+    seq = torch.full((B,), ctx, dtype=torch.int32, device=DEV)
+    dense_fn = kernel_call(q, kp, vp, table, seq, seq - 1, D ** -0.5, D, ctx)
+    ks, kt = scattered_pool(B, topk, page, Hkv, D, dtype, seed=11)
+    vs, _ = scattered_pool(B, topk, page, Hkv, D, dtype, seed=12)
+    ss = torch.full((B,), topk, dtype=torch.int32, device=DEV)
+    floor_fn = kernel_call(q, ks, vs, kt, ss, ss - 1, D ** -0.5, D, topk)
+    sparse, dense, floor = median_ms(sparse_fn, reps), try_ms(dense_fn, reps), try_ms(floor_fn, reps)
+    rows_k = [kp[table.long()].flatten(1, 2).gather(1, ids[:, 0][:, :, None, None].expand(-1, -1, Hkv, D)),
+              vp[table.long()].flatten(1, 2).gather(1, ids[:, 0][:, :, None, None].expand(-1, -1, Hkv, D))]
+    want = F.scaled_dot_product_attention(q.float(), *(t.permute(0, 2, 1, 3).float() for t in rows_k),
+                                          enable_gqa=True)
+    rows.append({"layout": "GQA", "batch": B, "heads": f"{Hq}/{Hkv}", "latent": f"D {D}", "kv": name, "context": ctx, "topk": topk, "sparse_ms": sparse,
+                 "TFLOPs": 4 * B * Hq * topk * D / (sparse * 1e-3) / 1e12,
+                 "GBps": 2 * B * Hkv * topk * D * kp.element_size() / (sparse * 1e-3) / 1e9,
+                 "dense_ms": dense, "dense_over_sparse": None if dense is None else dense / sparse,
+                 "dense_k_ms": floor, "sparse_over_dense_k": None if floor is None else sparse / floor,
+                 "max_abs_diff": max_diff(sparse_fn(), want)})
+    return rows
+
+
 def run(quick: bool) -> dict:
     if not CUDA and not quick:
         skip("needs CUDA (a GPU); --quick runs a CPU smoke test of the script in Triton's interpreter")
@@ -243,7 +343,7 @@ def run(quick: bool) -> dict:
     copy_gbs = copy_bandwidth(1 << (20 if quick else 32), reps)
     return {"machine": info, "quick": quick, "copy_GBps": copy_gbs, "prefill": prefill(quick, reps),
             "paged_decode": paged_decode(quick, reps, copy_gbs), "mla_decode": mla_decode(quick, reps, copy_gbs),
-            "windowed_decode": windowed_decode(quick, reps)}
+            "windowed_decode": windowed_decode(quick, reps), "sparse_decode": sparse_decode(quick, reps)}
 
 
 def _fmt(x) -> str:
@@ -283,6 +383,14 @@ def to_markdown(res: dict) -> str:
                   _table(res["windowed_decode"], ["layer", "batch", "context", "window", "heads", "head_dim", "sinks",
                                                   "auto_kernel", "attnkit_ms", "before", "before_ms", "speedup",
                                                   "max_abs_diff"]), ""]
+    if res.get("sparse_decode"):
+        parts += [f"(e) Sparse decode, top-k keys per query (shared by the heads) over a paged cache: TFLOP/s of the "
+                  f"selected keys; vs_flashmla against FlashMLA's published {FLASHMLA_SPARSE_DECODE_TFLOPS:.0f} "
+                  f"TFLOP/s (FP8 sparse decode, H800); dense over the whole cache and over only k keys beside it.", "",
+                  _table(res["sparse_decode"], ["layout", "batch", "heads", "latent", "kv", "context", "topk",
+                                                "sparse_ms", "TFLOPs", "vs_flashmla", "GBps", "dense_ms",
+                                                "dense_over_sparse", "dense_k_ms", "sparse_over_dense_k",
+                                                "max_abs_diff"]), ""]
     return "\n".join(parts)
 
 
