@@ -193,6 +193,45 @@ def test_static_cache_one_token_step_with_idle_rows():
     torch.testing.assert_close(out[1:].double(), alone, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("ragged", [False, True], ids=["uniform", "ragged"])
+def test_static_cache_prefill_attends_over_the_held_keys_only(ragged, monkeypatch):
+    """An eager multi-token step on a static cache, whose other masks speak of positions only,
+    hands attention the keys the rows hold (max(lengths + num_new) of them, not max_len) with
+    the plain causal mask when the rows are uniform; a width-bound mask (a key_padding tensor of
+    max_len columns) keeps the whole view. The output is the same either way, and a one-token
+    step keeps max_len columns."""
+    from attnkit.caches import protocol
+    from attnkit.modules.options import torch_key_padding
+
+    q, k, v = make_qkv(2, 4, 2, 9, 9, 8, seed=4)
+    num_new = torch.tensor([6, 4]) if ragged else None
+    seen = []
+    real = protocol.attention
+    monkeypatch.setattr(protocol, "attention", lambda q_, k_, v_, m, **kw: seen.append((k_.shape[2], m)) or
+                        real(q_, k_, v_, m, **kw))
+    outs = {}
+    for name, user in (("held", attnkit.masks.SlidingWindow(3, q_start=torch.tensor([0, 0]))),
+                       ("width-bound", torch_key_padding(torch.zeros(2, 16, dtype=torch.bool), 2, None)),
+                       ("none", None)):
+        cache = StaticCache(2, 8, max_batch=2, max_len=16)
+        with protocol.step([cache], batch=2, tokens=6, num_new=num_new) as (bound,):
+            outs[name] = bound.attend(q[:, :, :6], k[:, :, :6], v[:, :, :6], user)
+        with protocol.step([cache], batch=2, tokens=1) as (bound,):  # decode keeps the fixed shape
+            bound.attend(q[:, :, 6:7], k[:, :, 6:7], v[:, :, 6:7], user)
+    widths = [w for w, _ in seen]
+    assert widths == [6, 16, 16, 16, 6, 16], widths
+    if not ragged:
+        assert type(seen[4][1]) is attnkit.masks.Causal and seen[4][1].q_start is None
+    lens = [6, 4] if ragged else [6, 6]
+    for b, n in enumerate(lens):  # row b alone over its own n keys
+        want = attnkit.attention_reference(q[b:b + 1, :, :n], k[b:b + 1, :, :n], v[b:b + 1, :, :n], causal=True)
+        for name in ("none", "width-bound"):
+            torch.testing.assert_close(outs[name][b:b + 1, :, :n].double(), want, atol=1e-6, rtol=1e-6)
+        window = attnkit.attention_reference(q[b:b + 1, :, :n], k[b:b + 1, :, :n], v[b:b + 1, :, :n],
+                                             attnkit.masks.SlidingWindow(3) & attnkit.masks.Causal())
+        torch.testing.assert_close(outs["held"][b:b + 1, :, :n].double(), window, atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("make,call,exc,text", [
     (lambda: StaticCache(2, 8, max_batch=1, max_len=4), lambda c: c.update(torch.zeros(1, 2, 5, 8), torch.zeros(1, 2, 5, 8)), ValueError, "max_len 4"),
     (lambda: StaticCache(2, 8, max_batch=1, max_len=4), lambda c: c.update(torch.zeros(2, 2, 1, 8), torch.zeros(2, 2, 1, 8)), ValueError, "max_batch=1"),

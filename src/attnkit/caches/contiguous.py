@@ -177,7 +177,7 @@ class DynamicCache(_ContiguousCache):
         step.grown_from = grown_from
         return step
 
-    def view(self, step, *, dense=False):
+    def view(self, step, *, dense=False, held_only=False):
         return (*self._views(step.batch, max(step.new_host, default=0), dense), step.mask())
 
     def _commit(self, step):
@@ -227,7 +227,13 @@ class StaticCache(_ContiguousCache):
                                  f"max_len {self.max_len}")
         return CacheStep(q_start, n, S, q_start_host=q_start_host, num_new_host=n_host)
 
-    def view(self, step, *, dense=False):
+    def view(self, step, *, dense=False, held_only=False):
+        if held_only and step.tokens > 1 and step.new_host is not None:
+            # An eager prefill or chunk: the keys the rows hold (a DynamicCache's view), with the
+            # plain causal mask when the rows are uniform, instead of max_len columns and an
+            # anchored one (which the fast prefill kernels cannot take). Compiled steps (no host
+            # lengths) and decode keep the fixed shapes.
+            return (*self._views(step.batch, max(step.new_host, default=0), dense), step.mask())
         # One token per row (decode): its query at position q_start sees keys j <= q_start, and
         # j < new with new <= q_start + 1, so KeyPadding(new) alone is the whole mask: per-row
         # lengths, which kernels take as they are (no key intervals built per step under compile).

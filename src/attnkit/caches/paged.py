@@ -234,7 +234,7 @@ class PagedKVCache(KVCache):
             as_bytes(pool).flatten(0, 1).index_fill_(0, slots, 0)
         self._unset_channel_scale(step)
 
-    def view(self, step, *, dense=False):
+    def view(self, step, *, dense=False, held_only=False):
         table, _, _, q_start, new = step.on(self.k_pool.device)
         max_len = max(step.new_host, default=0)
         if self.kv_dtype is None:

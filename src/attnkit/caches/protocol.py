@@ -177,11 +177,15 @@ class KVCache(QuantizedStorage, nn.Module):
         """Store this step's k (B, Hkv, S, D) and v (B, Hkv, S, Dv) (None with value_from_key)."""
         raise NotImplementedError
 
-    def view(self, step: CacheStep, *, dense: bool = False):
+    def view(self, step: CacheStep, *, dense: bool = False, held_only: bool = False):
         """(k_all, v_all, mask) to attend to after ``write``: tensors (B, Hkv, L, ·) (or, unless
         ``dense``, a :class:`attnkit.PagedKV` for a paged cache, a :class:`attnkit.QuantizedKV`
         for a quantized one, and None) and the step's mask (None: nothing beyond the paged
-        lengths, which attention applies itself). ``dense``: tensors in ``dtype`` always."""
+        lengths, which attention applies itself). ``dense``: tensors in ``dtype`` always.
+        ``held_only``: the caller's other masks do not depend on L, so the view may end where
+        the rows' keys end after this step, ``max(lengths + num_new)``, rather than at the
+        cache's capacity (a static cache's prefill then reads no empty columns, and its causal
+        mask is the plain one). Views that end there anyway ignore it."""
         raise NotImplementedError
 
     def commit(self, step: CacheStep) -> None:
@@ -412,7 +416,12 @@ class BoundCache:
             raise ValueError(f"q must be (B, Hq, S, D) with B={self.step.batch}, S={self.step.tokens}, got shape "
                              f"{shape_of(q)}")
         self.cache.write(self.step, k, v)
-        k_all, v_all, cache_mask = self.cache.view(self.step)
+        # The view may end at the held keys unless a mask or the weights returned speak of all
+        # the cache's columns.
+        if (user_mask is None or user_mask.keys_by_position()) and not kwargs.get("return_weights"):
+            k_all, v_all, cache_mask = self.cache.view(self.step, held_only=True)
+        else:
+            k_all, v_all, cache_mask = self.cache.view(self.step)
         full = cache_mask if user_mask is None else user_mask if cache_mask is None else cache_mask & user_mask
         return attention(q, k_all, v_all, full, **kwargs)
 

@@ -119,7 +119,7 @@ class SlidingWindowCache(KVCache):
             buf[:B].scatter_(2, i, t)
         step.writers.add(id(self))
 
-    def view(self, step, *, dense=False):
+    def view(self, step, *, dense=False, held_only=False):
         B, S = step.batch, step.tokens
         qpos = step.positions()  # (B, S)
         if S == 1:  # decode: the evicted slot is outside every query's window

@@ -102,6 +102,14 @@ class Mask:
         """The tensors this mask holds (lengths, query starts, dense masks)."""
         return ()
 
+    def keys_by_position(self) -> bool:
+        """True when what the mask says of (query i, key j) depends on their positions only, not
+        on the number of keys Sk: over Sk' < Sk keys it is this mask's first Sk' columns. (A
+        cache may then hand attention only the keys its rows hold.) Positional masks anchored
+        at explicit query positions, key lengths and their combinations; not dense tensors or
+        bottom-right alignment, which moves with Sk."""
+        return False
+
     def key_range(self, batch: int, q_len: int, kv_len: int, device=None) -> tuple[Tensor, Tensor] | None:
         """The mask as one interval of keys per query row, or None when it is not one.
 
@@ -218,6 +226,9 @@ class _Positional(Mask):
 
     def tensors(self):
         return () if self.q_start is None else (self.q_start,)
+
+    def keys_by_position(self) -> bool:
+        return self.q_start is not None or self.align == "top_left"
 
     def _describe_pos(self) -> str:
         return "q_start=<tensor>" if self.q_start is not None else f"align={self.align!r}"
@@ -416,6 +427,9 @@ class KeyPadding(_Padding):
         ok = self._axis_valid_fn(kv_len, device)
         return lambda b, h, q, kv: ok(b, kv)
 
+    def keys_by_position(self) -> bool:
+        return self.lengths is not None and self.side == "right"
+
     def key_range(self, batch, q_len, kv_len, device=None):
         if self.lengths is None:
             return None
@@ -439,6 +453,9 @@ class QueryPadding(_Padding):
     def mask_mod(self, q_len, kv_len, device=None):
         ok = self._axis_valid_fn(q_len, device)
         return lambda b, h, q, kv: ok(b, q)
+
+    def keys_by_position(self) -> bool:
+        return True  # it speaks of queries only
 
     def key_range(self, batch, q_len, kv_len, device=None):
         valid = self._axis_valid(q_len, torch.device(device or "cpu")).long()  # (B|1, Sq)
@@ -889,6 +906,9 @@ class _Compose(Mask):
 
     def tensors(self):
         return tuple(t for m in self.masks for t in m.tensors())
+
+    def keys_by_position(self) -> bool:
+        return all(m.keys_by_position() for m in self.masks)
 
     def cache_key(self):
         return (self.op_name, *(m.cache_key() for m in self.masks))

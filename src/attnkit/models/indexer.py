@@ -280,8 +280,8 @@ class IndexedLatentCache(KVCache):
     def write(self, step, k, v):
         self.latent.write(step, k, v)
 
-    def view(self, step, *, dense=False):
-        return self.latent.view(step, dense=dense)
+    def view(self, step, *, dense=False, held_only=False):
+        return self.latent.view(step, dense=dense, held_only=held_only)
 
     def write_index(self, step: CacheStep, k: Tensor) -> Tensor:
         """Store this step's indexer keys k (B, 1, S, Di); every key the step sees, (B, L, Di),
