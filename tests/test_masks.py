@@ -191,3 +191,22 @@ def test_the_reduced_mask_is_importable_but_not_a_public_mask_name():
     from attnkit.masks.reduced import ReducedMask
 
     assert M.ReducedMask is ReducedMask and "ReducedMask" not in M.__all__
+
+
+def test_keys_by_position_says_which_masks_speak_of_positions_only():
+    """keys_by_position: a mask that is True means the same over fewer keys (its first columns);
+    checked against materialize for each kind, True and False."""
+    qs = torch.tensor([2, 5])
+    cases = {
+        M.Causal(q_start=qs): True, M.Causal(align="top_left"): True, M.Causal(): False,
+        M.SlidingWindow(3, q_start=qs): True, M.SlidingWindow(3): False,
+        M.PrefixLM(torch.tensor([2, 3]), q_start=qs): True, M.KeyPadding(torch.tensor([4, 6])): True,
+        M.KeyPadding(torch.tensor([4, 6]), side="left"): False, M.KeyPadding(valid=torch.ones(2, 9, dtype=torch.bool)): False,
+        M.QueryPadding(torch.tensor([1, 3])): True, M.Dense(torch.ones(1, 1, 3, 9, dtype=torch.bool)): False,
+        M.Causal(q_start=qs) & M.KeyPadding(torch.tensor([4, 6])): True, M.Causal(q_start=qs) & M.Causal(): False,
+        M.SlidingWindow(1, q_start=qs) | M.Causal(q_start=qs): True,
+    }
+    for mask, expected in cases.items():
+        assert mask.keys_by_position() is expected, mask
+        if expected:  # over 7 keys: the first 7 columns of the mask over 9
+            torch.testing.assert_close(mask.materialize(2, 3, 7), mask.materialize(2, 3, 9)[..., :7])
