@@ -4,6 +4,10 @@
     python benchmarks/gpu_check.py --quick --out DIR    # on CPU, Triton in its interpreter: a smoke test (CI)
     python benchmarks/gpu_check.py --tune --out DIR     # tune the Triton kernel first (gpu_tune.py, < 5 min)
 
+A device call is cut at 10 minutes, and tuning plus the whole check takes longer: on a lent GPU,
+tune in one call (``--tune --skip tests sweep bench``), commit the table it wrote, then run the
+check in the next call.
+
 It runs, in order, each step with its own time limit so that one hang cannot eat the window:
 
 1. the environment: GPU, compute capability, torch / CUDA / Triton / transformers versions, CPU;
