@@ -312,10 +312,17 @@ def test_auto_sends_cuda_prefill_with_a_selection_to_a_kernel_that_skips_blocks(
 @pytest.mark.slow
 @pytest.mark.skipif(get_backend("flex").available() is not None, reason="no FlexAttention in this torch")
 @pytest.mark.parametrize("kind", ["keys-shared", "keys-per_head"])
-def test_flex_reads_the_selection_through_its_mask_mod(kind):
+def test_flex_reads_the_selection_through_its_mask_mod(kind, monkeypatch):
     """FlexAttention (forced, CPU forward) computes a selection from its mask_mod, under rule R,
     with lists that leave whole 128-key blocks empty for some heads and not for others: a list
-    per KV head gets a block mask per head."""
+    per KV head gets a block mask per head. Neither the block mask nor the mask_mod builds an
+    (Sq, Sk) tensor (the dense table and create_block_mask, which evaluates every pair, fail)."""
+    from attnkit.backends import flex
+
+    def dense(*a, **k):
+        raise AssertionError("an (Sq, Sk) table was built")
+
+    flex._BLOCK_MASKS.clear()
     Hq, Hkv, Sq, Sk = 2, 2, 130, 300
     q, k, v = make_qkv(1, Hq, Hkv, Sq, Sk, 16, seed=9)
     if kind == "keys-shared":
@@ -325,7 +332,13 @@ def test_flex_reads_the_selection_through_its_mask_mod(kind):
         ids = torch.full((1, Hkv, Sq, 6), -1)
         ids[:, 0, :, 0] = 0  # head 0: key 0 only; head 1: keys in the last block
         ids[:, 1] = torch.randint(260, Sk, (1, Sq, 6))
-    check_against_oracle(q, k, v, M.SelectedKeys(ids), backend="flex", grad=False)
+    mask = M.SelectedKeys(ids)
+    with monkeypatch.context() as patch:
+        patch.setattr(M.Selection, "_table", dense)
+        patch.setattr(flex._flex_module(), "create_block_mask", dense)
+        out = attnkit.attention(q, k, v, mask, backend="flex")
+    check_against_oracle(q, k, v, mask, backend="flex", grad=False)  # the oracle materializes the mask
+    torch.testing.assert_close(out, attnkit.attention(q, k, v, mask, backend="flex"), rtol=0, atol=0)
 
 
 # --------------------------------------------------------------------------- bad input
@@ -635,3 +648,46 @@ def test_the_native_kernel_never_reads_past_what_it_holds():
     call([0, 9], pool_k, pool_v, table, hi=12)
     with pytest.raises(ValueError, match="block_table entry -1"):
         call([0, 5], pool_k, pool_v, table, hi=12)
+
+
+def _tiles(allowed: torch.Tensor, qb: int, kb: int) -> torch.Tensor:
+    """(B, H, nqb, nkb): whether each tile of a materialized mask allows some pair."""
+    B, H, Sq, Sk = allowed.shape
+    nq, nk = -(-Sq // qb), -(-Sk // kb)
+    a = torch.nn.functional.pad(allowed, (0, nk * kb - Sk, 0, nq * qb - Sq))
+    return a.view(B, H, nq, qb, nk, kb).any(5).any(3)
+
+
+@pytest.mark.parametrize("case", ["keys", "keys-per-head", "blocks-unaligned", "blocks-wide", "keys&causal",
+                                  "(blocks|window)&causal", "ragged-causal&padding"])
+def test_block_occupancy_covers_every_allowed_tile_without_the_dense_mask(case, monkeypatch):
+    """Mask.block_occupancy: every (query block, key block) tile holding an allowed pair is
+    marked (a superset: block-sparse kernels skip the rest), exactly for a selection or an
+    interval mask alone, and the selection's bitmap mask_mod says what materialize says, pair by
+    pair; neither builds the (Sq, Sk) table."""
+    B, Hq, Sq, Sk, qb, kb = 2, 4, 37, 150, 8, 16
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(-1, Sk, (B, Sq, 5), generator=g)
+    blocks48 = torch.randint(-1, -(-Sk // 12), (1, 2, Sq, 3), generator=g)
+    masks = {
+        "keys": M.SelectedKeys(ids),
+        "keys-per-head": M.SelectedKeys(torch.randint(0, Sk, (B, 2, Sq, 4), generator=g), num_heads=Hq),
+        "blocks-unaligned": M.SelectedBlocks(blocks48, 12, num_heads=Hq),  # 12-key blocks straddle 16-key tiles
+        "blocks-wide": M.SelectedBlocks(torch.randint(0, 3, (B, Sq, 2), generator=g), 40),  # a block spans 3 tiles
+        "keys&causal": M.SelectedKeys(ids) & M.Causal(),
+        "(blocks|window)&causal": (M.SelectedBlocks(blocks48, 12, num_heads=Hq) | M.SlidingWindow(7)) & M.Causal(),
+        "ragged-causal&padding": M.Causal(q_start=torch.tensor([100, 3])) & M.KeyPadding(torch.tensor([140, 20])),
+    }
+    mask = masks[case]
+    allowed = mask.materialize(B, Sq, Sk).expand(B, Hq, Sq, Sk)
+    want = _tiles(allowed, qb, kb)
+    monkeypatch.setattr(M.Selection, "_table", lambda *a: (_ for _ in ()).throw(AssertionError("dense table")))
+    occ = mask.block_occupancy(B, Sq, Sk, qb, kb)
+    assert occ is not None
+    occ = occ.repeat_interleave(Hq // occ.shape[1], dim=1).expand(B, Hq, -1, -1)
+    assert not (want & ~occ).any(), "a tile holding an allowed pair is not marked"
+    if case in ("keys", "keys-per-head", "blocks-unaligned", "blocks-wide", "ragged-causal&padding"):
+        assert torch.equal(occ, want)
+    mod = mask.mask_mod(Sq, Sk)
+    b, h, q, kv = (torch.arange(n).view(*(-1 if i == d else 1 for i in range(4))) for d, n in enumerate((B, Hq, Sq, Sk)))
+    assert torch.equal(mod(b, h, q, kv).expand(B, Hq, Sq, Sk), allowed)

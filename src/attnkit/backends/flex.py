@@ -43,6 +43,7 @@ from collections import OrderedDict
 import torch
 
 from .._sysinfo import cpu_flags
+from ..masks.typed import has_selection
 from .common import MAX_DECODE_Q_LEN, sink_rows
 from .registry import AttentionCall, BackendBase, BackendCompileFailed
 
@@ -206,13 +207,44 @@ def block_mask_for(call: AttentionCall, device):
     if hit is not None:
         _BLOCK_MASKS.move_to_end(key)
         return hit[0]
-    bm = _flex_module().create_block_mask(m.mask_mod(call.q_len, call.kv_len, device),
-                                          call.batch if m.has_tensors else None, heads,
-                                          call.q_len, call.kv_len, device=device)
+    bm = _selection_block_mask(call, heads, device) if has_selection(m) else None
+    if bm is None:
+        bm = _flex_module().create_block_mask(m.mask_mod(call.q_len, call.kv_len, device),
+                                              call.batch if m.has_tensors else None, heads,
+                                              call.q_len, call.kv_len, device=device)
     _BLOCK_MASKS[key] = (bm, m)
     if len(_BLOCK_MASKS) > _MAX_CACHED:
         _BLOCK_MASKS.popitem(last=False)
     return bm
+
+
+#: FlexAttention's tile (query rows, keys) for the block masks built here.
+_TILE = 128
+
+
+def _selection_block_mask(call: AttentionCall, heads: int | None, device):
+    """The BlockMask of a mask holding a selection, from the tiles its parts may allow
+    (:meth:`Mask.block_occupancy`: the selection's lists, the positional parts' key ranges) and
+    its ``mask_mod`` (the lists as a bitmap), so no (Sq, Sk) tensor is built: create_block_mask
+    would evaluate the mask over every pair. Every listed tile is partial (mask_mod decides each
+    pair). None where the occupancy is unknown or this torch's BlockMask cannot take it."""
+    m = call.mask
+    occ = m.block_occupancy(call.batch, call.q_len, call.kv_len, _TILE, _TILE, device)
+    if occ is None:
+        return None
+    H = heads or 1
+    if occ.shape[1] != H:
+        if H % occ.shape[1]:
+            return None
+        occ = occ.repeat_interleave(H // occ.shape[1], dim=1)
+    kv_num = occ.sum(-1, dtype=torch.int32)
+    kv_idx = torch.argsort(occ.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    try:
+        return _flex_module().BlockMask.from_kv_blocks(kv_num, kv_idx, BLOCK_SIZE=(_TILE, _TILE),
+                                                       mask_mod=m.mask_mod(call.q_len, call.kv_len, device),
+                                                       seq_lengths=(call.q_len, call.kv_len))
+    except TypeError:  # a torch whose from_kv_blocks takes no seq_lengths (2.5)
+        return None
 
 
 def _compose(mods):

@@ -119,6 +119,20 @@ class Mask:
         them); kernels that walk keys in order use this instead of a materialized mask."""
         return None
 
+    def block_occupancy(self, batch: int, q_len: int, kv_len: int, q_block: int, kv_block: int,
+                        device=None) -> Tensor | None:
+        """Which (query block, key block) tiles may hold an allowed pair, without the (Sq, Sk) mask.
+
+        Returns a bool tensor (B|1, H|1, ceil(Sq / q_block), ceil(Sk / kv_block)), False only
+        for tiles where the mask allows no pair (a superset of the tiles that matter, for block
+        sparse kernels: FlexAttention's block mask), or None when the mask cannot tell (any tile
+        may). A selection's H dim is its lists (Hs), query head h reading list h // (H / Hs).
+        Here: from :meth:`key_range`."""
+        r = self.key_range(batch, q_len, kv_len, device)
+        if r is None:
+            return None
+        return _interval_occupancy(r[0], r[1], q_len, kv_len, q_block, kv_block)
+
     def cache_key(self) -> tuple:
         """Hashable key of what this mask allows, for caches of derived structures (FlexAttention
         block masks). Tensor-free masks: their structure. Masks holding tensors: this object and
@@ -161,6 +175,24 @@ def _check_per_batch(t: Tensor | None, name: str, batch: int) -> None:
 def _per_batch(t: Tensor, device: torch.device) -> Tensor:
     """(B,) or scalar -> (B|1, 1, 1, 1)."""
     return t.to(device).reshape(-1, 1, 1, 1)
+
+
+def _interval_occupancy(lo: Tensor, hi: Tensor, q_len: int, kv_len: int, q_block: int, kv_block: int) -> Tensor:
+    """(B|1, 1, nqb, nkb) bool: the key blocks that meet some query's [lo, hi) in each query
+    block, from per-query intervals broadcastable to (B, Sq)."""
+    lo, hi = torch.broadcast_tensors(lo.long().reshape((1,) * (2 - lo.dim()) + tuple(lo.shape)),
+                                     hi.long().reshape((1,) * (2 - hi.dim()) + tuple(hi.shape)))
+    lo, hi = lo.clamp(0, kv_len), hi.clamp(0, kv_len)
+    if lo.shape[1] != q_len:  # one interval for every query
+        lo, hi = lo.expand(-1, q_len), hi.expand(-1, q_len)
+    empty = hi <= lo  # a query that sees nothing widens no block's span
+    lo, hi = lo.masked_fill(empty, kv_len), hi.masked_fill(empty, 0)
+    nqb, nkb = -(-q_len // q_block), -(-kv_len // kv_block)
+    pad = nqb * q_block - q_len
+    lo = torch.nn.functional.pad(lo, (0, pad), value=kv_len).view(-1, nqb, q_block).amin(-1)
+    hi = torch.nn.functional.pad(hi, (0, pad), value=0).view(-1, nqb, q_block).amax(-1)
+    start = torch.arange(nkb, device=lo.device) * kv_block
+    return ((start < hi[..., None]) & (start + kv_block > lo[..., None]))[:, None]
 
 
 def _q_start_arg(q_start, offsets, owner: str):
@@ -786,15 +818,8 @@ class Selection(Mask):
 
     def _blocks(self, q_len: int, kv_len: int, device: torch.device) -> Tensor:
         """(B|1, Hs, Sq, num_blocks) bool: the blocks each list selects."""
-        shape = self._shape()
-        if shape[-2] != q_len:
-            raise ValueError(f"{self.arg_name} has shape {shape}: its dim -2 must be the query length Sq={q_len}")
-        self.check_range(kv_len)
-        ids = self.ids.to(device=device, dtype=torch.long)
-        ids = ids.unsqueeze(1) if ids.dim() == 3 else ids
+        ids = self._ids_4d(q_len, kv_len, device)  # no block: a spare column
         nb = self.num_blocks(kv_len)
-        # unused slots (and, in a compiled graph, anything past the last block) go to a spare column
-        ids = torch.where((ids < 0) | (ids >= nb), torch.full_like(ids, nb), ids)
         out = torch.zeros(*ids.shape[:-1], nb + 1, dtype=torch.bool, device=device)
         return out.scatter_(-1, ids, True)[..., :nb]
 
@@ -810,13 +835,62 @@ class Selection(Mask):
         g = self._group()
         return out if g == 1 else out.repeat_interleave(g, 1)
 
+    def _ids_4d(self, q_len: int, kv_len: int, device: torch.device) -> Tensor:
+        """The ids (B|1, Hs, Sq, n) int64 on ``device``, ids of no block (unused slots, and in a
+        compiled graph anything past the last block) set to the number of blocks."""
+        shape = self._shape()
+        if shape[-2] != q_len:
+            raise ValueError(f"{self.arg_name} has shape {shape}: its dim -2 must be the query length Sq={q_len}")
+        self.check_range(kv_len)
+        ids = self.ids.to(device=device, dtype=torch.long)
+        ids = ids.unsqueeze(1) if ids.dim() == 3 else ids
+        nb = self.num_blocks(kv_len)
+        return torch.where((ids < 0) | (ids >= nb), torch.full_like(ids, nb), ids)
+
+    def _bitmap(self, q_len: int, kv_len: int, device: torch.device) -> Tensor:
+        """(B|1, Hs, Sq, ceil(num_blocks / 32)) int32: bit i % 32 of word i // 32 is set when the
+        list selects block i (a key, for :class:`SelectedKeys`): an eighth of a bool table's
+        bytes, and a block selection's table is per block, not per key."""
+        nb = self.num_blocks(kv_len)
+        words = -(-nb // 32)
+        ids, _ = torch.sort(self._ids_4d(q_len, kv_len, device), dim=-1)
+        # each block once (a list is a set), and no block at all to a spare word past the end
+        repeat = torch.zeros_like(ids, dtype=torch.bool)
+        repeat[..., 1:] = ids[..., 1:] == ids[..., :-1]
+        ids = torch.where(repeat | (ids >= nb), torch.full_like(ids, 32 * words), ids)
+        out = torch.zeros(*ids.shape[:-1], words + 1, dtype=torch.long, device=device)
+        out.scatter_add_(-1, ids // 32, torch.bitwise_left_shift(torch.ones_like(ids), ids % 32))
+        return out[..., :words].to(torch.int32)  # distinct bits: their sum is their OR (bit 31 wraps)
+
+    def block_occupancy(self, batch, q_len, kv_len, q_block, kv_block, device=None):
+        # Every (query block, key block) some query of the block lists a key of: from the ids alone.
+        dev = torch.device(device or "cpu")
+        ids = self._ids_4d(q_len, kv_len, dev)
+        nb, bs = self.num_blocks(kv_len), self.block_size
+        nqb, nkb = -(-q_len // q_block), -(-kv_len // kv_block)
+        first = ids * bs // kv_block  # a listed block's keys [id * bs, min((id + 1) * bs, Sk))
+        last = (torch.clamp((ids + 1) * bs, max=kv_len) - 1) // kv_block
+        span = torch.arange(-(-bs // kv_block) + 1, device=dev)
+        kb = first[..., None] + span  # (..., n, span): the key blocks each entry meets
+        kb = torch.where((kb <= last[..., None]) & (ids[..., None] < nb), kb, torch.full_like(kb, nkb))
+        qb = (torch.arange(q_len, device=dev) // q_block).view(q_len, 1, 1)
+        flat = (qb * (nkb + 1) + kb).flatten(-3)  # (B|1, Hs, Sq * n * span)
+        out = torch.zeros(*ids.shape[:2], nqb * (nkb + 1), dtype=torch.bool, device=dev)
+        return out.scatter_(-1, flat, True).view(*ids.shape[:2], nqb, nkb + 1)[..., :nkb]
+
     def mask_mod(self, q_len, kv_len, device=None):
-        # Correctness first: a lookup in the dense table of one entry per list (not per head).
-        t = self._table(q_len, kv_len, torch.device(device or "cpu"))
-        g = self._group()
+        # A lookup in the bitmap of one list per selection head (not per query head), by block.
+        t = self._bitmap(q_len, kv_len, torch.device(device or "cpu"))
+        g, bs = self._group(), self.block_size
         pb = (lambda b: 0) if t.shape[0] == 1 else (lambda b: b)
         ph = (lambda h: 0) if t.shape[1] == 1 else (lambda h: h) if g == 1 else (lambda h: h // g)
-        return lambda b, h, q, kv: t[pb(b), ph(h), q, kv]
+        blk = (lambda kv: kv) if bs == 1 else (lambda kv: kv // bs)
+
+        def mod(b, h, q, kv):
+            i = blk(kv)
+            return ((t[pb(b), ph(h), q, i >> 5] >> (i & 31)) & 1) == 1
+
+        return mod
 
 
 class SelectedKeys(Selection):
@@ -965,6 +1039,12 @@ class And(_Compose):
     def allows_all(self, q_len, kv_len):
         return all(m.allows_all(q_len, kv_len) for m in self.masks)
 
+    def block_occupancy(self, batch, q_len, kv_len, q_block, kv_block, device=None):
+        # tiles every part may allow; a part that cannot tell restricts nothing
+        parts = [m.block_occupancy(batch, q_len, kv_len, q_block, kv_block, device) for m in self.masks]
+        parts = [p for p in parts if p is not None]
+        return _combine(parts, torch.logical_and) if parts else None
+
 
 class Or(_Compose):
     """Allowed where any part allows. Additive masks cannot take part (a sum has no 'or')."""
@@ -992,6 +1072,26 @@ class Or(_Compose):
             return ok
 
         return mod
+
+    def block_occupancy(self, batch, q_len, kv_len, q_block, kv_block, device=None):
+        # tiles any part may allow; a part that cannot tell may allow every tile
+        parts = [m.block_occupancy(batch, q_len, kv_len, q_block, kv_block, device) for m in self.masks]
+        return None if any(p is None for p in parts) else _combine(parts, torch.logical_or)
+
+
+def _combine(parts: list[Tensor], op) -> Tensor | None:
+    """Block occupancies (B|1, H|1 or lists, nqb, nkb) combined by ``op``, head dims matched by
+    repeating the fewer lists (query head h reads list h // (H / Hs)); None where they cannot be
+    matched (lists that do not divide each other)."""
+    heads = max(p.shape[1] for p in parts)
+    if any(heads % p.shape[1] for p in parts):
+        return None
+    out = None
+    for p in parts:
+        if p.shape[1] not in (1, heads):
+            p = p.repeat_interleave(heads // p.shape[1], dim=1)
+        out = p if out is None else op(out, p)
+    return out
 
 
 def shifted_bias(mask: Mask, batch: int, q_len: int, kv_len: int, device=None,
