@@ -1,0 +1,244 @@
+"""A lean Triton decode kernel for absorbed MLA: many query heads over one latent KV head whose
+V is the first ``Dv`` channels of K (DeepSeek: 128 heads, K rows ``[c_kv (512) | k_rope (64)]``).
+
+It serves the plain calls of that layout (what :func:`takes` accepts: V from K, one KV head,
+fp16 / bf16 queries, a power-of-two latent width ``Dv`` of 16-512 and at most 64 rope channels,
+the causal limits of decode and speculative verification, float or int8 / fp8 latent rows; no
+soft cap, ALiBi, window, sinks or selection); :func:`attnkit.backends.triton.kernel.launch`
+hands every other call to the shared kernel (``kernel._attend``). Why a kernel of its own:
+
+* **64 heads per program.** A program takes ``BLOCK_H`` = 64 of the ``G * S`` query rows of the
+  latent head (fewer rows: the next power of two >= 16), so each latent tile is read from memory
+  once per 64 heads, and both dots have 64 rows: the smallest M of Hopper's warpgroup MMA
+  (wgmma). The shared kernel's 64-row tiles spill registers once its modifiers are compiled in
+  (``benchmarks/NOTES.md``); this body has none of them.
+* **One latent tile, two uses.** The ``BLOCK_N x Dv`` latent tile is the score dot's K (through a
+  transpose) and P @ V's V; the rope channels are a second, narrow score dot.
+
+Rows, limits and results are the shared kernel's: row ``g * S + j`` is query head ``g`` at query
+token ``j``, which sees the keys at positions ``< min(q_start[b] + j + 1, lengths[b])``; a row that
+sees nothing gets exactly 0; NaN in q or in a visible key reaches the rows that see it. The cache
+is a paged pool ``(N, block_size, 1, D)`` read through a block table (a contiguous cache is one
+block of L slots per sequence, as ``kernel.launch`` passes it); a table entry outside
+``[0, N)`` is never read and its keys count as masked; pool offsets are int64. Quantized rows
+(int8, or e4m3 as bytes) are widened exactly with ``kernel._widen``, each score is multiplied by
+its key's scale, and P by the scales over the tile's largest one (the shared kernel's scheme).
+Splits follow the wave rule (:func:`attnkit.backends.triton.plan.split_plan`) with one program
+per SM (a 64-row program fills an SM's registers); several splits are merged by
+``kernel._merge_kernel``, one split writes the output itself.
+
+Launch parameters (``BLOCK_N``, ``num_warps``, ``num_stages``) come from :func:`config` unless the
+tuned table (:mod:`attnkit.backends.triton.tuning`) has an entry for the GPU and this kernel's
+shape key (the shared key with ``latent=True``). ``tests/test_triton_latent.py`` compiles the
+kernel for sm_80 and sm_90 and checks shared memory, register spills and wgmma.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import tuning
+from .limits import interpreting
+from .plan import split_plan
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # optional dependency: kernel.py reports it (available())
+    triton = tl = None
+
+__all__ = ["config", "launch", "takes"]
+
+_LOG2E = 1.4426950408889634
+#: Widest rope part (K channels past the latent) the kernel's second score dot takes.
+MAX_ROPE = 64
+#: Widest latent (Dv) the kernel's tiles are sized for.
+MAX_LATENT = 512
+
+
+def takes(q_dtype: torch.dtype, head_dim: int, v_head_dim: int, num_kv_heads: int, v_from_k: bool, *,
+          softcap: float = 0.0, alibi: bool = False, window: bool = False, sinks: bool = False,
+          selection: bool = False) -> bool:
+    """Whether the lean latent kernel serves a decode call of this description (else the shared
+    kernel does): V read from K over one KV head, fp16 / bf16 queries, a power-of-two latent
+    ``v_head_dim`` of 16..512 with 1..64 rope channels past it, and no soft cap, ALiBi, window,
+    sinks or selection. A pure function of the call, so the choice is tested on CPU."""
+    rope = head_dim - v_head_dim
+    return (v_from_k and num_kv_heads == 1 and q_dtype in (torch.float16, torch.bfloat16)
+            and 16 <= v_head_dim <= MAX_LATENT and v_head_dim & (v_head_dim - 1) == 0 and 0 < rope <= MAX_ROPE
+            and not (softcap > 0 or alibi or window or sinks or selection))
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, 1 << max(0, n - 1).bit_length())
+
+
+def config(rows: int, head_dim: int, v_head_dim: int) -> dict:
+    """Tiles for ``rows`` query rows (``G * S``): 64 rows per program when there are that many
+    (wgmma's M), else the next power of two >= 16; keys per tile, warps and stages by the
+    latent's width (a 64 x 512 fp32 accumulator spread over 8 warps is 128 registers a thread)."""
+    wide = v_head_dim > 128
+    return dict(BLOCK_H=64 if rows >= 64 else _pow2(rows), BLOCK_N=32 if wide else 64,
+                BLOCK_DV=v_head_dim, BLOCK_DR=_pow2(head_dim - v_head_dim),
+                num_warps=8 if wide else 4, num_stages=2 if wide else 3)
+
+
+#: The interpreter's stand-in for a GPU's SM count in the split rule (kernel._INTERPRETER_WAVE's).
+_INTERPRETER_SMS = 4
+
+
+if triton is not None:
+    from .kernel import _merge_kernel, _widen
+
+    @triton.jit
+    def _latent_kernel(
+        Q, K, TABLE, QSTART, LENGTHS, OP, LSEP, KS, OUT,
+        scale_log2,
+        stride_qb, stride_qh, stride_qs,
+        stride_kn, stride_kt,
+        stride_ksn, stride_kst,
+        stride_tb,
+        G, S, DR, KV_BLOCK_SIZE, SPLIT_LEN, NSPLIT, NUM_KV_BLOCKS,
+        QUANT: tl.constexpr, FP8: tl.constexpr, DIRECT: tl.constexpr, DOT_F32: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        pid_h = tl.program_id(1)
+        pid_s = tl.program_id(2)
+        rows = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)  # row = g * S + j
+        row_ok = rows < G * S
+        j = rows % S
+        h = rows // S
+        length = tl.load(LENGTHS + b)
+        lim = tl.minimum(tl.load(QSTART + b) + j + 1, length)  # keys < lim are visible to the row
+
+        # q: the latent part (BLOCK_H, Dv) and the rope part (BLOCK_H, BLOCK_DR); DV == BLOCK_DV.
+        dv = tl.arange(0, BLOCK_DV)
+        dr = tl.arange(0, BLOCK_DR)
+        q_base = Q + b.to(tl.int64) * stride_qb + h[:, None] * stride_qh + j[:, None] * stride_qs
+        q = tl.load(q_base + dv[None, :], mask=row_ok[:, None], other=0.0)
+        q_r = tl.load(q_base + BLOCK_DV + dr[None, :], mask=row_ok[:, None] & (dr[None, :] < DR), other=0.0)
+        if DOT_F32:
+            q = q.to(tl.float32)
+            q_r = q_r.to(tl.float32)
+
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+
+        start = pid_s * SPLIT_LEN
+        end = tl.minimum(start + SPLIT_LEN, length)
+        for n0 in range(start, end, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            pos_ok = pos < end
+            blk = tl.load(TABLE + b * stride_tb + pos // KV_BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+            # A table entry outside the pool is never read; its keys count as masked.
+            pos_ok = pos_ok & (blk >= 0) & (blk < NUM_KV_BLOCKS)
+            blk = tl.where(pos_ok, blk, 0)
+            slot = (pos % KV_BLOCK_SIZE).to(tl.int64)  # int64: a contiguous cache's L slots
+            k_row = K + blk * stride_kn + slot * stride_kt
+            kv = tl.load(k_row[:, None] + dv[None, :], mask=pos_ok[:, None], other=0.0)  # latent: K and V
+            k_r = tl.load(k_row[:, None] + BLOCK_DV + dr[None, :], mask=pos_ok[:, None] & (dr[None, :] < DR),
+                          other=0.0)
+            if QUANT:  # exact: int8 and e4m3 values are values of q's dtype
+                kv = _widen(kv, FP8).to(Q.dtype.element_ty)
+                k_r = _widen(k_r, FP8).to(Q.dtype.element_ty)
+            if DOT_F32:
+                kv = kv.to(tl.float32)
+                k_r = k_r.to(tl.float32)
+            s = tl.dot(q, tl.trans(kv))
+            s += tl.dot(q_r, tl.trans(k_r))
+            if QUANT:  # each key's score times its row scale
+                ksc = tl.load(KS + blk * stride_ksn + slot * stride_kst, mask=pos_ok, other=0.0)
+                s = s * ksc[None, :]
+            vis = (pos[None, :] < lim[:, None]) & pos_ok[None, :]
+            s = tl.where(vis, s * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if QUANT:  # each probability (l_i has it) times its row scale, over the tile's largest
+                top = tl.max(tl.where(pos_ok & (tl.abs(ksc) < float("inf")), tl.abs(ksc), 0.0), 0)
+                top = tl.where(top > 0.0, top, 1.0)
+                p = tl.where(vis, p * (ksc / top)[None, :], 0.0)
+            # P rounded to q's dtype for P @ V, as every fused kernel does.
+            p = p.to(Q.dtype.element_ty)
+            if DOT_F32:
+                p = p.to(tl.float32)
+            pv = tl.dot(p, kv)
+            if QUANT:
+                pv = pv * top
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+
+        seen = l_i > 0.0
+        out = acc / tl.where(seen, l_i, 1.0)[:, None]
+        orow = ((b * G + h) * S + j).to(tl.int64)  # (B, Hq, S[, NSPLIT]) contiguous; Hq == G
+        if DIRECT:  # the only split: the normalized output in OUT's dtype
+            tl.store(OUT + orow[:, None] * BLOCK_DV + dv[None, :], out.to(OUT.dtype.element_ty),
+                     mask=row_ok[:, None])
+        else:
+            lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+            prow = orow * NSPLIT + pid_s
+            tl.store(LSEP + prow, lse, mask=row_ok)
+            tl.store(OP + prow[:, None] * BLOCK_DV + dv[None, :], out, mask=row_ok[:, None])
+
+
+def launch(q: Tensor, k: Tensor, table: Tensor, q_start: Tensor, lengths: Tensor, scale: float, v_head_dim: int,
+           max_len: int, num_splits: int, k_scale: Tensor | None = None) -> Tensor:
+    """The lean kernel (and the merge, for several splits) on a call :func:`takes` accepts, with
+    ``kernel.launch``'s arguments: q (B, Hq, S, D) fp16 / bf16; k (N, bs, 1, D) (a contiguous
+    cache as one block per sequence), last dim contiguous, int8 / fp8 e4m3 with ``k_scale``
+    (N, bs, 1) fp32; table (B, nb) int; q_start, lengths (B,) int32; ``num_splits`` <= 0: the wave
+    rule. Returns (B, Hq, S, v_head_dim)."""
+    B, Hq, S, D = q.shape
+    Dv = v_head_dim
+    out = torch.empty((B, Hq, S, Dv), dtype=q.dtype, device=q.device)
+    if out.numel() == 0:
+        return out
+    quant = k_scale is not None
+    arch = tuning.arch_of(q.device) if q.device.type == "cuda" else None
+    key = tuning.shape_key(q.dtype, D, Dv, True, k.dtype if quant else None, latent=True)
+    cfg = tuning.tuned(config(Hq * S, D, Dv), arch, key)
+    block_h, block_n = cfg["BLOCK_H"], cfg["BLOCK_N"]
+    h_tiles = -(-Hq * S // block_h)
+    span = max(1, max_len)
+    if num_splits <= 0:  # the wave rule, one program per SM
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.device.type == "cuda" \
+            else _INTERPRETER_SMS
+        num_splits, split_len = split_plan(B, 1, h_tiles, span, sms, 1, block_n)
+    else:
+        num_splits = min(num_splits, -(-span // block_n), 1024)
+        split_len = -(-(-(-span // num_splits)) // block_n) * block_n
+    direct = num_splits == 1
+    if direct:
+        op = lsep = lengths  # unread
+    else:
+        op = torch.empty((B, Hq, S, num_splits, Dv), dtype=torch.float32, device=q.device)
+        lsep = torch.empty((B, Hq, S, num_splits), dtype=torch.float32, device=q.device)
+    fp8 = quant and k.dtype != torch.int8
+    if fp8:  # e4m3 rows go in as their bytes (_widen decodes them)
+        k = k.view(torch.uint8)
+    ks = k_scale if quant else q  # unread when not quantized
+    ks_strides = (ks.stride(0), ks.stride(1)) if quant else (0, 0)
+    _latent_kernel[(B, h_tiles, num_splits)](
+        q, k, table, q_start, lengths, op, lsep, ks, out,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1),
+        *ks_strides,
+        table.stride(0),
+        Hq, S, D - Dv, k.shape[1], split_len, num_splits, k.shape[0],
+        QUANT=quant, FP8=fp8, DIRECT=direct,
+        # Triton 3.9's interpreter computes bf16 dots wrongly: there, operands go up to fp32.
+        DOT_F32=q.dtype == torch.bfloat16 and interpreting(),
+        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DV=Dv, BLOCK_DR=cfg["BLOCK_DR"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if direct:
+        return out
+    _merge_kernel[(B * Hq * S,)](op, lsep, out, lsep, num_splits, Dv, Hq, S, HAS_SINKS=False,
+                                 BLOCK_SPLIT=_pow2(num_splits, 2), BLOCK_DV=Dv)
+    return out
