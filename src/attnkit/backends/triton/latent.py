@@ -62,12 +62,14 @@ def takes(q_dtype: torch.dtype, head_dim: int, v_head_dim: int, num_kv_heads: in
           selection: bool = False) -> bool:
     """Whether the lean latent kernel serves a decode call of this description (else the shared
     kernel does): V read from K over one KV head, fp16 / bf16 queries, a power-of-two latent
-    ``v_head_dim`` of 16..512 with 1..64 rope channels past it, and no soft cap, ALiBi, window,
-    sinks or selection. A pure function of the call, so the choice is tested on CPU."""
+    ``v_head_dim`` of 16..512 and 16, 32 or 64 rope channels past it (tiles exactly as wide as
+    the data: no channel masks, which would keep the rope tile out of the load pipeline), and no
+    soft cap, ALiBi, window, sinks or selection. A pure function of the call, so the choice is
+    tested on CPU."""
     rope = head_dim - v_head_dim
     return (v_from_k and num_kv_heads == 1 and q_dtype in (torch.float16, torch.bfloat16)
-            and 16 <= v_head_dim <= MAX_LATENT and v_head_dim & (v_head_dim - 1) == 0 and 0 < rope <= MAX_ROPE
-            and not (softcap > 0 or alibi or window or sinks or selection))
+            and 16 <= v_head_dim <= MAX_LATENT and v_head_dim & (v_head_dim - 1) == 0
+            and rope in (16, 32, MAX_ROPE) and not (softcap > 0 or alibi or window or sinks or selection))
 
 
 def _pow2(n: int, lo: int = 16) -> int:
@@ -77,11 +79,12 @@ def _pow2(n: int, lo: int = 16) -> int:
 def config(rows: int, head_dim: int, v_head_dim: int) -> dict:
     """Tiles for ``rows`` query rows (``G * S``): 64 rows per program when there are that many
     (wgmma's M), else the next power of two >= 16; keys per tile, warps and stages by the
-    latent's width (a 64 x 512 fp32 accumulator spread over 8 warps is 128 registers a thread)."""
+    latent's width. A 64 x 512 fp32 accumulator over 8 warps is 128 registers of a thread's 255,
+    which leaves room for a 16-key tile's scores but not a 32-key one's (ptxas spills: the
+    ahead-of-time compile test checks it)."""
     wide = v_head_dim > 128
-    return dict(BLOCK_H=64 if rows >= 64 else _pow2(rows), BLOCK_N=32 if wide else 64,
-                BLOCK_DV=v_head_dim, BLOCK_DR=_pow2(head_dim - v_head_dim),
-                num_warps=8 if wide else 4, num_stages=2 if wide else 3)
+    return dict(BLOCK_H=64 if rows >= 64 else _pow2(rows), BLOCK_N=16 if wide else 64,
+                BLOCK_DR=head_dim - v_head_dim, num_warps=8 if wide else 4, num_stages=3)
 
 
 #: The interpreter's stand-in for a GPU's SM count in the split rule (kernel._INTERPRETER_WAVE's).
@@ -99,26 +102,28 @@ if triton is not None:
         stride_kn, stride_kt,
         stride_ksn, stride_kst,
         stride_tb,
-        G, S, DR, KV_BLOCK_SIZE, SPLIT_LEN, NSPLIT, NUM_KV_BLOCKS,
-        QUANT: tl.constexpr, FP8: tl.constexpr, DIRECT: tl.constexpr, DOT_F32: tl.constexpr,
+        G, S, KV_BLOCK_SIZE, SPLIT_LEN, NSPLIT, NUM_KV_BLOCKS,
+        QUANT: tl.constexpr, FP8: tl.constexpr, DIRECT: tl.constexpr, DOT_F32: tl.constexpr, ONE_BLOCK: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
     ):
         b = tl.program_id(0)
         pid_h = tl.program_id(1)
         pid_s = tl.program_id(2)
-        rows = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)  # row = g * S + j
-        row_ok = rows < G * S
+        # row = g * S + j; the rows past G * S repeat the last one (read, never stored: no masks).
+        rows = tl.minimum(pid_h * BLOCK_H + tl.arange(0, BLOCK_H), G * S - 1)
         j = rows % S
         h = rows // S
         length = tl.load(LENGTHS + b)
-        lim = tl.minimum(tl.load(QSTART + b) + j + 1, length)  # keys < lim are visible to the row
+        start = pid_s * SPLIT_LEN
+        end = tl.minimum(start + SPLIT_LEN, length)
+        lim = tl.minimum(tl.load(QSTART + b) + j + 1, end)  # keys < lim are visible to the row (and in the split)
 
         # q: the latent part (BLOCK_H, Dv) and the rope part (BLOCK_H, BLOCK_DR); DV == BLOCK_DV.
         dv = tl.arange(0, BLOCK_DV)
         dr = tl.arange(0, BLOCK_DR)
         q_base = Q + b.to(tl.int64) * stride_qb + h[:, None] * stride_qh + j[:, None] * stride_qs
-        q = tl.load(q_base + dv[None, :], mask=row_ok[:, None], other=0.0)
-        q_r = tl.load(q_base + BLOCK_DV + dr[None, :], mask=row_ok[:, None] & (dr[None, :] < DR), other=0.0)
+        q = tl.load(q_base + dv[None, :])
+        q_r = tl.load(q_base + BLOCK_DV + dr[None, :])
         if DOT_F32:
             q = q.to(tl.float32)
             q_r = q_r.to(tl.float32)
@@ -127,32 +132,45 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
 
-        start = pid_s * SPLIT_LEN
-        end = tl.minimum(start + SPLIT_LEN, length)
         for n0 in range(start, end, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             pos_ok = pos < end
-            blk = tl.load(TABLE + b * stride_tb + pos // KV_BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
             # A table entry outside the pool is never read; its keys count as masked.
-            pos_ok = pos_ok & (blk >= 0) & (blk < NUM_KV_BLOCKS)
-            blk = tl.where(pos_ok, blk, 0)
-            slot = (pos % KV_BLOCK_SIZE).to(tl.int64)  # int64: a contiguous cache's L slots
-            k_row = K + blk * stride_kn + slot * stride_kt
+            if ONE_BLOCK:  # the tile lies in one cache block: one table entry, keys at consecutive slots
+                blk = tl.load(TABLE + b * stride_tb + n0 // KV_BLOCK_SIZE).to(tl.int64)
+                blk_ok = (blk >= 0) & (blk < NUM_KV_BLOCKS)
+                pos_ok = pos < tl.where(blk_ok, end, 0)
+                blk = tl.where(blk_ok, blk, 0)
+                cut = tl.where(blk_ok, lim, 0)  # the row's visible keys: below cut
+                k_row = K + blk * stride_kn + (n0 % KV_BLOCK_SIZE).to(tl.int64) * stride_kt \
+                    + tl.arange(0, BLOCK_N) * stride_kt
+            else:  # a block per key
+                blk = tl.load(TABLE + b * stride_tb + pos // KV_BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+                pos_ok = pos_ok & (blk >= 0) & (blk < NUM_KV_BLOCKS)
+                blk = tl.where(pos_ok, blk, 0)
+                slot = (pos % KV_BLOCK_SIZE).to(tl.int64)  # int64: a contiguous cache's L slots
+                k_row = K + blk * stride_kn + slot * stride_kt
+                cut = lim
             kv = tl.load(k_row[:, None] + dv[None, :], mask=pos_ok[:, None], other=0.0)  # latent: K and V
-            k_r = tl.load(k_row[:, None] + BLOCK_DV + dr[None, :], mask=pos_ok[:, None] & (dr[None, :] < DR),
-                          other=0.0)
+            k_r = tl.load(k_row[:, None] + BLOCK_DV + dr[None, :], mask=pos_ok[:, None], other=0.0)
             if QUANT:  # exact: int8 and e4m3 values are values of q's dtype
                 kv = _widen(kv, FP8).to(Q.dtype.element_ty)
                 k_r = _widen(k_r, FP8).to(Q.dtype.element_ty)
             if DOT_F32:
                 kv = kv.to(tl.float32)
                 k_r = k_r.to(tl.float32)
-            s = tl.dot(q, tl.trans(kv))
-            s += tl.dot(q_r, tl.trans(k_r))
+            s = tl.dot(q_r, tl.trans(k_r), tl.dot(q, tl.trans(kv)))
             if QUANT:  # each key's score times its row scale
-                ksc = tl.load(KS + blk * stride_ksn + slot * stride_kst, mask=pos_ok, other=0.0)
+                if ONE_BLOCK:
+                    ks_row = KS + blk * stride_ksn + (n0 % KV_BLOCK_SIZE).to(tl.int64) * stride_kst \
+                        + tl.arange(0, BLOCK_N) * stride_kst
+                else:
+                    ks_row = KS + blk * stride_ksn + slot * stride_kst
+                ksc = tl.load(ks_row, mask=pos_ok, other=0.0)
                 s = s * ksc[None, :]
-            vis = (pos[None, :] < lim[:, None]) & pos_ok[None, :]
+            vis = pos[None, :] < cut[:, None]
+            if not ONE_BLOCK:
+                vis = vis & pos_ok[None, :]
             s = tl.where(vis, s * scale_log2, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
@@ -167,23 +185,29 @@ if triton is not None:
             p = p.to(Q.dtype.element_ty)
             if DOT_F32:
                 p = p.to(tl.float32)
-            pv = tl.dot(p, kv)
             if QUANT:
-                pv = pv * top
-            acc = acc * alpha[:, None] + pv
+                acc = acc * alpha[:, None] + tl.dot(p, kv) * top
+            else:  # accumulated in place: a second 64 x Dv fp32 tile would not fit in registers
+                acc = tl.dot(p, kv, acc * alpha[:, None])
             m_i = m_new
 
         seen = l_i > 0.0
         out = acc / tl.where(seen, l_i, 1.0)[:, None]
-        orow = ((b * G + h) * S + j).to(tl.int64)  # (B, Hq, S[, NSPLIT]) contiguous; Hq == G
+        # Output row (b, h, j) of the contiguous (B, Hq, S[, NSPLIT], Dv) result is b * G * S + row
+        # (Hq == G): a scalar base and the tile's offsets, so no per-row index lives across the loop.
+        first = b.to(tl.int64) * G * S + pid_h * BLOCK_H
+        r = tl.arange(0, BLOCK_H)
+        r_ok = r < G * S - pid_h * BLOCK_H
         if DIRECT:  # the only split: the normalized output in OUT's dtype
-            tl.store(OUT + orow[:, None] * BLOCK_DV + dv[None, :], out.to(OUT.dtype.element_ty),
-                     mask=row_ok[:, None])
+            tl.store(OUT + first * BLOCK_DV + r[:, None] * BLOCK_DV + dv[None, :], out.to(OUT.dtype.element_ty),
+                     mask=r_ok[:, None])
         else:
-            lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
-            prow = orow * NSPLIT + pid_s
-            tl.store(LSEP + prow, lse, mask=row_ok)
-            tl.store(OP + prow[:, None] * BLOCK_DV + dv[None, :], out, mask=row_ok[:, None])
+            lse = m_i + tl.log2(l_i)  # -inf for a row that saw nothing (m_i -inf, l_i 0)
+            # Partial rows (B, Hq, S, NSPLIT): the tile's row r is (first + r) * NSPLIT + pid_s (the
+            # lse's offsets as a scalar base and int32 steps: one int64 vector fewer, no spill).
+            prow = (first + r) * NSPLIT + pid_s
+            tl.store(LSEP + (first * NSPLIT + pid_s) + r * NSPLIT, lse, mask=r_ok)
+            tl.store(OP + prow[:, None] * BLOCK_DV + dv[None, :], out, mask=r_ok[:, None])
 
 
 def launch(q: Tensor, k: Tensor, table: Tensor, q_start: Tensor, lengths: Tensor, scale: float, v_head_dim: int,
@@ -203,6 +227,9 @@ def launch(q: Tensor, k: Tensor, table: Tensor, q_start: Tensor, lengths: Tensor
     key = tuning.shape_key(q.dtype, D, Dv, True, k.dtype if quant else None, latent=True)
     cfg = tuning.tuned(config(Hq * S, D, Dv), arch, key)
     block_h, block_n = cfg["BLOCK_H"], cfg["BLOCK_N"]
+    block_size = k.shape[1]
+    if block_size & (block_size - 1) == 0 and block_size >= 16:
+        block_n = min(block_n, block_size)  # a tile within one page (ONE_BLOCK)
     h_tiles = -(-Hq * S // block_h)
     span = max(1, max_len)
     if num_splits <= 0:  # the wave rule, one program per SM
@@ -213,6 +240,9 @@ def launch(q: Tensor, k: Tensor, table: Tensor, q_start: Tensor, lengths: Tensor
         num_splits = min(num_splits, -(-span // block_n), 1024)
         split_len = -(-(-(-span // num_splits)) // block_n) * block_n
     direct = num_splits == 1
+    # Every tile lies in one cache block: tiles start at multiples of block_n, so when it divides the
+    # block size, or when every key is in a sequence's first block (a contiguous cache).
+    one_block = block_size % block_n == 0 or span <= block_size
     if direct:
         op = lsep = lengths  # unread
     else:
@@ -230,11 +260,11 @@ def launch(q: Tensor, k: Tensor, table: Tensor, q_start: Tensor, lengths: Tensor
         k.stride(0), k.stride(1),
         *ks_strides,
         table.stride(0),
-        Hq, S, D - Dv, k.shape[1], split_len, num_splits, k.shape[0],
-        QUANT=quant, FP8=fp8, DIRECT=direct,
+        Hq, S, block_size, split_len, num_splits, k.shape[0],
+        QUANT=quant, FP8=fp8, DIRECT=direct, ONE_BLOCK=one_block,
         # Triton 3.9's interpreter computes bf16 dots wrongly: there, operands go up to fp32.
         DOT_F32=q.dtype == torch.bfloat16 and interpreting(),
-        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DV=Dv, BLOCK_DR=cfg["BLOCK_DR"],
+        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DV=Dv, BLOCK_DR=D - Dv,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if direct:
