@@ -489,9 +489,10 @@ def launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tenso
     B, Hq, S, D = q.shape
     block_size, Hkv = k.shape[1], k.shape[2]
     from . import latent  # the lean MLA kernel serves the plain latent calls (its module docstring)
-    if latent.takes(q.dtype, D, v_head_dim, Hkv, v is None, softcap=softcap, alibi=slopes is not None,
-                    window=window_q_start is not None, sinks=sinks is not None, selection=sel_ids is not None):
-        return latent.launch(q, k, table, q_start, lengths, scale, v_head_dim, max_len, num_splits, k_scale)
+    if latent.takes(q.dtype, D, v_head_dim, Hkv, v is None, block_size, max_len, quantized=k_scale is not None,
+                    softcap=softcap, alibi=slopes is not None, window=window_q_start is not None,
+                    sinks=sinks is not None, selection=sel_ids is not None):
+        return latent.launch(q, k, table, q_start, lengths, scale, v_head_dim, max_len, num_splits)
     G = Hq // Hkv
     Dv = v_head_dim
     out = torch.empty((B, Hq, S, Dv), dtype=q.dtype, device=q.device)
