@@ -15,6 +15,12 @@ One kernel serves every cache layout attnkit has:
   ``k_scale`` / ``v_scale`` indexed like the rows without their last dim), in any of the layouts
   above: read in place, one byte per element, widened in registers (see "Quantized K/V" below).
 
+The plain calls of absorbed MLA (V from K over one latent head, fp16 / bf16, no modifier or
+selection: :func:`attnkit.backends.triton.latent.takes`) go to a lean kernel of their own,
+:mod:`attnkit.backends.triton.latent`: 64 query heads per program, so each latent tile is read
+once per 64 heads and its dots can be Hopper's warpgroup MMAs, which this kernel's register
+budget does not allow once its modifiers are compiled in. Every other call runs here.
+
 Work split: program ``(b * Hkv + kv_head, row tile, split)``. A row tile holds ``BLOCK_M`` of
 the ``G * S`` query rows that share one KV head (G query heads per KV head, S query tokens:
 decode S = 1, speculative verification S <= 16), so each KV head is read once for its whole query
