@@ -198,11 +198,23 @@ def test_launch_sends_the_rest_to_the_shared_kernel(lean, monkeypatch):
     assert (lean.n, len(shared)) == (1, 6)
 
 
-def test_tuned_entries_have_a_key_of_their_own():
-    """The lean kernel reads the tuned table under the shared key plus ``-latent``: an entry tuned
-    for it never reaches the shared kernel's calls of the same shape (sinks, soft cap)."""
+def test_tuned_entries_have_a_key_of_their_own_and_reach_the_launch(monkeypatch, lean):
+    """The lean kernel reads the tuned table under the shared key plus ``-latent`` (an entry tuned
+    for it never reaches the shared kernel's calls of the same shape: sinks, soft cap). A forced
+    entry (what a table entry becomes on its GPU) reaches its launch: the split rule sees its keys
+    per tile, and the output still matches the oracle."""
     assert tuning.shape_key(torch.bfloat16, 576, 512, True, None, latent=True) == "bfloat16-d576-dv512-vk-latent"
     assert tuning.shape_key(torch.bfloat16, 576, 512, True, None) == "bfloat16-d576-dv512-vk"
+    seen = []
+    real = latent.split_plan
+    monkeypatch.setattr(latent, "split_plan", lambda *a, **kw: seen.append(a[-1]) or real(*a, **kw))
+    _, _, _, k, _ = _pools(1, 1, 80, 64, 16, [70], torch.bfloat16, seed=23, value_from_key=True)
+    q = torch.randn(1, 16, 1, 80, generator=torch.Generator().manual_seed(24)).to(torch.bfloat16)
+    for block_n in (16, 32):
+        with tuning.forced({"BLOCK_N": block_n, "num_stages": 2}):
+            _run(q, None, None, k, torch.tensor([70]), 1, "contiguous", 64, 0.1, 0)
+        assert seen[-1] == block_n
+    assert lean.n == 2
 
 
 # ------------------------------------------------------------------ ahead-of-time compile (no GPU)
