@@ -111,7 +111,7 @@ def test_wave_rule_splits_with_one_program_per_sm(monkeypatch, lean):
     two sequences (two 64-head programs each) splits its 300 keys; the result still matches."""
     monkeypatch.setattr(latent, "_INTERPRETER_SMS", 132)
     merges = []
-    monkeypatch.setattr(latent, "_merge_kernel", _Recorder(latent._merge_kernel, merges))
+    monkeypatch.setattr(td, "_merge_kernel", _Recorder(td._merge_kernel, merges))
     k_pool, _, table, k, _ = _pools(2, 1, 80, 64, 16, [150, 300], torch.bfloat16, seed=9, value_from_key=True)
     q = torch.randn(2, 128, 1, 80, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
     _run(q, k_pool, table, k, torch.tensor([150, 300]), 1, "page16", 64, 0.1, 0)

@@ -97,7 +97,7 @@ try:
 except ImportError:  # optional dependency: only this module needs it
     triton = tl = None
 
-__all__ = ["available", "decode_op", "launch"]
+__all__ = ["available", "decode_op", "launch", "merge_splits"]
 
 _LOG2E = 1.4426950408889634
 
@@ -498,7 +498,7 @@ def launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tenso
     if latent.takes(q.dtype, D, v_head_dim, Hkv, v is None, block_size, max_len, quantized=k_scale is not None,
                     softcap=softcap, alibi=slopes is not None, window=window_q_start is not None,
                     sinks=sinks is not None, selection=sel_ids is not None):
-        return latent.launch(q, k, table, q_start, lengths, scale, v_head_dim, max_len, num_splits)
+        return latent.launch(q, k, table, q_start, lengths, scale, v_head_dim, max_len, num_splits, merge_splits)
     G = Hq // Hkv
     Dv = v_head_dim
     out = torch.empty((B, Hq, S, Dv), dtype=q.dtype, device=q.device)
@@ -573,6 +573,17 @@ def launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tenso
         return out
     _merge_kernel[(B * Hq * S,)](op, lsep, out, lsep if sinks is None else sinks, num_splits, Dv, Hq, S,
                                  HAS_SINKS=sinks is not None, BLOCK_SPLIT=_pow2(num_splits, 2), BLOCK_DV=_pow2(Dv))
+    return out
+
+
+def merge_splits(op: Tensor, lsep: Tensor, out: Tensor, sinks: Tensor | None = None) -> Tensor:
+    """Merge the splits' partial outputs op (B, Hq, S, NSPLIT, Dv) fp32 and their base-2
+    log-sum-exps lsep (B, Hq, S, NSPLIT), both contiguous, into out (B, Hq, S, Dv) contiguous
+    (sinks (Hq,) fp32 join each row's denominator once); returns out. The merge of every decode
+    kernel here (:mod:`attnkit.backends.triton.latent`'s too)."""
+    B, Hq, S, nsplit, Dv = op.shape
+    _merge_kernel[(B * Hq * S,)](op, lsep, out, lsep if sinks is None else sinks, nsplit, Dv, Hq, S,
+                                 HAS_SINKS=sinks is not None, BLOCK_SPLIT=_pow2(nsplit, 2), BLOCK_DV=_pow2(Dv))
     return out
 
 

@@ -28,7 +28,7 @@ block of L slots per sequence, as ``kernel.launch`` passes it); a table entry ou
 never read and its keys count as masked; pool offsets are int64. Scores, softmax and accumulation
 are fp32, P is rounded to q's dtype for P @ V. Splits follow the wave rule
 (:func:`attnkit.backends.triton.plan.split_plan`) with one program per SM (a 64-row program fills
-an SM's registers); several splits are merged by ``kernel._merge_kernel``, one split writes the
+an SM's registers); several splits are merged by ``kernel.merge_splits``, one split writes the
 output itself.
 
 Launch parameters (``BLOCK_N``, ``num_warps``, ``num_stages``) come from :func:`config` unless the
@@ -38,6 +38,8 @@ ahead of time for sm_80 and sm_90 and checks shared memory, register spills and 
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -99,7 +101,6 @@ _INTERPRETER_SMS = 4
 
 
 if triton is not None:
-    from .kernel import _merge_kernel
 
     @triton.jit
     def _latent_kernel(
@@ -190,11 +191,13 @@ if triton is not None:
 
 
 def launch(q: Tensor, k: Tensor, table: Tensor, q_start: Tensor, lengths: Tensor, scale: float, v_head_dim: int,
-           max_len: int, num_splits: int) -> Tensor:
+           max_len: int, num_splits: int, merge: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
     """The lean kernel (and the merge, for several splits) on a call :func:`takes` accepts, with
     ``kernel.launch``'s arguments: q (B, Hq, S, D) fp16 / bf16; k (N, bs, 1, D) in q's dtype, last
     dim contiguous (a contiguous cache: one block of ``bs = L`` slots per sequence); table (B, nb)
-    int; q_start, lengths (B,) int32; ``num_splits`` <= 0: the wave rule. Returns
+    int; q_start, lengths (B,) int32; ``num_splits`` <= 0: the wave rule; ``merge``:
+    :func:`attnkit.backends.triton.kernel.merge_splits` (given by ``kernel.launch``, which imports
+    this module: the merge is shared, and the two modules do not import each other). Returns
     (B, Hq, S, v_head_dim)."""
     B, Hq, S, D = q.shape
     Dv = v_head_dim
@@ -235,6 +238,4 @@ def launch(q: Tensor, k: Tensor, table: Tensor, q_start: Tensor, lengths: Tensor
     )
     if direct:
         return out
-    _merge_kernel[(B * Hq * S,)](op, lsep, out, lsep, num_splits, Dv, Hq, S, HAS_SINKS=False,
-                                 BLOCK_SPLIT=_pow2(num_splits, 2), BLOCK_DV=Dv)
-    return out
+    return merge(op, lsep, out)
