@@ -45,7 +45,8 @@ def shape_key(dtype: torch.dtype, head_dim: int, v_head_dim: int, v_from_k: bool
     whose best tiles are not the shared kernel's for the same shape."""
     name = str(dtype).removeprefix("torch.")
     kv = "" if kv_dtype is None else f"-kv_{str(kv_dtype).removeprefix('torch.')}"
-    return f"{name}-d{head_dim}-dv{v_head_dim}{'-vk' if v_from_k else ''}{kv}{'-sel' if selection else ''}{'-latent' if latent else ''}"
+    tail = f"{'-vk' if v_from_k else ''}{kv}{'-sel' if selection else ''}{'-latent' if latent else ''}"
+    return f"{name}-d{head_dim}-dv{v_head_dim}{tail}"
 
 
 def _check(entry: dict, where: str) -> dict:
