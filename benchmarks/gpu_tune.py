@@ -36,6 +36,10 @@ SHAPES = [
     ("mla", torch.bfloat16, 32, 128, 1, 576, None, 64, (4096, 32768)),
 ]
 CANDIDATES = {"BLOCK_N": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3, 4)}
+#: The lean MLA kernel's (attnkit.backends.triton.latent): a 64 x 512 fp32 accumulator per program,
+#: so few keys per tile (16 is its own choice; 32 and 64 spill registers when compiled ahead, but
+#: may still win on the GPU) and 8 warps (4 would hold 256 accumulator registers a thread).
+CANDIDATES_LATENT = {"BLOCK_N": (16, 32, 64), "num_warps": (8,), "num_stages": (1, 2, 3)}
 #: --quick: tiny shapes of both kinds and two candidates (the interpreter on CPU).
 SHAPES_QUICK = [
     ("gqa", torch.float32, 2, 4, 2, 32, 32, 16, (64,)),
@@ -68,10 +72,22 @@ def _rope(D: int) -> int:
     return 64 if D >= 256 else D // 4
 
 
+def _lean(shape) -> bool:
+    """Whether the lean MLA kernel serves the shape's calls (its own table key and candidates)."""
+    from attnkit.backends.triton import latent
+
+    name, dtype, B, Hq, Hkv, D, Dv, page, contexts = shape
+    dv = D - _rope(D) if Dv is None else Dv
+    return latent.takes(dtype, D, dv, Hkv, Dv is None, page, max(contexts))
+
+
 def tune_shape(shape, dev, reps: int, candidates: dict) -> dict:
     name, dtype, B, Hq, Hkv, D, Dv, page, contexts = shape
     dv = D - _rope(D) if Dv is None else Dv
-    key = tuning.shape_key(dtype, D, dv, Dv is None, None)
+    lean = _lean(shape)
+    key = tuning.shape_key(dtype, D, dv, Dv is None, None, latent=lean)
+    if lean and candidates is CANDIDATES:
+        candidates = CANDIDATES_LATENT
     steps, sdpa, nbytes = _steps(shape, dev)
     results = []
     for values in itertools.product(*candidates.values()):

@@ -611,15 +611,6 @@ def test_bf16_gqa_and_mla_kernels_fit_without_spills_on_sm80_and_sm90():
         assert r["spills"] == 0, f"{r['case']}: {r['spills']} bytes of register spills ({r['regs']} registers)"
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="MLA row tile is 32 heads; wgmma needs M multiple of 64")
-def test_mla_dots_use_warpgroup_mma_on_sm90():
-    """On sm_90 the MLA kernel's dots are warpgroup MMAs (wgmma in the PTX): a row tile of 64
-    heads, so Hopper's tensor cores run at full rate."""
-    mla = [r for r in _compiled_decode_kernels() if r["case"][3] and r["case"][-1] == 90]
-    assert mla and all(r["wgmma"] for r in mla), [(r["case"], r["block_m"], r["wgmma"]) for r in mla]
-
-
 def test_table_padding_past_a_sequences_pages_is_accepted_and_a_lying_entry_is_never_read():
     """check=True validates only the entries holding tokens (the allocator pads with -1); with
     check=False (a caller's checked=True table) an entry outside the pool is never read: its keys

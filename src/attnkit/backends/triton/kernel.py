@@ -15,6 +15,12 @@ One kernel serves every cache layout attnkit has:
   ``k_scale`` / ``v_scale`` indexed like the rows without their last dim), in any of the layouts
   above: read in place, one byte per element, widened in registers (see "Quantized K/V" below).
 
+The plain calls of absorbed MLA (V from K over one latent head, fp16 / bf16, no modifier or
+selection: :func:`attnkit.backends.triton.latent.takes`) go to a lean kernel of their own,
+:mod:`attnkit.backends.triton.latent`: 64 query heads per program, so each latent tile is read
+once per 64 heads and its dots can be Hopper's warpgroup MMAs, which this kernel's register
+budget does not allow once its modifiers are compiled in. Every other call runs here.
+
 Work split: program ``(b * Hkv + kv_head, row tile, split)``. A row tile holds ``BLOCK_M`` of
 the ``G * S`` query rows that share one KV head (G query heads per KV head, S query tokens:
 decode S = 1, speculative verification S <= 16), so each KV head is read once for its whole query
@@ -91,7 +97,7 @@ try:
 except ImportError:  # optional dependency: only this module needs it
     triton = tl = None
 
-__all__ = ["available", "decode_op", "launch"]
+__all__ = ["available", "decode_op", "launch", "merge_splits"]
 
 _LOG2E = 1.4426950408889634
 
@@ -488,6 +494,11 @@ def launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tenso
     (``u_hi - u_lo`` plus n * sel_block_size), which the splits cut."""
     B, Hq, S, D = q.shape
     block_size, Hkv = k.shape[1], k.shape[2]
+    from . import latent  # the lean MLA kernel serves the plain latent calls (its module docstring)
+    if latent.takes(q.dtype, D, v_head_dim, Hkv, v is None, block_size, max_len, quantized=k_scale is not None,
+                    softcap=softcap, alibi=slopes is not None, window=window_q_start is not None,
+                    sinks=sinks is not None, selection=sel_ids is not None):
+        return latent.launch(q, k, table, q_start, lengths, scale, v_head_dim, max_len, num_splits, merge_splits)
     G = Hq // Hkv
     Dv = v_head_dim
     out = torch.empty((B, Hq, S, Dv), dtype=q.dtype, device=q.device)
@@ -562,6 +573,17 @@ def launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tenso
         return out
     _merge_kernel[(B * Hq * S,)](op, lsep, out, lsep if sinks is None else sinks, num_splits, Dv, Hq, S,
                                  HAS_SINKS=sinks is not None, BLOCK_SPLIT=_pow2(num_splits, 2), BLOCK_DV=_pow2(Dv))
+    return out
+
+
+def merge_splits(op: Tensor, lsep: Tensor, out: Tensor, sinks: Tensor | None = None) -> Tensor:
+    """Merge the splits' partial outputs op (B, Hq, S, NSPLIT, Dv) fp32 and their base-2
+    log-sum-exps lsep (B, Hq, S, NSPLIT), both contiguous, into out (B, Hq, S, Dv) contiguous
+    (sinks (Hq,) fp32 join each row's denominator once); returns out. The merge of every decode
+    kernel here (:mod:`attnkit.backends.triton.latent`'s too)."""
+    B, Hq, S, nsplit, Dv = op.shape
+    _merge_kernel[(B * Hq * S,)](op, lsep, out, lsep if sinks is None else sinks, nsplit, Dv, Hq, S,
+                                 HAS_SINKS=sinks is not None, BLOCK_SPLIT=_pow2(nsplit, 2), BLOCK_DV=_pow2(Dv))
     return out
 
 

@@ -38,13 +38,15 @@ def arch_of(device: torch.device | str) -> str:
 
 
 def shape_key(dtype: torch.dtype, head_dim: int, v_head_dim: int, v_from_k: bool, kv_dtype: torch.dtype | None,
-              selection: bool = False) -> str:
+              selection: bool = False, latent: bool = False) -> str:
     """The table's second key: what decides a kernel's tiles. ``kv_dtype`` is the stored K/V dtype
     when it differs from q's (int8 / fp8), else None; ``selection``: the kernel that walks a
-    per-query selection."""
+    per-query selection; ``latent``: the lean MLA kernel (:mod:`attnkit.backends.triton.latent`),
+    whose best tiles are not the shared kernel's for the same shape."""
     name = str(dtype).removeprefix("torch.")
     kv = "" if kv_dtype is None else f"-kv_{str(kv_dtype).removeprefix('torch.')}"
-    return f"{name}-d{head_dim}-dv{v_head_dim}{'-vk' if v_from_k else ''}{kv}{'-sel' if selection else ''}"
+    tail = f"{'-vk' if v_from_k else ''}{kv}{'-sel' if selection else ''}{'-latent' if latent else ''}"
+    return f"{name}-d{head_dim}-dv{v_head_dim}{tail}"
 
 
 def _check(entry: dict, where: str) -> dict:

@@ -1,0 +1,299 @@
+"""The lean Triton MLA decode kernel (:mod:`attnkit.backends.triton.latent`) against the fp64
+oracle, which calls ``kernel.launch`` hands it, and its ahead-of-time compile for sm_80 / sm_90.
+
+Without CUDA these run in Triton's interpreter on CPU tensors (conftest sets TRITON_INTERPRET=1),
+on small latents (rank 64 + rope 16) and one case at DeepSeek's 512 + 64 with few keys."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import attnkit
+from attnkit.backends.triton import tuning
+from attnkit import masks as M
+from attnkit.masks import Causal, KeyPadding
+
+from conftest import base_attention, compile_ahead, rule_r, stable_seed
+
+triton_ops = pytest.importorskip("attnkit.backends.triton.ops")
+if triton_ops.available() is not None:
+    pytest.skip(f"Triton kernels unavailable: {triton_ops.available()}", allow_module_level=True)
+
+from attnkit.backends.triton import kernel as td  # noqa: E402 - after the availability check
+from attnkit.backends.triton import latent  # noqa: E402
+
+from test_triton_kernels import _SMEM, _pools  # noqa: E402 - the shared kernel's helpers
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# A split where a row sees nothing takes log2(0) = -inf for its log-sum-exp, as intended; the
+# interpreter runs it in numpy, which warns.
+pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning")
+
+
+class _Calls:
+    """``latent.launch`` wrapped: counts the calls it serves."""
+
+    def __init__(self, fn):
+        self.fn, self.n = fn, 0
+
+    def __call__(self, *args, **kwargs):
+        self.n += 1
+        return self.fn(*args, **kwargs)
+
+
+@pytest.fixture
+def lean(monkeypatch):
+    calls = _Calls(latent.launch)
+    monkeypatch.setattr(latent, "launch", calls)
+    return calls
+
+
+def _run(q, k_pool, table, k, seq, S, layout, rank, scale, num_splits):
+    """The kernel over a paged pool or the contiguous (B, 1, L, D) cache, and rule R against the
+    oracle (causal among the S query tokens, ragged lengths)."""
+    q_start = seq - S
+    if layout == "contiguous":
+        out = triton_ops.decode_attention(q.to(DEV), k.contiguous().to(DEV), None, lengths=seq.to(DEV),
+                                          q_start=q_start.to(DEV), scale=scale, v_head_dim=rank,
+                                          num_splits=num_splits)
+    else:
+        out = triton_ops.paged_decode_attention(q.to(DEV), k_pool, None, table, seq.to(DEV), q_start=q_start.to(DEV),
+                                                scale=scale, v_head_dim=rank, num_splits=num_splits)
+    v = k[..., :rank]
+    mask = Causal(q_start=q_start) & KeyPadding(seq)
+    gold = attnkit.attention_reference(q.double(), k.double(), v.double(), mask, scale=scale)
+    rule_r(out.cpu(), base_attention(q, k, v, mask, scale=scale), gold)
+    return out
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("layout", ["page16", "page64", "contiguous"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_latent_decode_matches_oracle(dtype, layout, num_splits, lean):
+    """Rank 64 + rope 16 at 128 heads (two 64-row tiles), 16 heads (one 16-row tile) and 48 heads x
+    2 speculative tokens (96 rows: a full tile and a part one); ragged lengths with an empty
+    sequence (exact zeros) in a scattered table; one split (the output written directly) and
+    three merged."""
+    seed = stable_seed("latent", str(dtype), layout, num_splits)
+    rank, rope = 64, 16
+    D = rank + rope
+    lens = [0, 37, 150] if layout != "contiguous" else [2, 37, 150]
+    page = 64 if layout == "page64" else 16
+    k_pool, _, table, k, _ = _pools(3, 1, D, rank, page, lens, dtype, seed=seed, value_from_key=True)
+    seq = torch.tensor(lens)
+    g = torch.Generator().manual_seed(seed + 1)
+    for H, S in ((128, 1), (16, 1), (48, 2)):
+        q = torch.randn(3, H, S, D, generator=g, dtype=torch.float64).to(dtype)
+        out = _run(q, k_pool, table, k, seq, S, layout, rank, 0.7 / math.sqrt(D), num_splits)
+        if layout != "contiguous":
+            assert (out[0] == 0).all(), "a sequence with no keys gives exact zeros"
+    assert lean.n == 3, "every call went to the lean kernel"
+
+
+def test_deepseek_latent_512_plus_64(lean):
+    """DeepSeek's widths (latent 512, rope 64) at 128 heads, paged by 16, few keys; one split and
+    two merged."""
+    rank, rope = 512, 64
+    D = rank + rope
+    lens = [20, 33]
+    k_pool, _, table, k, _ = _pools(2, 1, D, rank, 16, lens, torch.bfloat16, seed=5, value_from_key=True)
+    q = torch.randn(2, 128, 1, D, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    for splits in (1, 2):
+        _run(q, k_pool, table, k, torch.tensor(lens), 1, "page16", rank, 1 / math.sqrt(192), splits)
+    assert lean.n == 2
+
+
+def test_wave_rule_splits_with_one_program_per_sm(monkeypatch, lean):
+    """num_splits=0: the wave rule with one program per SM. On an H100-sized stand-in a batch of
+    two sequences (two 64-head programs each) splits its 300 keys; the result still matches."""
+    monkeypatch.setattr(latent, "_INTERPRETER_SMS", 132)
+    merges = []
+    monkeypatch.setattr(td, "_merge_kernel", _Recorder(td._merge_kernel, merges))
+    k_pool, _, table, k, _ = _pools(2, 1, 80, 64, 16, [150, 300], torch.bfloat16, seed=9, value_from_key=True)
+    q = torch.randn(2, 128, 1, 80, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
+    _run(q, k_pool, table, k, torch.tensor([150, 300]), 1, "page16", 64, 0.1, 0)
+    assert merges, "the wave rule split the keys and the merge ran"
+
+
+class _Recorder:
+    def __init__(self, kernel, log):
+        self.kernel, self.log = kernel, log
+
+    def __getitem__(self, grid):
+        self.log.append(grid)
+        return self.kernel[grid]
+
+
+def test_lying_table_entry_is_never_read_and_nan_reaches_its_rows(lean):
+    """A table entry outside the pool (check=False) is never read: its keys count as masked. NaN in
+    a visible latent key gives NaN in every row of its sequence and nowhere else."""
+    lens = [40, 40]
+    k_pool, _, table, k, _ = _pools(2, 1, 80, 64, 16, lens, torch.bfloat16, seed=13, value_from_key=True)
+    q = torch.randn(2, 16, 1, 80, generator=torch.Generator().manual_seed(14)).to(torch.bfloat16)
+    seq = torch.tensor(lens)
+    lying = table.clone()
+    lying[0, 1] = 10_000  # keys 16..31 of sequence 0 point outside the pool
+    out = triton_ops.paged_decode_attention(q.to(DEV), k_pool, None, lying, seq.to(DEV), v_head_dim=64, check=False)
+    keep = torch.ones(2, 1, 1, 40, dtype=torch.bool)
+    keep[0, ..., 16:32] = False
+    mask = M.Dense(keep) & Causal(q_start=seq - 1)
+    v = k[..., :64]
+    gold = attnkit.attention_reference(q.double(), k.double(), v.double(), mask)
+    rule_r(out.cpu(), base_attention(q, k, v, mask), gold)
+    poisoned = k_pool.clone()
+    poisoned[table[1, 0], 3, 0, 5] = float("nan")  # key 3 of sequence 1
+    out = triton_ops.paged_decode_attention(q.to(DEV), poisoned, None, table, seq.to(DEV), v_head_dim=64)
+    assert out[1].isnan().all() and not out[0].isnan().any()
+    assert lean.n == 2
+
+
+def test_config_rows_per_program():
+    """64 rows per program from 64 rows up (wgmma's M); fewer rows: the next power of two >= 16."""
+    assert [latent.config(r, 576, 512)["BLOCK_H"] for r in (1, 16, 17, 32, 63, 64, 128, 256)] == \
+        [16, 16, 32, 32, 64, 64, 64, 64]
+    assert latent.config(128, 576, 512)["num_warps"] == 8
+
+
+def test_the_predicate_takes_exactly_plain_float_latent_calls():
+    """``latent.takes``: V from K over one KV head, fp16 / bf16, a power-of-two latent with 16 / 32 /
+    64 rope channels, tiles within one cache block, no modifier, no quantized cache."""
+    ok = dict(q_dtype=torch.bfloat16, head_dim=576, v_head_dim=512, num_kv_heads=1, v_from_k=True, block_size=64,
+              max_len=4096)
+    assert latent.takes(**ok)
+    assert latent.takes(**{**ok, "q_dtype": torch.float16, "block_size": 16})
+    assert latent.takes(**{**ok, "block_size": 24, "max_len": 24})  # a contiguous cache: one block
+    assert latent.takes(**{**ok, "head_dim": 288, "v_head_dim": 256})  # MiniCPM3: 256 + 32
+    for change in (dict(q_dtype=torch.float32), dict(v_from_k=False), dict(num_kv_heads=2),
+                   dict(head_dim=560, v_head_dim=480), dict(head_dim=112, v_head_dim=80), dict(head_dim=512),
+                   dict(head_dim=600), dict(head_dim=536), dict(block_size=8), dict(block_size=24),
+                   dict(quantized=True), dict(softcap=30.0), dict(alibi=True), dict(window=True), dict(sinks=True),
+                   dict(selection=True)):
+        assert not latent.takes(**{**ok, **change}), change
+
+
+def test_launch_sends_the_rest_to_the_shared_kernel(lean, monkeypatch):
+    """Through ``kernel.launch``: a plain bf16 latent call runs the lean kernel; with sinks, a soft
+    cap, fp32, an int8 cache, 8-token pages or a latent of 80 it runs the shared split kernel."""
+    shared = []
+    monkeypatch.setattr(td, "_split_kernel", _Recorder(td._split_kernel, shared))
+    k_pool, _, table, k, _ = _pools(1, 1, 80, 64, 16, [20], torch.bfloat16, seed=17, value_from_key=True)
+    q = torch.randn(1, 16, 1, 80, generator=torch.Generator().manual_seed(18)).to(torch.bfloat16)
+    seq = torch.tensor([20], device=DEV)
+    run = lambda q, pool, table, dv=64, **kw: triton_ops.paged_decode_attention(  # noqa: E731
+        q.to(DEV), pool, None, table, seq, v_head_dim=dv, **kw)
+    run(q, k_pool, table)
+    assert (lean.n, len(shared)) == (1, 0)
+    run(q, k_pool, table, sinks=torch.zeros(16, device=DEV))
+    run(q, k_pool, table, softcap=20.0)
+    run(q.float(), k_pool.float(), table)
+    run(q, torch.randint(-127, 128, k_pool.shape, dtype=torch.int8, device=DEV), table,
+        k_scale=torch.full(k_pool.shape[:3], 0.01, device=DEV))
+    run(q, k_pool.reshape(-1, 8, 1, 80), torch.arange(3, dtype=torch.int32, device=DEV)[None])  # 8-token pages
+    q96 = torch.randn(1, 16, 1, 112, generator=torch.Generator().manual_seed(19)).to(torch.bfloat16)
+    run(q96, torch.randn(2, 16, 1, 112).to(torch.bfloat16).to(DEV), torch.tensor([[0, 1]], dtype=torch.int32,
+                                                                                   device=DEV), dv=80)
+    assert (lean.n, len(shared)) == (1, 6)
+
+
+def test_tuned_entries_have_a_key_of_their_own_and_reach_the_launch(monkeypatch, lean):
+    """The lean kernel reads the tuned table under the shared key plus ``-latent`` (an entry tuned
+    for it never reaches the shared kernel's calls of the same shape: sinks, soft cap). A forced
+    entry (what a table entry becomes on its GPU) reaches its launch: the split rule sees its keys
+    per tile, and the output still matches the oracle."""
+    assert tuning.shape_key(torch.bfloat16, 576, 512, True, None, latent=True) == "bfloat16-d576-dv512-vk-latent"
+    assert tuning.shape_key(torch.bfloat16, 576, 512, True, None) == "bfloat16-d576-dv512-vk"
+    seen = []
+    real = latent.split_plan
+    monkeypatch.setattr(latent, "split_plan", lambda *a, **kw: seen.append(a[-1]) or real(*a, **kw))
+    _, _, _, k, _ = _pools(1, 1, 80, 64, 16, [70], torch.bfloat16, seed=23, value_from_key=True)
+    q = torch.randn(1, 16, 1, 80, generator=torch.Generator().manual_seed(24)).to(torch.bfloat16)
+    for block_n in (16, 32):
+        with tuning.forced({"BLOCK_N": block_n, "num_stages": 2}):
+            _run(q, None, None, k, torch.tensor([70]), 1, "contiguous", 64, 0.1, 0)
+        assert seen[-1] == block_n
+    assert lean.n == 2
+
+
+# ------------------------------------------------------------------ ahead-of-time compile (no GPU)
+
+_AOT = r"""
+import inspect, json, os, re, subprocess, sys, tempfile, torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+from attnkit.backends.triton import latent
+fn = latent._latent_kernel
+params = inspect.signature(fn.fn).parameters
+consts = [n for n, p in params.items() if "constexpr" in str(p.annotation)]
+ptrs = {"Q", "K", "TABLE", "QSTART", "LENGTHS", "OP", "LSEP", "OUT"}
+ints = [n for n in params if n not in consts and n not in ptrs and n != "scale_log2"]
+# Pointers, strides and sizes get the 16-byte divisibility hints a real launch specialises on.
+aligned = sorted(ptrs) + [n for n in ints if n.startswith("stride")] + ["KV_BLOCK_SIZE", "SPLIT_LEN"]
+attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+
+
+def ptxas_report(ptx, cap):
+    # ptxas -v on the kernel's PTX: registers and spill bytes.
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        r = subprocess.run([get_ptxas(cap).path, "-v", "--regAllocOptLevel=2",
+                            f"--gpu-name={sm_arch_from_capability(cap)}", src, "-o", os.path.join(d, "k.o")],
+                           capture_output=True, text=True, check=True)
+    log = r.stdout + r.stderr
+    assert "spill" in log and "registers" in log, log
+    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
+    regs = max((int(n) for n in re.findall(r"Used (\d+) registers", log)), default=-1)
+    return spills, regs
+
+
+out = []
+for dt, D, Dv, rows, direct, cap in json.loads(sys.argv[1]):
+    cfg = latent.config(rows, D, Dv)
+    short = {"float16": "fp16", "bfloat16": "bf16"}[dt]
+    sig = dict(Q="*" + short, K="*" + short, TABLE="*i32", QSTART="*i32", LENGTHS="*i32", OP="*fp32", LSEP="*fp32",
+               OUT="*" + short, scale_log2="fp32", **{n: "i32" for n in ints})
+    cv = dict(DIRECT=direct, DOT_F32=False, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], BLOCK_DV=Dv,
+              BLOCK_DR=D - Dv)
+    assert set(cv) == set(consts), sorted(set(consts) ^ set(cv))
+    sig.update({k: "constexpr" for k in cv})
+    k = triton.compile(triton.compiler.ASTSource(fn, sig, cv, attrs), target=GPUTarget("cuda", cap, 32),
+                       options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+    spills, regs = ptxas_report(k.asm["ptx"], cap)
+    out.append(dict(case=[dt, D, Dv, rows, direct, cap], shared=k.metadata.shared, spills=spills, regs=regs,
+                    wgmma="wgmma" in k.asm["ptx"], block_h=cfg["BLOCK_H"]))
+print(json.dumps(out))
+"""
+
+# bf16 absorbed MLA (128 heads on one latent head, 512 + 64), multi-split and single-split, for
+# sm_80 and sm_90.
+_CASES = [["bfloat16", 576, 512, 128, direct, cap] for direct in (False, True) for cap in _SMEM]
+_compiled: dict = {}
+
+
+def _compiled_latent_kernels() -> list:
+    if "latent" not in _compiled:
+        _compiled["latent"] = compile_ahead(_AOT, _CASES)
+    return _compiled["latent"]
+
+
+@pytest.mark.slow
+def test_latent_kernel_fits_without_spills_on_sm80_and_sm90():
+    """The bf16 lean kernel at DeepSeek's widths, compiled ahead for sm_80 and sm_90 with its own
+    tiles (64 heads per program), uses no more shared memory than one block may have and spills
+    no registers (ptxas's report on the kernel's PTX)."""
+    for r in _compiled_latent_kernels():
+        assert r["block_h"] == 64, r
+        assert r["shared"] <= _SMEM[r["case"][-1]], f"{r['case']}: {r['shared']} B shared"
+        assert r["spills"] == 0, f"{r['case']}: {r['spills']} bytes of register spills ({r['regs']} registers)"
+
+
+@pytest.mark.slow
+def test_mla_dots_use_warpgroup_mma_on_sm90():
+    """On sm_90 the MLA kernel's dots are warpgroup MMAs (wgmma in the PTX): a row tile of 64
+    heads, so Hopper's tensor cores run at full rate."""
+    mla = [r for r in _compiled_latent_kernels() if r["case"][-1] == 90]
+    assert mla and all(r["wgmma"] for r in mla), [(r["case"], r["block_h"], r["wgmma"]) for r in mla]
