@@ -15,8 +15,9 @@ One kernel serves every cache layout attnkit has:
   ``k_scale`` / ``v_scale`` indexed like the rows without their last dim), in any of the layouts
   above: read in place, one byte per element, widened in registers (see "Quantized K/V" below).
 
-The plain calls of absorbed MLA (V from K over one latent head, fp16 / bf16, no modifier or
-selection: :func:`attnkit.backends.triton.latent.takes`) go to a lean kernel of their own,
+The plain calls of absorbed MLA (V from K over one latent head, fp16 / bf16, no modifier, no
+selection or one every head reads: :func:`attnkit.backends.triton.latent.takes`) go to a lean
+kernel of their own,
 :mod:`attnkit.backends.triton.latent`: 64 query heads per program, so each latent tile is read
 once per 64 heads and its dots can be Hopper's warpgroup MMAs, which this kernel's register
 budget does not allow once its modifiers are compiled in. Every other call runs here.
@@ -497,8 +498,10 @@ def launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tenso
     from . import latent  # the lean MLA kernel serves the plain latent calls (its module docstring)
     if latent.takes(q.dtype, D, v_head_dim, Hkv, v is None, block_size, max_len, quantized=k_scale is not None,
                     softcap=softcap, alibi=slopes is not None, window=window_q_start is not None,
-                    sinks=sinks is not None, selection=sel_ids is not None):
-        return latent.launch(q, k, table, q_start, lengths, scale, v_head_dim, max_len, num_splits, merge_splits)
+                    sinks=sinks is not None, selection=sel_ids is not None,
+                    selection_lists=1 if sel_ids is None else sel_ids.shape[1]):
+        return latent.launch(q, k, table, q_start, lengths, scale, v_head_dim, max_len, num_splits, merge_splits,
+                             sel_ids, sel_counts, sel_bounds, sel_block_size, sel_span)
     G = Hq // Hkv
     Dv = v_head_dim
     out = torch.empty((B, Hq, S, Dv), dtype=q.dtype, device=q.device)
