@@ -568,8 +568,13 @@ for dt, D, Dv, vfk, rows, direct, cap in json.loads(sys.argv[1]):
     k = triton.compile(triton.compiler.ASTSource(fn, sig, cv, attrs), target=GPUTarget("cuda", cap, 32),
                        options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
     spills, regs = ptxas_report(k.asm["ptx"], cap)
+    ptx = k.asm["ptx"]
     out.append(dict(case=[dt, D, Dv, vfk, rows, direct, cap], shared=k.metadata.shared, spills=spills, regs=regs,
-                    wgmma="wgmma" in k.asm["ptx"], block_m=cfg["BLOCK_M"]))
+                    wgmma="wgmma" in ptx, block_m=cfg["BLOCK_M"],
+                    # global loads of 16 bytes per thread (to registers, or async copies to shared)
+                    ld_v4=len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32", ptx)),
+                    cp_async16=len(re.findall(r"cp\.async\.c[ag]\.shared\.global(?:\.\w+)* \[[^]]+\], \[[^]]+\], 0x10", ptx)),
+                    cp_async=ptx.count("cp.async.")))
 print(json.dumps(out))
 """
 
