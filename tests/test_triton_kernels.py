@@ -625,6 +625,58 @@ def test_mla_dots_use_warpgroup_mma_on_sm90():
     assert mla and all(r["wgmma"] for r in mla), [(r["case"], r["block_m"], r["wgmma"]) for r in mla]
 
 
+def test_addressing_by_block_size():
+    """One block per sequence reads contiguous rows; power-of-two pages load their ids per page;
+    other sizes and selections gather one table entry per key."""
+    from attnkit.backends.triton.kernel import _addressing
+
+    assert _addressing(4096, 4096, False) == (False, 0)  # a contiguous cache: block_size = L
+    assert _addressing(4096, 300, True) == (False, 0)
+    assert _addressing(16, 300, False) == (True, 16)
+    assert _addressing(256, 4096, False) == (True, 256)
+    assert _addressing(1, 300, False) == (True, 1)
+    assert _addressing(24, 300, False) == (True, 0)
+    assert _addressing(16, 300, True) == (True, 0)
+
+
+@pytest.mark.parametrize("block_n", [16, 32])
+@pytest.mark.parametrize("page", [1, 5, 8, 32, 128])
+def test_key_tiles_over_pages_of_any_size_with_interior_tiles_unmasked(page, block_n):
+    """Sequences of many tiles (interior tiles skip the visibility masks), pages smaller than a
+    tile, equal to it or larger, a power of two or not (per-key gather), speculative rows: against
+    the oracle; with a sliding window whose start is not on a tile boundary; and a table entry
+    that lies (check=False) inside an interior tile: its keys, and only they, count as masked."""
+    from attnkit.backends.triton import tuning
+
+    seed = stable_seed("tiles", page, block_n)
+    B, Hkv, G, S, D = 3, 2, 2, 3, 16
+    lens = [S, 77, 203]
+    k_pool, v_pool, table, k, v = _pools(B, Hkv, D, D, page, lens, torch.float32, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(B, Hkv * G, S, D, generator=g)
+    seq = torch.tensor(lens)
+    q_start = seq - S
+    plain = Causal(q_start=q_start) & KeyPadding(seq)
+    lying = table.clone()
+    bad = 96 // page  # the entry of key 96 of sequence 2: an interior tile's
+    lying[2, bad] = 10_000
+    keep = torch.ones(B, 1, 1, max(lens), dtype=torch.bool)
+    keep[2, ..., bad * page:(bad + 1) * page] = False
+    w_start = q_start - torch.tensor([0, 3, 7])
+    with tuning.forced({"BLOCK_N": block_n}):
+        for splits in (1, 3):
+            out = triton_ops.paged_decode_attention(q.to(DEV), k_pool, v_pool, table, seq.to(DEV),
+                                                    q_start=q_start.to(DEV), num_splits=splits)
+            _check(out, q, k, v, plain)
+            out = triton_ops.paged_decode_attention(q.to(DEV), k_pool, v_pool, lying, seq.to(DEV),
+                                                    q_start=q_start.to(DEV), num_splits=splits, check=False)
+            _check(out, q, k, v, plain & M.Dense(keep))
+            out = triton_ops.paged_decode_attention(q.to(DEV), k_pool, v_pool, table, seq.to(DEV),
+                                                    q_start=q_start.to(DEV), num_splits=splits, window=(41, 0),
+                                                    window_q_start=w_start.to(DEV))
+            _check(out, q, k, v, plain & SlidingWindow(41, 0, q_start=w_start))
+
+
 def test_table_padding_past_a_sequences_pages_is_accepted_and_a_lying_entry_is_never_read():
     """check=True validates only the entries holding tokens (the allocator pads with -1); with
     check=False (a caller's checked=True table) an entry outside the pool is never read: its keys
