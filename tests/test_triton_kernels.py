@@ -550,7 +550,7 @@ def ptxas_report(ptx, cap):
 
 
 out = []
-for dt, D, Dv, vfk, rows, direct, cap in json.loads(sys.argv[1]):
+for dt, D, Dv, vfk, rows, direct, page, cap in json.loads(sys.argv[1]):
     cfg = td._config(getattr(torch, dt), D, Dv, rows, vfk)
     short = {"float32": "fp32", "bfloat16": "bf16"}[dt]
     sig = dict(Q="*" + short, K="*" + short, V="*" + short, TABLE="*i32", QSTART="*i32", LENGTHS="*i32",
@@ -561,7 +561,7 @@ for dt, D, Dv, vfk, rows, direct, cap in json.loads(sys.argv[1]):
     # the single split also applies sinks and writes the output itself.
     cv = dict(V_FROM_K=vfk, HAS_ROPE=cfg["DR"] > 0, PRECISION="ieee" if short == "fp32" else "tf32",
               DOT_F32=False, HAS_SOFTCAP=True, HAS_ALIBI=True, QUANT=False, FP8=False, HAS_WINDOW=True,
-              DIRECT=direct, HAS_SINKS=direct,
+              DIRECT=direct, HAS_SINKS=direct, PAGED=page > 0, PAGE=page,  # page 0: one block per sequence
               **{k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_DK", "BLOCK_DR", "BLOCK_DV")})
     assert set(cv) == set(consts), sorted(set(consts) ^ set(cv))
     sig.update({k: "constexpr" for k in cv})
@@ -569,7 +569,7 @@ for dt, D, Dv, vfk, rows, direct, cap in json.loads(sys.argv[1]):
                        options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
     spills, regs = ptxas_report(k.asm["ptx"], cap)
     ptx = k.asm["ptx"]
-    out.append(dict(case=[dt, D, Dv, vfk, rows, direct, cap], shared=k.metadata.shared, spills=spills, regs=regs,
+    out.append(dict(case=[dt, D, Dv, vfk, rows, direct, page, cap], shared=k.metadata.shared, spills=spills, regs=regs,
                     wgmma="wgmma" in ptx, block_m=cfg["BLOCK_M"],
                     # global loads of 16 bytes per thread (to registers, or async copies to shared)
                     ld_v4=len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32", ptx)),
@@ -585,7 +585,7 @@ def test_kernel_configs_compile_within_shared_memory_for_sm80_and_sm90():
     backend and its bundled ptxas), with the tile sizes _config picks, at the largest head dims
     the kernel accepts, and check shared memory fits an A100 and an H100 / H200. In a child
     process: the interpreter mode of this one cannot compile."""
-    cases = [[dt, D, Dv, vfk, 128, False, cap] for dt in ("float32", "bfloat16")
+    cases = [[dt, D, Dv, vfk, 128, False, 16, cap] for dt in ("float32", "bfloat16")
              for D, Dv, vfk in ((128, 128, False), (576, 512, True), (576, 512, False), (1024, 512, False))
              for cap in _SMEM]
     for r in compile_ahead(_AOT, cases):
@@ -594,9 +594,9 @@ def test_kernel_configs_compile_within_shared_memory_for_sm80_and_sm90():
 
 # bf16 GQA 32/8 at D 128 (8 query rows per KV head) and absorbed MLA (128 heads on one latent
 # head, 512 + 64), the multi-split and the single-split variant, for sm_80 and sm_90.
-_DECODE_CASES = [["bfloat16", D, Dv, vfk, rows, direct, cap]
+_DECODE_CASES = [["bfloat16", D, Dv, vfk, rows, direct, page, cap]
                  for D, Dv, vfk, rows in ((128, 128, False, 8), (576, 512, True, 128))
-                 for direct in (False, True) for cap in _SMEM]
+                 for direct in (False, True) for page in (16, 0) for cap in _SMEM]
 _compiled: dict = {}
 
 

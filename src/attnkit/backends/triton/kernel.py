@@ -127,8 +127,21 @@ if triton is not None:
             return x.to(tl.float32)
 
     @triton.jit
+    def _page_ids(TB, n0, end, PAGED: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The table entries of the key tile at ``n0`` with pages of PAGE keys (a power of two):
+        one id when a page holds the tile, else the BLOCK_N // PAGE ids of its pages as one vector;
+        entries at or past ``end`` are not read. 0 for the other layouts (unread)."""
+        if not PAGED or PAGE == 0:
+            return 0
+        elif PAGE >= BLOCK_N:
+            return tl.load(TB + n0 // PAGE, mask=n0 < end, other=0)
+        else:
+            pg = n0 // PAGE + tl.arange(0, BLOCK_N // PAGE)
+            return tl.load(TB + pg, mask=pg * PAGE < end, other=0)
+
+    @triton.jit
     def _tile(
-        n0, end, m_i, l_i, acc, Q, q, q_r, dk, dr, dv, Kh, Vh, KSh, VSh, TB,
+        n0, end, ids, m_i, l_i, acc, Q, q, q_r, dk, dr, dv, Kh, Vh, KSh, VSh, TB,
         stride_kn, stride_kt, stride_vn, stride_vt, stride_ksn, stride_kst, stride_vsn, stride_vst,
         KV_BLOCK_SIZE, NUM_KV_BLOCKS, DK, DR, DV, lim, low, row_ok, slope, alibi_pos, scale_log2, softcap,
         ids_row, SEL_BLOCK, u_lo, u_hi, lo, hi,
@@ -138,7 +151,7 @@ if triton is not None:
         MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         """One key tile of the online softmax, from ``n0`` (a position, or with SEL an entry of the
-        walk): returns the updated (m_i, l_i, acc). MASKED: the tile may hold keys some row must
+        walk; ``ids``: its page ids, :func:`_page_ids`): returns the updated (m_i, l_i, acc). MASKED: the tile may hold keys some row must
         not see (past ``end``, ``lim``, below ``low``, or unselected); without it every key of the
         tile is visible to every row and only the table-validity rule masks (paged layouts)."""
         if SEL:
@@ -169,14 +182,9 @@ if triton is not None:
             blk = tl.load(TB + pos // KV_BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
             slot = (pos % KV_BLOCK_SIZE).to(tl.int64)
         elif PAGE >= BLOCK_N:  # the tile lies in one page (tiles start at multiples of BLOCK_N)
-            blk = tl.load(TB + n0 // PAGE).to(tl.int64) + tl.zeros([BLOCK_N], tl.int64)
+            blk = ids.to(tl.int64) + tl.zeros([BLOCK_N], tl.int64)
             slot = (n0 % PAGE + tl.arange(0, BLOCK_N)).to(tl.int64)
-        else:  # BLOCK_N // PAGE whole pages: their ids as one small vector, one table entry per page
-            pg = n0 // PAGE + tl.arange(0, BLOCK_N // PAGE)
-            if MASKED:
-                ids = tl.load(TB + pg, mask=pg * PAGE < end, other=0)
-            else:
-                ids = tl.load(TB + pg)
+        else:  # BLOCK_N // PAGE whole pages: a page's keys share its id
             blk = tl.reshape(tl.broadcast_to(ids[:, None], (BLOCK_N // PAGE, PAGE)), (BLOCK_N,)).to(tl.int64)
             slot = (tl.arange(0, BLOCK_N) % PAGE).to(tl.int64)
         if PAGED:
@@ -409,7 +417,7 @@ if triton is not None:
         if SEL:
             for n0 in range(start, end, BLOCK_N):
                 m_i, l_i, acc = _tile(
-                    n0, end, m_i, l_i, acc, Q, q, q_r, dk, dr, dv, Kh, Vh, KSh, VSh, TB,
+                    n0, end, 0, m_i, l_i, acc, Q, q, q_r, dk, dr, dv, Kh, Vh, KSh, VSh, TB,
                     stride_kn, stride_kt, stride_vn, stride_vt, stride_ksn, stride_kst, stride_vsn, stride_vst,
                     KV_BLOCK_SIZE, NUM_KV_BLOCKS, DK, DR, DV, lim, low, row_ok, slope, alibi_pos, scale_log2,
                     softcap, ids_row, SEL_BLOCK, u_lo, u_hi, lo, hi,
@@ -424,9 +432,9 @@ if triton is not None:
             if HAS_WINDOW:
                 mid_lo = start + (tl.maximum(tl.max(low, 0) - start, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
                 mid_lo = tl.minimum(mid_lo, mid_hi)
-                for n0 in range(start, mid_lo, BLOCK_N):
+                for n0 in tl.range(start, mid_lo, BLOCK_N, num_stages=1):
                     m_i, l_i, acc = _tile(
-                        n0, end, m_i, l_i, acc, Q, q, q_r, dk, dr, dv, Kh, Vh, KSh, VSh, TB,
+                        n0, end, _page_ids(TB, n0, end, PAGED, PAGE, BLOCK_N), m_i, l_i, acc, Q, q, q_r, dk, dr, dv, Kh, Vh, KSh, VSh, TB,
                         stride_kn, stride_kt, stride_vn, stride_vt, stride_ksn, stride_kst, stride_vsn, stride_vst,
                         KV_BLOCK_SIZE, NUM_KV_BLOCKS, DK, DR, DV, lim, low, row_ok, slope, alibi_pos, scale_log2,
                         softcap, ids_row, SEL_BLOCK, u_lo, u_hi, lo, hi,
@@ -434,17 +442,22 @@ if triton is not None:
                         False, PAGED, PAGE, True, BLOCK_N)
             else:
                 mid_lo = start
+            # The next tile's page ids are loaded one iteration ahead, into registers: the K/V
+            # addresses of a tile never wait on a table load issued in its own iteration.
+            ids = _page_ids(TB, mid_lo, end, PAGED, PAGE, BLOCK_N)
             for n0 in range(mid_lo, mid_hi, BLOCK_N):
+                ids_next = _page_ids(TB, n0 + BLOCK_N, end, PAGED, PAGE, BLOCK_N)
                 m_i, l_i, acc = _tile(
-                    n0, end, m_i, l_i, acc, Q, q, q_r, dk, dr, dv, Kh, Vh, KSh, VSh, TB,
+                    n0, end, ids, m_i, l_i, acc, Q, q, q_r, dk, dr, dv, Kh, Vh, KSh, VSh, TB,
                     stride_kn, stride_kt, stride_vn, stride_vt, stride_ksn, stride_kst, stride_vsn, stride_vst,
                     KV_BLOCK_SIZE, NUM_KV_BLOCKS, DK, DR, DV, lim, low, row_ok, slope, alibi_pos, scale_log2,
                     softcap, ids_row, SEL_BLOCK, u_lo, u_hi, lo, hi,
                     V_FROM_K, HAS_ROPE, PRECISION, DOT_F32, HAS_SOFTCAP, HAS_ALIBI, QUANT, FP8, HAS_WINDOW,
                     False, PAGED, PAGE, False, BLOCK_N)
-            for n0 in range(mid_hi, end, BLOCK_N):
+                ids = ids_next
+            for n0 in tl.range(mid_hi, end, BLOCK_N, num_stages=1):
                 m_i, l_i, acc = _tile(
-                    n0, end, m_i, l_i, acc, Q, q, q_r, dk, dr, dv, Kh, Vh, KSh, VSh, TB,
+                    n0, end, _page_ids(TB, n0, end, PAGED, PAGE, BLOCK_N), m_i, l_i, acc, Q, q, q_r, dk, dr, dv, Kh, Vh, KSh, VSh, TB,
                     stride_kn, stride_kt, stride_vn, stride_vt, stride_ksn, stride_kst, stride_vsn, stride_vst,
                     KV_BLOCK_SIZE, NUM_KV_BLOCKS, DK, DR, DV, lim, low, row_ok, slope, alibi_pos, scale_log2,
                     softcap, ids_row, SEL_BLOCK, u_lo, u_hi, lo, hi,
