@@ -517,7 +517,7 @@ def test_bad_input_names_the_argument():
 _SMEM = {80: 166912, 90: 232448}  # shared memory per block (bytes) on A100 and H100/H200
 
 _AOT = r"""
-import inspect, json, os, re, subprocess, sys, tempfile, torch, triton
+import collections, inspect, json, os, re, subprocess, sys, tempfile, torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 from attnkit.backends.triton import kernel as td
@@ -571,10 +571,12 @@ for dt, D, Dv, vfk, rows, direct, page, cap in json.loads(sys.argv[1]):
     ptx = k.asm["ptx"]
     out.append(dict(case=[dt, D, Dv, vfk, rows, direct, page, cap], shared=k.metadata.shared, spills=spills, regs=regs,
                     wgmma="wgmma" in ptx, block_m=cfg["BLOCK_M"],
-                    # global loads of 16 bytes per thread (to registers, or async copies to shared)
+                    # global loads of 16 bytes per thread (to registers), async copies to shared
+                    # memory by size, and the most copy groups a loop leaves in flight when it waits
                     ld_v4=len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32", ptx)),
-                    cp_async16=len(re.findall(r"cp\.async\.c[ag]\.shared\.global(?:\.\w+)* \[[^]]+\], \[[^]]+\], 0x10", ptx)),
-                    cp_async=ptx.count("cp.async.")))
+                    cp_async=collections.Counter(int(n, 16) for n in re.findall(
+                        r"cp\.async\.c[ag]\.shared\.global(?:\.\w+)* \[[^]]+\], \[[^]]+\], (0x[0-9a-f]+)", ptx)),
+                    in_flight=max((int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)), default=-1)))
 print(json.dumps(out))
 """
 
@@ -614,6 +616,23 @@ def test_bf16_gqa_and_mla_kernels_fit_without_spills_on_sm80_and_sm90():
     for r in _compiled_decode_kernels():
         assert r["shared"] <= _SMEM[r["case"][-1]], f"{r['case']}: {r['shared']} B shared"
         assert r["spills"] == 0, f"{r['case']}: {r['spills']} bytes of register spills ({r['regs']} registers)"
+
+
+@pytest.mark.slow
+def test_bf16_gqa_kernel_streams_k_and_v_in_16_byte_copies_with_tiles_in_flight():
+    """The bf16 GQA decode kernel (D 128, 8 rows, paged with 16-key pages and contiguous) on sm_80
+    and sm_90: K and V reach shared memory in 16-byte async copies only (no 4-byte copies: a
+    table entry staged through shared memory made every iteration wait for all its copies), the
+    interior loop waits with copy groups still in flight (the next tiles' K/V load while this
+    one's math runs), and the edge tiles load 16-byte vectors to registers."""
+    gqa = [r for r in _compiled_decode_kernels() if not r["case"][3]]
+    assert {r["case"][-2] for r in gqa} == {16, 0}
+    for r in gqa:
+        sizes = {int(size): n for size, n in r["cp_async"].items()}
+        assert set(sizes) == {16}, f"{r['case']}: async copies by size {sizes}"
+        assert sizes[16] >= 2 * 64 * 128 * 2 // 16 // 128, f"{r['case']}: {sizes[16]} 16-byte copies"
+        assert r["in_flight"] >= 1, f"{r['case']}: the loop waits for every copy (wait_group {r['in_flight']})"
+        assert r["ld_v4"] >= 16, f"{r['case']}: {r['ld_v4']} 16-byte vector loads to registers"
 
 
 @pytest.mark.slow

@@ -284,6 +284,34 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
+    def _walk(
+        n_lo, n_hi, end, m_i, l_i, acc, Q, q, q_r, dk, dr, dv, Kh, Vh, KSh, VSh, TB,
+        stride_kn, stride_kt, stride_vn, stride_vt, stride_ksn, stride_kst, stride_vsn, stride_vst,
+        KV_BLOCK_SIZE, NUM_KV_BLOCKS, DK, DR, DV, lim, low, row_ok, slope, alibi_pos, scale_log2, softcap,
+        ids_row, SEL_BLOCK, u_lo, u_hi, lo, hi,
+        V_FROM_K: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, QUANT: tl.constexpr, FP8: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, SEL: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
+        MASKED: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        """The key tiles from ``n_lo`` up to ``n_hi`` (:func:`_tile` each), with STAGES pipeline
+        stages (None: the launch's). Each tile's page ids are loaded one iteration ahead, into
+        registers: a tile's K/V addresses never wait on a table load of its own iteration, and
+        the pipeliner can issue the next tiles' K/V copies while this one's math runs."""
+        ids = _page_ids(TB, n_lo, end, PAGED, PAGE, BLOCK_N)
+        for n0 in tl.range(n_lo, n_hi, BLOCK_N, num_stages=STAGES):
+            ids_next = _page_ids(TB, n0 + BLOCK_N, end, PAGED, PAGE, BLOCK_N)
+            m_i, l_i, acc = _tile(
+                n0, end, ids, m_i, l_i, acc, Q, q, q_r, dk, dr, dv, Kh, Vh, KSh, VSh, TB,
+                stride_kn, stride_kt, stride_vn, stride_vt, stride_ksn, stride_kst, stride_vsn, stride_vst,
+                KV_BLOCK_SIZE, NUM_KV_BLOCKS, DK, DR, DV, lim, low, row_ok, slope, alibi_pos, scale_log2, softcap,
+                ids_row, SEL_BLOCK, u_lo, u_hi, lo, hi,
+                V_FROM_K, HAS_ROPE, PRECISION, DOT_F32, HAS_SOFTCAP, HAS_ALIBI, QUANT, FP8, HAS_WINDOW, SEL, PAGED,
+                PAGE, MASKED, BLOCK_N)
+            ids = ids_next
+        return m_i, l_i, acc
+
+    @triton.jit
     def _attend(
         Q, K, V, TABLE, QSTART, LENGTHS, OP, LSEP, SLOPES, ALIBI_QSTART, KS, VS, WIN_QSTART, OUT, SINKS,
         scale_log2, softcap,
@@ -414,55 +442,48 @@ if triton is not None:
                 end = tl.where(ok0, end, start)
             else:  # (and no key past the block, whatever a check=False call's lengths say)
                 end = tl.where(ok0, tl.minimum(end, KV_BLOCK_SIZE), start)
-        if SEL:
-            for n0 in range(start, end, BLOCK_N):
-                m_i, l_i, acc = _tile(
-                    n0, end, 0, m_i, l_i, acc, Q, q, q_r, dk, dr, dv, Kh, Vh, KSh, VSh, TB,
-                    stride_kn, stride_kt, stride_vn, stride_vt, stride_ksn, stride_kst, stride_vsn, stride_vst,
-                    KV_BLOCK_SIZE, NUM_KV_BLOCKS, DK, DR, DV, lim, low, row_ok, slope, alibi_pos, scale_log2,
-                    softcap, ids_row, SEL_BLOCK, u_lo, u_hi, lo, hi,
-                    V_FROM_K, HAS_ROPE, PRECISION, DOT_F32, HAS_SOFTCAP, HAS_ALIBI, QUANT, FP8, HAS_WINDOW,
-                    True, PAGED, PAGE, True, BLOCK_N)
+        if SEL or V_FROM_K:
+            # One walk, every tile masked (a selection's rows share keys but its tiles are gathered;
+            # the latent kernel's registers hold one loop body, not three).
+            m_i, l_i, acc = _walk(
+                start, end, end, m_i, l_i, acc, Q, q, q_r, dk, dr, dv, Kh, Vh, KSh, VSh, TB,
+                stride_kn, stride_kt, stride_vn, stride_vt, stride_ksn, stride_kst, stride_vsn, stride_vst,
+                KV_BLOCK_SIZE, NUM_KV_BLOCKS, DK, DR, DV, lim, low, row_ok, slope, alibi_pos, scale_log2, softcap,
+                ids_row, SEL_BLOCK, u_lo, u_hi, lo, hi,
+                V_FROM_K, HAS_ROPE, PRECISION, DOT_F32, HAS_SOFTCAP, HAS_ALIBI, QUANT, FP8, HAS_WINDOW, SEL, PAGED,
+                PAGE, True, None, BLOCK_N)
         else:
             # Interior tiles, [mid_lo, mid_hi): every key of them is visible to every row (below
             # every row's limit, at or above every row's window start), so they skip the
-            # visibility masks; the tiles before and after them (window start, the rows' limits,
-            # the split's end) take them.
+            # visibility masks; the few tiles before and after them (the window's start, the
+            # rows' limits, the split's end) take them, in loops of their own left unpipelined.
             mid_hi = start + tl.maximum(tl.minimum(tl.min(lim, 0), end) - start, 0) // BLOCK_N * BLOCK_N
             if HAS_WINDOW:
                 mid_lo = start + (tl.maximum(tl.max(low, 0) - start, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
                 mid_lo = tl.minimum(mid_lo, mid_hi)
-                for n0 in tl.range(start, mid_lo, BLOCK_N, num_stages=1):
-                    m_i, l_i, acc = _tile(
-                        n0, end, _page_ids(TB, n0, end, PAGED, PAGE, BLOCK_N), m_i, l_i, acc, Q, q, q_r, dk, dr, dv, Kh, Vh, KSh, VSh, TB,
-                        stride_kn, stride_kt, stride_vn, stride_vt, stride_ksn, stride_kst, stride_vsn, stride_vst,
-                        KV_BLOCK_SIZE, NUM_KV_BLOCKS, DK, DR, DV, lim, low, row_ok, slope, alibi_pos, scale_log2,
-                        softcap, ids_row, SEL_BLOCK, u_lo, u_hi, lo, hi,
-                        V_FROM_K, HAS_ROPE, PRECISION, DOT_F32, HAS_SOFTCAP, HAS_ALIBI, QUANT, FP8, HAS_WINDOW,
-                        False, PAGED, PAGE, True, BLOCK_N)
+                m_i, l_i, acc = _walk(
+                    start, mid_lo, end, m_i, l_i, acc, Q, q, q_r, dk, dr, dv, Kh, Vh, KSh, VSh, TB,
+                stride_kn, stride_kt, stride_vn, stride_vt, stride_ksn, stride_kst, stride_vsn, stride_vst,
+                KV_BLOCK_SIZE, NUM_KV_BLOCKS, DK, DR, DV, lim, low, row_ok, slope, alibi_pos, scale_log2, softcap,
+                ids_row, SEL_BLOCK, u_lo, u_hi, lo, hi,
+                V_FROM_K, HAS_ROPE, PRECISION, DOT_F32, HAS_SOFTCAP, HAS_ALIBI, QUANT, FP8, HAS_WINDOW, SEL, PAGED,
+                PAGE, True, 1, BLOCK_N)
             else:
                 mid_lo = start
-            # The next tile's page ids are loaded one iteration ahead, into registers: the K/V
-            # addresses of a tile never wait on a table load issued in its own iteration.
-            ids = _page_ids(TB, mid_lo, end, PAGED, PAGE, BLOCK_N)
-            for n0 in range(mid_lo, mid_hi, BLOCK_N):
-                ids_next = _page_ids(TB, n0 + BLOCK_N, end, PAGED, PAGE, BLOCK_N)
-                m_i, l_i, acc = _tile(
-                    n0, end, ids, m_i, l_i, acc, Q, q, q_r, dk, dr, dv, Kh, Vh, KSh, VSh, TB,
-                    stride_kn, stride_kt, stride_vn, stride_vt, stride_ksn, stride_kst, stride_vsn, stride_vst,
-                    KV_BLOCK_SIZE, NUM_KV_BLOCKS, DK, DR, DV, lim, low, row_ok, slope, alibi_pos, scale_log2,
-                    softcap, ids_row, SEL_BLOCK, u_lo, u_hi, lo, hi,
-                    V_FROM_K, HAS_ROPE, PRECISION, DOT_F32, HAS_SOFTCAP, HAS_ALIBI, QUANT, FP8, HAS_WINDOW,
-                    False, PAGED, PAGE, False, BLOCK_N)
-                ids = ids_next
-            for n0 in tl.range(mid_hi, end, BLOCK_N, num_stages=1):
-                m_i, l_i, acc = _tile(
-                    n0, end, _page_ids(TB, n0, end, PAGED, PAGE, BLOCK_N), m_i, l_i, acc, Q, q, q_r, dk, dr, dv, Kh, Vh, KSh, VSh, TB,
-                    stride_kn, stride_kt, stride_vn, stride_vt, stride_ksn, stride_kst, stride_vsn, stride_vst,
-                    KV_BLOCK_SIZE, NUM_KV_BLOCKS, DK, DR, DV, lim, low, row_ok, slope, alibi_pos, scale_log2,
-                    softcap, ids_row, SEL_BLOCK, u_lo, u_hi, lo, hi,
-                    V_FROM_K, HAS_ROPE, PRECISION, DOT_F32, HAS_SOFTCAP, HAS_ALIBI, QUANT, FP8, HAS_WINDOW,
-                    False, PAGED, PAGE, True, BLOCK_N)
+            m_i, l_i, acc = _walk(
+                mid_lo, mid_hi, end, m_i, l_i, acc, Q, q, q_r, dk, dr, dv, Kh, Vh, KSh, VSh, TB,
+                stride_kn, stride_kt, stride_vn, stride_vt, stride_ksn, stride_kst, stride_vsn, stride_vst,
+                KV_BLOCK_SIZE, NUM_KV_BLOCKS, DK, DR, DV, lim, low, row_ok, slope, alibi_pos, scale_log2, softcap,
+                ids_row, SEL_BLOCK, u_lo, u_hi, lo, hi,
+                V_FROM_K, HAS_ROPE, PRECISION, DOT_F32, HAS_SOFTCAP, HAS_ALIBI, QUANT, FP8, HAS_WINDOW, SEL, PAGED,
+                PAGE, False, None, BLOCK_N)
+            m_i, l_i, acc = _walk(
+                mid_hi, end, end, m_i, l_i, acc, Q, q, q_r, dk, dr, dv, Kh, Vh, KSh, VSh, TB,
+                stride_kn, stride_kt, stride_vn, stride_vt, stride_ksn, stride_kst, stride_vsn, stride_vst,
+                KV_BLOCK_SIZE, NUM_KV_BLOCKS, DK, DR, DV, lim, low, row_ok, slope, alibi_pos, scale_log2, softcap,
+                ids_row, SEL_BLOCK, u_lo, u_hi, lo, hi,
+                V_FROM_K, HAS_ROPE, PRECISION, DOT_F32, HAS_SOFTCAP, HAS_ALIBI, QUANT, FP8, HAS_WINDOW, SEL, PAGED,
+                PAGE, True, 1, BLOCK_N)
 
         seen = l_i > 0.0
         if DIRECT:  # the only split: the normalized output, in OUT's dtype (what the merge would give)
@@ -588,8 +609,11 @@ def _config(dtype: torch.dtype, D: int, Dv: int, rows: int, v_from_k: bool) -> d
     else:
         block_m = min(64 if bdv <= 128 else 32, _pow2(rows))
         block_n = 64 if width <= 512 else 32
+    # The pipelined loop keeps num_stages - 1 K/V tiles in flight in shared memory: two where they
+    # leave room on an A100 (163 KB a block) for the rest of the kernel's shared memory, else one.
+    tile_bytes = block_n * width * dtype.itemsize
     return dict(DK=dk, DR=dr, BLOCK_DK=bdk, BLOCK_DR=bdr, BLOCK_DV=bdv, BLOCK_M=block_m, BLOCK_N=block_n,
-                num_warps=4 if width <= 512 else 8, num_stages=3)
+                num_warps=4 if width <= 512 else 8, num_stages=3 if 2 * tile_bytes <= 96 * 1024 else 2)
 
 
 def _addressing(block_size: int, max_len: int, selection: bool) -> tuple[bool, int]:
