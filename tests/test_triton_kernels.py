@@ -696,6 +696,39 @@ def test_key_tiles_over_pages_of_any_size_with_interior_tiles_unmasked(page, blo
             _check(out, q, k, v, plain & SlidingWindow(41, 0, q_start=w_start))
 
 
+def test_merge_takes_a_block_of_rows_per_program():
+    """The merge combines up to 16 rows a program, fewer as splits and channels widen its tile."""
+    from attnkit.backends.triton.kernel import _merge_rows
+
+    assert _merge_rows(256, 4, 128) == 16
+    assert _merge_rows(256, 16, 128) == 4
+    assert _merge_rows(256, 16, 512) == 1
+    assert _merge_rows(3, 2, 32) == 4  # one program, its last row masked
+    assert _merge_rows(1, 2, 32) == 1
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_merge_of_many_rows_with_empty_rows_and_sinks(sinks):
+    """Three forced splits over 2 x 8 query heads x 3 tokens (rows not a multiple of the merge's
+    block), one sequence empty and rows whose splits all saw nothing: exact zeros there, the
+    oracle elsewhere, sinks or not."""
+    B, Hkv, G, S, D = 2, 2, 4, 3, 16
+    lens = [0, 100]
+    k_pool, v_pool, table, k, v = _pools(B, Hkv, D, D, 16, lens, torch.float32, seed=5)
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(B, Hkv * G, S, D, generator=g)
+    sink = torch.randn(Hkv * G, generator=g) if sinks else None
+    seq = torch.tensor(lens)
+    q_start = seq - S
+    out = triton_ops.paged_decode_attention(q.to(DEV), k_pool, v_pool, table, seq.to(DEV), q_start=q_start.to(DEV),
+                                            num_splits=3, sinks=None if sink is None else sink.to(DEV))
+    mask = Causal(q_start=q_start) & KeyPadding(seq)
+    gold = attnkit.attention_reference(q.double(), k.double(), v.double(), mask,
+                                       sinks=None if sink is None else sink.double())
+    rule_r(out.cpu(), base_attention(q, k, v, mask, sinks=sink), gold)
+    assert (out[0] == 0).all(), "a sequence with no keys gives exact zeros"
+
+
 def test_table_padding_past_a_sequences_pages_is_accepted_and_a_lying_entry_is_never_read():
     """check=True validates only the entries holding tokens (the allocator pads with -1); with
     check=False (a caller's checked=True table) an entry outside the pool is never read: its keys

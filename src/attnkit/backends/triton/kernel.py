@@ -26,6 +26,34 @@ normalized output itself (sinks included), with no partials and no merge. Scores
 accumulation are fp32 (base-2 exponentials with the scale folded in); P is rounded to q's dtype
 (the float cache's) for the P @ V product, as every fused kernel does.
 
+Key tiles (:func:`_walk` runs a range of them, :func:`_tile` is one; :func:`launch` picks the
+layout with :func:`_addressing`). How a tile finds its keys is a constexpr:
+
+* one block per sequence (``PAGED`` off: contiguous caches, or pages no shorter than any
+  sequence): the sequence's table entry is read once per program and a tile is ``BLOCK_N``
+  contiguous rows of that block: no table access per key at all;
+* pages of a power-of-two size ``PAGE``: tiles start at multiples of ``BLOCK_N``, so a tile is
+  ``BLOCK_N // PAGE`` whole pages, or lies in one page; its page ids are one small vector load
+  (or one id), and each key's address is ``page id * page stride + slot * slot stride`` with
+  the slot a constexpr shift and mask. The ids are loaded one tile ahead, into registers: a
+  tile's K/V copies never wait on a table load of their own iteration, and the loop's software
+  pipeline (``num_stages``) keeps the next tiles' 16-byte K/V copies in flight during this
+  tile's math;
+* any other block size, and a selection's scattered keys: one table entry per key
+  (``pos // block_size``), as a gather.
+
+Masks only where a tile needs them: the tiles every row sees entirely (below every row's limit,
+at or above every row's window start, before the split's end) form one range, walked without the
+per-score visibility ``where`` and without key masks on the loads; the few tiles before it (a
+window's start) and after it (the rows' limits, the split's end) are walked masked, in loops of
+their own that are not pipelined. The table-validity rule holds in both: a table entry outside
+``[0, N)`` is never read and its keys count as masked (a page's keys share one load predicate).
+The latent (V from K) and selection kernels make one masked walk (their register budget holds
+one loop body).
+
+The merge (more than one split) combines up to 16 rows a program, each a (rows, splits,
+channels) tile: the partial outputs are read as wide rows, the grid is up to 16 times smaller.
+
 Visibility, per query row: query ``j`` of sequence ``b`` sees the keys at positions
 ``< min(q_start[b] + j + 1, lengths[b])``. That is the cache protocol's
 ``Causal(q_start=q_start) & KeyPadding(lengths)``; ``q_start = lengths - S`` is plain bottom-right
@@ -150,10 +178,11 @@ if triton is not None:
         HAS_WINDOW: tl.constexpr, SEL: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
         MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
-        """One key tile of the online softmax, from ``n0`` (a position, or with SEL an entry of the
-        walk; ``ids``: its page ids, :func:`_page_ids`): returns the updated (m_i, l_i, acc). MASKED: the tile may hold keys some row must
-        not see (past ``end``, ``lim``, below ``low``, or unselected); without it every key of the
-        tile is visible to every row and only the table-validity rule masks (paged layouts)."""
+        """One key tile of the online softmax, from ``n0`` (a position, or with SEL an entry of
+        the walk; ``ids``: its page ids, :func:`_page_ids`): returns the updated (m_i, l_i, acc).
+        MASKED: the tile may hold keys some row must not see (past ``end`` or ``lim``, below
+        ``low``, unselected); without it every key of the tile is visible to every row and only
+        the table-validity rule masks (paged layouts)."""
         if SEL:
             # Entry e of the walk: W's key u_lo + e (e < u_len), else key t % SEL_BLOCK of the
             # list's entry t // SEL_BLOCK (t = e - u_len): a block's keys are contiguous.
@@ -195,7 +224,10 @@ if triton is not None:
         else:
             key_ok = pos_ok
         k_base = Kh + blk * stride_kn + slot * stride_kt
-        if MASKED:
+        # Loads are masked along keys in edge tiles and, in interior ones, only behind a table
+        # entry outside the pool (a page's keys share one predicate); contiguous interior tiles
+        # load unmasked.
+        if MASKED or PAGED:
             k = tl.load(k_base[:, None] + dk[None, :], mask=key_ok[:, None] & (dk[None, :] < DK), other=0.0)
         else:
             k = tl.load(k_base[:, None] + dk[None, :], mask=dk[None, :] < DK, other=0.0)
@@ -205,7 +237,7 @@ if triton is not None:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if HAS_ROPE:
-            if MASKED:
+            if MASKED or PAGED:
                 k_r = tl.load(k_base[:, None] + DK + dr[None, :], mask=key_ok[:, None] & (dr[None, :] < DR),
                               other=0.0)
             else:
@@ -216,7 +248,7 @@ if triton is not None:
                 k_r = k_r.to(tl.float32)
             s += tl.dot(q_r, tl.trans(k_r), input_precision=PRECISION)
         if QUANT:  # each key's score times its K row scale, before soft-capping and ALiBi
-            if MASKED:
+            if MASKED or PAGED:
                 ksc = tl.load(KSh + blk * stride_ksn + slot * stride_kst, mask=key_ok, other=0.0)
             else:
                 ksc = tl.load(KSh + blk * stride_ksn + slot * stride_kst)
@@ -250,7 +282,7 @@ if triton is not None:
             v = k  # V = K[..., :Dv]: the tile just read (DK == DV), widened if quantized
         else:
             v_base = Vh + blk * stride_vn + slot * stride_vt
-            if MASKED:
+            if MASKED or PAGED:
                 v = tl.load(v_base[:, None] + dv[None, :], mask=key_ok[:, None] & (dv[None, :] < DV), other=0.0)
             else:
                 v = tl.load(v_base[:, None] + dv[None, :], mask=dv[None, :] < DV, other=0.0)
@@ -261,7 +293,7 @@ if triton is not None:
         if QUANT:  # each probability (l_i has it) times its V row scale, over the tile's largest
             if V_FROM_K:
                 vsc = ksc
-            elif MASKED:
+            elif MASKED or PAGED:
                 vsc = tl.load(VSh + blk * stride_vsn + slot * stride_vst, mask=key_ok, other=0.0)
             else:
                 vsc = tl.load(VSh + blk * stride_vsn + slot * stride_vst)
@@ -572,22 +604,27 @@ if triton is not None:
             True, PAGED, PAGE, BLOCK_M, BLOCK_N, BLOCK_DK, BLOCK_DR, BLOCK_DV)
 
     @triton.jit
-    def _merge_kernel(OP, LSEP, OUT, SINKS, NSPLIT, DV, HQ, S, HAS_SINKS: tl.constexpr, BLOCK_SPLIT: tl.constexpr,
-                      BLOCK_DV: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)  # (b, h, j) flattened; OUT is contiguous (B, Hq, S, DV)
+    def _merge_kernel(OP, LSEP, OUT, SINKS, ROWS, NSPLIT, DV, HQ, S, HAS_SINKS: tl.constexpr,
+                      BLOCK_R: tl.constexpr, BLOCK_SPLIT: tl.constexpr, BLOCK_DV: tl.constexpr):
+        # BLOCK_R rows (b, h, j) flattened a program, as one (rows, splits, channels) tile: OUT is
+        # contiguous (B, Hq, S, DV), the partials (B, Hq, S, NSPLIT[, DV]).
+        row = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = row < ROWS
         sp = tl.arange(0, BLOCK_SPLIT)
         dv = tl.arange(0, BLOCK_DV)
-        lse = tl.load(LSEP + row * NSPLIT + sp, mask=sp < NSPLIT, other=float("-inf"))
-        mx = tl.max(lse, 0)
-        w = tl.exp2(lse - tl.where(mx == float("-inf"), 0.0, mx))  # splits that saw nothing: 0
-        den = tl.sum(w, 0)
+        ok = row_ok[:, None] & (sp[None, :] < NSPLIT)
+        lse = tl.load(LSEP + row[:, None] * NSPLIT + sp[None, :], mask=ok, other=float("-inf"))
+        mx = tl.max(lse, 1)
+        w = tl.exp2(lse - tl.where(mx == float("-inf"), 0.0, mx)[:, None])  # splits that saw nothing: 0
+        den = tl.sum(w, 1)
         if HAS_SINKS:  # the head's sink joins the denominator once (a row that saw nothing stays 0)
-            sink = tl.load(SINKS + (row // S) % HQ) * 1.4426950408889634
+            sink = tl.load(SINKS + (row // S) % HQ, mask=row_ok, other=0.0) * 1.4426950408889634
             den += tl.where(mx == float("-inf"), 0.0, tl.exp2(sink - mx))
-        o = tl.load(OP + (row * NSPLIT + sp[:, None]) * DV + dv[None, :],
-                    mask=(sp[:, None] < NSPLIT) & (dv[None, :] < DV), other=0.0)
-        res = tl.sum(o * w[:, None], 0) / tl.where(den > 0.0, den, 1.0)
-        tl.store(OUT + row * DV + dv, res.to(OUT.dtype.element_ty), mask=dv < DV)
+        o = tl.load(OP + (row[:, None, None] * NSPLIT + sp[None, :, None]) * DV + dv[None, None, :],
+                    mask=ok[:, :, None] & (dv[None, None, :] < DV), other=0.0)
+        res = tl.sum(o * w[:, :, None], 1) / tl.where(den > 0.0, den, 1.0)[:, None]
+        tl.store(OUT + row[:, None] * DV + dv[None, :], res.to(OUT.dtype.element_ty),
+                 mask=row_ok[:, None] & (dv[None, :] < DV))
 
 
 def _pow2(n: int, lo: int = 16) -> int:
@@ -626,6 +663,15 @@ def _addressing(block_size: int, max_len: int, selection: bool) -> tuple[bool, i
     paged = max_len > block_size
     page = block_size if paged and not selection and block_size & (block_size - 1) == 0 else 0
     return paged, page
+
+
+def _merge_rows(rows: int, block_split: int, block_dv: int) -> int:
+    """Rows one merge program combines: a power of two, up to 16, whose (rows, splits, channels)
+    fp32 tile stays within 8192 elements (32 KB of registers over a 4-warp program)."""
+    r = 1
+    while r < 16 and r < rows and 2 * r * block_split * block_dv <= 8192:
+        r *= 2
+    return r
 
 
 #: The interpreter's stand-in for a GPU's size (SMs, programs per SM) in the split rule.
@@ -744,8 +790,12 @@ def launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tenso
     )
     if direct:
         return out
-    _merge_kernel[(B * Hq * S,)](op, lsep, out, lsep if sinks is None else sinks, num_splits, Dv, Hq, S,
-                                 HAS_SINKS=sinks is not None, BLOCK_SPLIT=_pow2(num_splits, 2), BLOCK_DV=_pow2(Dv))
+    rows = B * Hq * S
+    block_split, block_dv = _pow2(num_splits, 2), _pow2(Dv)
+    block_r = _merge_rows(rows, block_split, block_dv)
+    _merge_kernel[(-(-rows // block_r),)](op, lsep, out, lsep if sinks is None else sinks, rows, num_splits, Dv, Hq,
+                                          S, HAS_SINKS=sinks is not None, BLOCK_R=block_r, BLOCK_SPLIT=block_split,
+                                          BLOCK_DV=block_dv)
     return out
 
 
