@@ -217,10 +217,11 @@ if triton is not None:
             blk = tl.reshape(tl.broadcast_to(ids[:, None], (BLOCK_N // PAGE, PAGE)), (BLOCK_N,)).to(tl.int64)
             slot = (tl.arange(0, BLOCK_N) % PAGE).to(tl.int64)
         if PAGED:
-            key_ok = (blk >= 0) & (blk < NUM_KV_BLOCKS)
-            blk = tl.where(key_ok, blk, 0)
             if MASKED:
-                key_ok = key_ok & pos_ok
+                key_ok = pos_ok & (blk >= 0) & (blk < NUM_KV_BLOCKS)
+            else:
+                key_ok = (blk >= 0) & (blk < NUM_KV_BLOCKS)
+            blk = tl.where(key_ok, blk, 0)
         else:
             key_ok = pos_ok
         k_base = Kh + blk * stride_kn + slot * stride_kt
