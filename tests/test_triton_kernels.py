@@ -635,6 +635,34 @@ def test_bf16_gqa_kernel_streams_k_and_v_in_16_byte_copies_with_tiles_in_flight(
         assert r["ld_v4"] >= 16, f"{r['case']}: {r['ld_v4']} 16-byte vector loads to registers"
 
 
+_MERGE_AOT = r"""
+import json, sys, triton
+from triton.backends.compiler import GPUTarget
+from attnkit.backends.triton import kernel as td
+fn = td._merge_kernel
+out = []
+for cap, splits, dv in json.loads(sys.argv[1]):
+    block_r = td._merge_rows(4096, splits, dv)
+    sig = dict(OP="*fp32", LSEP="*fp32", OUT="*bf16", SINKS="*fp32", ROWS="i32", NSPLIT="i32", DV="i32", HQ="i32",
+               S="i32", HAS_SINKS="constexpr", BLOCK_R="constexpr", BLOCK_SPLIT="constexpr", BLOCK_DV="constexpr")
+    cv = dict(HAS_SINKS=True, BLOCK_R=block_r, BLOCK_SPLIT=splits, BLOCK_DV=dv)
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("OP", "LSEP", "OUT", "SINKS", "DV")}
+    k = triton.compile(triton.compiler.ASTSource(fn, sig, cv, attrs), target=GPUTarget("cuda", cap, 32),
+                       options={"num_warps": 4})
+    out.append(dict(case=[cap, splits, dv], block_r=block_r, v4=k.asm["ptx"].count("ld.global.v4")))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_merge_kernel_compiles_for_sm80_and_sm90_with_wide_loads():
+    """The merge, a (rows, splits, channels) tile a program, compiles for sm_80 and sm_90 (the
+    interpreter cannot tell) and reads the partial outputs in 16-byte vectors."""
+    cases = [[cap, splits, dv] for cap in _SMEM for splits, dv in ((4, 128), (16, 512))]
+    for r in compile_ahead(_MERGE_AOT, cases):
+        assert r["v4"] > 0, f"{r['case']}: no 16-byte loads ({r['block_r']} rows a program)"
+
+
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason="MLA row tile is 32 heads; wgmma needs M multiple of 64")
 def test_mla_dots_use_warpgroup_mma_on_sm90():
