@@ -366,7 +366,7 @@ for dt, storage, D, Dv, vfk, cap in json.loads(sys.argv[1]):
     # The heaviest variant: soft-capping, ALiBi and a window on, partials for the merge.
     cv = dict(V_FROM_K=vfk, HAS_ROPE=cfg["DR"] > 0, PRECISION="ieee" if short == "fp32" else "tf32",
               DOT_F32=False, HAS_SOFTCAP=True, HAS_ALIBI=True, QUANT=True, FP8=storage == "fp8", HAS_WINDOW=True,
-              DIRECT=False, HAS_SINKS=False,
+              DIRECT=False, HAS_SINKS=False, PAGED=True, PAGE=16,
               **{k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_DK", "BLOCK_DR", "BLOCK_DV")})
     assert set(cv) == set(consts), sorted(set(consts) ^ set(cv))
     sig.update({k: "constexpr" for k in cv})

@@ -517,7 +517,7 @@ def test_bad_input_names_the_argument():
 _SMEM = {80: 166912, 90: 232448}  # shared memory per block (bytes) on A100 and H100/H200
 
 _AOT = r"""
-import inspect, json, os, re, subprocess, sys, tempfile, torch, triton
+import collections, inspect, json, os, re, subprocess, sys, tempfile, torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 from attnkit.backends.triton import kernel as td
@@ -550,7 +550,7 @@ def ptxas_report(ptx, cap):
 
 
 out = []
-for dt, D, Dv, vfk, rows, direct, cap in json.loads(sys.argv[1]):
+for dt, D, Dv, vfk, rows, direct, page, cap in json.loads(sys.argv[1]):
     cfg = td._config(getattr(torch, dt), D, Dv, rows, vfk)
     short = {"float32": "fp32", "bfloat16": "bf16"}[dt]
     sig = dict(Q="*" + short, K="*" + short, V="*" + short, TABLE="*i32", QSTART="*i32", LENGTHS="*i32",
@@ -561,15 +561,22 @@ for dt, D, Dv, vfk, rows, direct, cap in json.loads(sys.argv[1]):
     # the single split also applies sinks and writes the output itself.
     cv = dict(V_FROM_K=vfk, HAS_ROPE=cfg["DR"] > 0, PRECISION="ieee" if short == "fp32" else "tf32",
               DOT_F32=False, HAS_SOFTCAP=True, HAS_ALIBI=True, QUANT=False, FP8=False, HAS_WINDOW=True,
-              DIRECT=direct, HAS_SINKS=direct,
+              DIRECT=direct, HAS_SINKS=direct, PAGED=page > 0, PAGE=page,  # page 0: one block per sequence
               **{k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_DK", "BLOCK_DR", "BLOCK_DV")})
     assert set(cv) == set(consts), sorted(set(consts) ^ set(cv))
     sig.update({k: "constexpr" for k in cv})
     k = triton.compile(triton.compiler.ASTSource(fn, sig, cv, attrs), target=GPUTarget("cuda", cap, 32),
                        options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
     spills, regs = ptxas_report(k.asm["ptx"], cap)
-    out.append(dict(case=[dt, D, Dv, vfk, rows, direct, cap], shared=k.metadata.shared, spills=spills, regs=regs,
-                    wgmma="wgmma" in k.asm["ptx"], block_m=cfg["BLOCK_M"]))
+    ptx = k.asm["ptx"]
+    out.append(dict(case=[dt, D, Dv, vfk, rows, direct, page, cap], shared=k.metadata.shared, spills=spills, regs=regs,
+                    wgmma="wgmma" in ptx, block_m=cfg["BLOCK_M"],
+                    # global loads of 16 bytes per thread (to registers), async copies to shared
+                    # memory by size, and the most copy groups a loop leaves in flight when it waits
+                    ld_v4=len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32", ptx)),
+                    cp_async=collections.Counter(int(n, 16) for n in re.findall(
+                        r"cp\.async\.c[ag]\.shared\.global(?:\.\w+)* \[[^]]+\], \[[^]]+\], (0x[0-9a-f]+)", ptx)),
+                    in_flight=max((int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)), default=-1)))
 print(json.dumps(out))
 """
 
@@ -580,7 +587,7 @@ def test_kernel_configs_compile_within_shared_memory_for_sm80_and_sm90():
     backend and its bundled ptxas), with the tile sizes _config picks, at the largest head dims
     the kernel accepts, and check shared memory fits an A100 and an H100 / H200. In a child
     process: the interpreter mode of this one cannot compile."""
-    cases = [[dt, D, Dv, vfk, 128, False, cap] for dt in ("float32", "bfloat16")
+    cases = [[dt, D, Dv, vfk, 128, False, 16, cap] for dt in ("float32", "bfloat16")
              for D, Dv, vfk in ((128, 128, False), (576, 512, True), (576, 512, False), (1024, 512, False))
              for cap in _SMEM]
     for r in compile_ahead(_AOT, cases):
@@ -589,9 +596,9 @@ def test_kernel_configs_compile_within_shared_memory_for_sm80_and_sm90():
 
 # bf16 GQA 32/8 at D 128 (8 query rows per KV head) and absorbed MLA (128 heads on one latent
 # head, 512 + 64), the multi-split and the single-split variant, for sm_80 and sm_90.
-_DECODE_CASES = [["bfloat16", D, Dv, vfk, rows, direct, cap]
+_DECODE_CASES = [["bfloat16", D, Dv, vfk, rows, direct, page, cap]
                  for D, Dv, vfk, rows in ((128, 128, False, 8), (576, 512, True, 128))
-                 for direct in (False, True) for cap in _SMEM]
+                 for direct in (False, True) for page in (16, 0) for cap in _SMEM]
 _compiled: dict = {}
 
 
@@ -609,6 +616,136 @@ def test_bf16_gqa_and_mla_kernels_fit_without_spills_on_sm80_and_sm90():
     for r in _compiled_decode_kernels():
         assert r["shared"] <= _SMEM[r["case"][-1]], f"{r['case']}: {r['shared']} B shared"
         assert r["spills"] == 0, f"{r['case']}: {r['spills']} bytes of register spills ({r['regs']} registers)"
+
+
+@pytest.mark.slow
+def test_bf16_gqa_kernel_streams_k_and_v_in_16_byte_copies_with_tiles_in_flight():
+    """The bf16 GQA decode kernel (D 128, 8 rows, paged with 16-key pages and contiguous) on sm_80
+    and sm_90: K and V reach shared memory in 16-byte async copies only (no 4-byte copies: a
+    table entry staged through shared memory made every iteration wait for all its copies), the
+    interior loop waits with copy groups still in flight (the next tiles' K/V load while this
+    one's math runs), and the edge tiles load 16-byte vectors to registers."""
+    gqa = [r for r in _compiled_decode_kernels() if not r["case"][3]]
+    assert {r["case"][-2] for r in gqa} == {16, 0}
+    for r in gqa:
+        sizes = {int(size): n for size, n in r["cp_async"].items()}
+        assert set(sizes) == {16}, f"{r['case']}: async copies by size {sizes}"
+        assert sizes[16] >= 2 * 64 * 128 * 2 // 16 // 128, f"{r['case']}: {sizes[16]} 16-byte copies"
+        assert r["in_flight"] >= 1, f"{r['case']}: the loop waits for every copy (wait_group {r['in_flight']})"
+        assert r["ld_v4"] >= 16, f"{r['case']}: {r['ld_v4']} 16-byte vector loads to registers"
+
+
+_MERGE_AOT = r"""
+import json, sys, triton
+from triton.backends.compiler import GPUTarget
+from attnkit.backends.triton import kernel as td
+fn = td._merge_kernel
+out = []
+for cap, splits, dv in json.loads(sys.argv[1]):
+    block_r = td._merge_rows(4096, splits, dv)
+    sig = dict(OP="*fp32", LSEP="*fp32", OUT="*bf16", SINKS="*fp32", ROWS="i32", NSPLIT="i32", DV="i32", HQ="i32",
+               S="i32", HAS_SINKS="constexpr", BLOCK_R="constexpr", BLOCK_SPLIT="constexpr", BLOCK_DV="constexpr")
+    cv = dict(HAS_SINKS=True, BLOCK_R=block_r, BLOCK_SPLIT=splits, BLOCK_DV=dv)
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("OP", "LSEP", "OUT", "SINKS", "DV")}
+    k = triton.compile(triton.compiler.ASTSource(fn, sig, cv, attrs), target=GPUTarget("cuda", cap, 32),
+                       options={"num_warps": 4})
+    out.append(dict(case=[cap, splits, dv], block_r=block_r, v4=k.asm["ptx"].count("ld.global.v4")))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_merge_kernel_compiles_for_sm80_and_sm90_with_wide_loads():
+    """The merge, a (rows, splits, channels) tile a program, compiles for sm_80 and sm_90 (the
+    interpreter cannot tell) and reads the partial outputs in 16-byte vectors."""
+    cases = [[cap, splits, dv] for cap in _SMEM for splits, dv in ((4, 128), (16, 512))]
+    for r in compile_ahead(_MERGE_AOT, cases):
+        assert r["v4"] > 0, f"{r['case']}: no 16-byte loads ({r['block_r']} rows a program)"
+
+
+def test_addressing_by_block_size():
+    """One block per sequence reads contiguous rows; power-of-two pages load their ids per page;
+    other sizes and selections gather one table entry per key."""
+    from attnkit.backends.triton.kernel import _addressing
+
+    assert _addressing(4096, 4096, False) == (False, 0)  # a contiguous cache: block_size = L
+    assert _addressing(4096, 300, True) == (False, 0)
+    assert _addressing(16, 300, False) == (True, 16)
+    assert _addressing(256, 4096, False) == (True, 256)
+    assert _addressing(1, 300, False) == (True, 1)
+    assert _addressing(24, 300, False) == (True, 0)
+    assert _addressing(16, 300, True) == (True, 0)
+
+
+@pytest.mark.parametrize("block_n", [16, 32])
+@pytest.mark.parametrize("page", [1, 5, 8, 32, 128])
+def test_key_tiles_over_pages_of_any_size_with_interior_tiles_unmasked(page, block_n):
+    """Sequences of many tiles (interior tiles skip the visibility masks), pages smaller than a
+    tile, equal to it or larger, a power of two or not (per-key gather), speculative rows: against
+    the oracle; with a sliding window whose start is not on a tile boundary; and a table entry
+    that lies (check=False) inside an interior tile: its keys, and only they, count as masked."""
+    from attnkit.backends.triton import tuning
+
+    seed = stable_seed("tiles", page, block_n)
+    B, Hkv, G, S, D = 3, 2, 2, 3, 16
+    lens = [S, 77, 203]
+    k_pool, v_pool, table, k, v = _pools(B, Hkv, D, D, page, lens, torch.float32, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(B, Hkv * G, S, D, generator=g)
+    seq = torch.tensor(lens)
+    q_start = seq - S
+    plain = Causal(q_start=q_start) & KeyPadding(seq)
+    lying = table.clone()
+    bad = 96 // page  # the entry of key 96 of sequence 2: an interior tile's
+    lying[2, bad] = 10_000
+    keep = torch.ones(B, 1, 1, max(lens), dtype=torch.bool)
+    keep[2, ..., bad * page:(bad + 1) * page] = False
+    w_start = q_start - torch.tensor([0, 3, 7])
+    with tuning.forced({"BLOCK_N": block_n}):
+        for splits in (1, 3):
+            out = triton_ops.paged_decode_attention(q.to(DEV), k_pool, v_pool, table, seq.to(DEV),
+                                                    q_start=q_start.to(DEV), num_splits=splits)
+            _check(out, q, k, v, plain)
+            out = triton_ops.paged_decode_attention(q.to(DEV), k_pool, v_pool, lying, seq.to(DEV),
+                                                    q_start=q_start.to(DEV), num_splits=splits, check=False)
+            _check(out, q, k, v, plain & M.Dense(keep))
+            out = triton_ops.paged_decode_attention(q.to(DEV), k_pool, v_pool, table, seq.to(DEV),
+                                                    q_start=q_start.to(DEV), num_splits=splits, window=(41, 0),
+                                                    window_q_start=w_start.to(DEV))
+            _check(out, q, k, v, plain & SlidingWindow(41, 0, q_start=w_start))
+
+
+def test_merge_takes_a_block_of_rows_per_program():
+    """The merge combines up to 16 rows a program, fewer as splits and channels widen its tile."""
+    from attnkit.backends.triton.kernel import _merge_rows
+
+    assert _merge_rows(256, 4, 128) == 16
+    assert _merge_rows(256, 16, 128) == 4
+    assert _merge_rows(256, 16, 512) == 1
+    assert _merge_rows(3, 2, 32) == 4  # one program, its last row masked
+    assert _merge_rows(1, 2, 32) == 1
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_merge_of_many_rows_with_empty_rows_and_sinks(sinks):
+    """Three forced splits over 2 x 8 query heads x 3 tokens (rows not a multiple of the merge's
+    block), one sequence empty and rows whose splits all saw nothing: exact zeros there, the
+    oracle elsewhere, sinks or not."""
+    B, Hkv, G, S, D = 2, 2, 4, 3, 16
+    lens = [0, 100]
+    k_pool, v_pool, table, k, v = _pools(B, Hkv, D, D, 16, lens, torch.float32, seed=5)
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(B, Hkv * G, S, D, generator=g)
+    sink = torch.randn(Hkv * G, generator=g) if sinks else None
+    seq = torch.tensor(lens)
+    q_start = seq - S
+    out = triton_ops.paged_decode_attention(q.to(DEV), k_pool, v_pool, table, seq.to(DEV), q_start=q_start.to(DEV),
+                                            num_splits=3, sinks=None if sink is None else sink.to(DEV))
+    mask = Causal(q_start=q_start) & KeyPadding(seq)
+    gold = attnkit.attention_reference(q.double(), k.double(), v.double(), mask,
+                                       sinks=None if sink is None else sink.double())
+    rule_r(out.cpu(), base_attention(q, k, v, mask, sinks=sink), gold)
+    assert (out[0] == 0).all(), "a sequence with no keys gives exact zeros"
 
 
 def test_table_padding_past_a_sequences_pages_is_accepted_and_a_lying_entry_is_never_read():

@@ -293,7 +293,7 @@ for dt, D, Dv, vfk, rows, direct, quant, cap in json.loads(sys.argv[1]):
                SEL_BOUNDS="*i32", scale_log2="fp32", softcap="fp32", **{n: "i32" for n in ints})
     cv = dict(V_FROM_K=vfk, HAS_ROPE=cfg["DR"] > 0, PRECISION="ieee" if short == "fp32" else "tf32",
               DOT_F32=False, HAS_SOFTCAP=True, HAS_ALIBI=True, QUANT=quant, FP8=False, HAS_WINDOW=True,
-              DIRECT=direct, HAS_SINKS=direct,
+              DIRECT=direct, HAS_SINKS=direct, PAGED=True, PAGE=0,  # a selection gathers per key
               **{k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_DK", "BLOCK_DR", "BLOCK_DV")})
     assert set(cv) == set(consts), sorted(set(consts) ^ set(cv))
     sig.update({k: "constexpr" for k in cv})

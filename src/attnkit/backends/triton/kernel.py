@@ -33,6 +33,34 @@ normalized output itself (sinks included), with no partials and no merge. Scores
 accumulation are fp32 (base-2 exponentials with the scale folded in); P is rounded to q's dtype
 (the float cache's) for the P @ V product, as every fused kernel does.
 
+Key tiles (:func:`_walk` runs a range of them, :func:`_tile` is one; :func:`launch` picks the
+layout with :func:`_addressing`). How a tile finds its keys is a constexpr:
+
+* one block per sequence (``PAGED`` off: contiguous caches, or pages no shorter than any
+  sequence): the sequence's table entry is read once per program and a tile is ``BLOCK_N``
+  contiguous rows of that block: no table access per key at all;
+* pages of a power-of-two size ``PAGE``: tiles start at multiples of ``BLOCK_N``, so a tile is
+  ``BLOCK_N // PAGE`` whole pages, or lies in one page; its page ids are one small vector load
+  (or one id), and each key's address is ``page id * page stride + slot * slot stride`` with
+  the slot a constexpr shift and mask. The ids are loaded one tile ahead, into registers: a
+  tile's K/V copies never wait on a table load of their own iteration, and the loop's software
+  pipeline (``num_stages``) keeps the next tiles' 16-byte K/V copies in flight during this
+  tile's math;
+* any other block size, and a selection's scattered keys: one table entry per key
+  (``pos // block_size``), as a gather.
+
+Masks only where a tile needs them: the tiles every row sees entirely (below every row's limit,
+at or above every row's window start, before the split's end) form one range, walked without the
+per-score visibility ``where`` and without key masks on the loads; the few tiles before it (a
+window's start) and after it (the rows' limits, the split's end) are walked masked, in loops of
+their own that are not pipelined. The table-validity rule holds in both: a table entry outside
+``[0, N)`` is never read and its keys count as masked (a page's keys share one load predicate).
+The latent (V from K) and selection kernels make one masked walk (their register budget holds
+one loop body).
+
+The merge (more than one split) combines up to 16 rows a program, each a (rows, splits,
+channels) tile: the partial outputs are read as wide rows, the grid is up to 16 times smaller.
+
 Visibility, per query row: query ``j`` of sequence ``b`` sees the keys at positions
 ``< min(q_start[b] + j + 1, lengths[b])``. That is the cache protocol's
 ``Causal(q_start=q_start) & KeyPadding(lengths)``; ``q_start = lengths - S`` is plain bottom-right
@@ -134,6 +162,196 @@ if triton is not None:
             return x.to(tl.float32)
 
     @triton.jit
+    def _page_ids(TB, n0, end, PAGED: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The table entries of the key tile at ``n0`` with pages of PAGE keys (a power of two):
+        one id when a page holds the tile, else the BLOCK_N // PAGE ids of its pages as one vector;
+        entries at or past ``end`` are not read. 0 for the other layouts (unread)."""
+        if not PAGED or PAGE == 0:
+            return 0
+        elif PAGE >= BLOCK_N:
+            return tl.load(TB + n0 // PAGE, mask=n0 < end, other=0)
+        else:
+            pg = n0 // PAGE + tl.arange(0, BLOCK_N // PAGE)
+            return tl.load(TB + pg, mask=pg * PAGE < end, other=0)
+
+    @triton.jit
+    def _tile(
+        n0, end, ids, m_i, l_i, acc, Q, q, q_r, dk, dr, dv, Kh, Vh, KSh, VSh, TB,
+        stride_kn, stride_kt, stride_vn, stride_vt, stride_ksn, stride_kst, stride_vsn, stride_vst,
+        KV_BLOCK_SIZE, NUM_KV_BLOCKS, DK, DR, DV, lim, low, row_ok, slope, alibi_pos, scale_log2, softcap,
+        ids_row, SEL_BLOCK, u_lo, u_hi, lo, hi,
+        V_FROM_K: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, QUANT: tl.constexpr, FP8: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, SEL: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
+        MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        """One key tile of the online softmax, from ``n0`` (a position, or with SEL an entry of
+        the walk; ``ids``: its page ids, :func:`_page_ids`): returns the updated (m_i, l_i, acc).
+        MASKED: the tile may hold keys some row must not see (past ``end`` or ``lim``, below
+        ``low``, unselected); without it every key of the tile is visible to every row and only
+        the table-validity rule masks (paged layouts)."""
+        if SEL:
+            # Entry e of the walk: W's key u_lo + e (e < u_len), else key t % SEL_BLOCK of the
+            # list's entry t // SEL_BLOCK (t = e - u_len): a block's keys are contiguous.
+            e = n0 + tl.arange(0, BLOCK_N)
+            e_ok = e < end
+            u_len = u_hi - u_lo
+            in_u = e < u_len
+            t = tl.maximum(e - u_len, 0)
+            sid = tl.load(ids_row + t // SEL_BLOCK, mask=e_ok & (e >= u_len), other=-1)
+            spos = sid * SEL_BLOCK + t % SEL_BLOCK
+            # A listed key counts if visible and not W's (W's keys were counted above).
+            s_ok = (sid >= 0) & (spos >= lo) & (spos < hi) & ((spos < u_lo) | (spos >= u_hi))
+            pos = tl.where(in_u, u_lo + e, spos)
+            pos_ok = e_ok & (in_u | s_ok)
+            pos = tl.where(pos_ok, pos, 0)
+        else:
+            pos = n0 + tl.arange(0, BLOCK_N)
+            pos_ok = pos < end
+        # Where the tile's keys live: blk (cache block, int64: a pool can pass 2**31 elements) and
+        # slot per key. A table entry outside the pool (a caller's check=False table that lies:
+        # checking it would cost a device sync) is never read; its keys count as masked (key_ok).
+        if not PAGED:  # one block per sequence (contiguous caches): Kh, Vh, ... point into it
+            blk = 0
+            slot = pos.to(tl.int64)
+        elif SEL or PAGE == 0:  # keys anywhere, or a block size that is not a power of two: per key
+            blk = tl.load(TB + pos // KV_BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+            slot = (pos % KV_BLOCK_SIZE).to(tl.int64)
+        elif PAGE >= BLOCK_N:  # the tile lies in one page (tiles start at multiples of BLOCK_N)
+            blk = ids.to(tl.int64) + tl.zeros([BLOCK_N], tl.int64)
+            slot = (n0 % PAGE + tl.arange(0, BLOCK_N)).to(tl.int64)
+        else:  # BLOCK_N // PAGE whole pages: a page's keys share its id
+            blk = tl.reshape(tl.broadcast_to(ids[:, None], (BLOCK_N // PAGE, PAGE)), (BLOCK_N,)).to(tl.int64)
+            slot = (tl.arange(0, BLOCK_N) % PAGE).to(tl.int64)
+        if PAGED:
+            if MASKED:
+                key_ok = pos_ok & (blk >= 0) & (blk < NUM_KV_BLOCKS)
+            else:
+                key_ok = (blk >= 0) & (blk < NUM_KV_BLOCKS)
+            blk = tl.where(key_ok, blk, 0)
+        else:
+            key_ok = pos_ok
+        k_base = Kh + blk * stride_kn + slot * stride_kt
+        # Loads are masked along keys in edge tiles and, in interior ones, only behind a table
+        # entry outside the pool (a page's keys share one predicate); contiguous interior tiles
+        # load unmasked.
+        if MASKED or PAGED:
+            k = tl.load(k_base[:, None] + dk[None, :], mask=key_ok[:, None] & (dk[None, :] < DK), other=0.0)
+        else:
+            k = tl.load(k_base[:, None] + dk[None, :], mask=dk[None, :] < DK, other=0.0)
+        if QUANT:  # exact: int8 and e4m3 values are values of q's dtype
+            k = _widen(k, FP8).to(q.dtype)
+        elif DOT_F32:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if HAS_ROPE:
+            if MASKED or PAGED:
+                k_r = tl.load(k_base[:, None] + DK + dr[None, :], mask=key_ok[:, None] & (dr[None, :] < DR),
+                              other=0.0)
+            else:
+                k_r = tl.load(k_base[:, None] + DK + dr[None, :], mask=dr[None, :] < DR, other=0.0)
+            if QUANT:
+                k_r = _widen(k_r, FP8).to(q_r.dtype)
+            elif DOT_F32:
+                k_r = k_r.to(tl.float32)
+            s += tl.dot(q_r, tl.trans(k_r), input_precision=PRECISION)
+        if QUANT:  # each key's score times its K row scale, before soft-capping and ALiBi
+            if MASKED or PAGED:
+                ksc = tl.load(KSh + blk * stride_ksn + slot * stride_kst, mask=key_ok, other=0.0)
+            else:
+                ksc = tl.load(KSh + blk * stride_ksn + slot * stride_kst)
+            s = s * ksc[None, :]
+        if HAS_SOFTCAP:  # c * tanh(scaled score / c), in log2 units after
+            y = s * (scale_log2 * 0.6931471805599453 / softcap)
+            e2 = tl.exp2(-2.8853900817779268 * tl.abs(y))  # exp(-2|y|)
+            th = (1.0 - e2) / (1.0 + e2)
+            s = tl.where(y < 0, -th, th) * (softcap * 1.4426950408889634)
+        else:
+            s = s * scale_log2
+        if HAS_ALIBI:
+            s += slope[:, None] * (pos[None, :] - alibi_pos[:, None]).to(tl.float32)
+        if MASKED:
+            if SEL:  # every row of the program sees the same keys
+                vis = key_ok[None, :] & row_ok[:, None]
+            else:
+                vis = (pos[None, :] < lim[:, None]) & key_ok[None, :]
+                if HAS_WINDOW:
+                    vis = vis & (pos[None, :] >= low[:, None])
+            s = tl.where(vis, s, float("-inf"))
+        elif PAGED:  # an interior tile: only a lying table entry can hide a key
+            vis = key_ok[None, :]
+            s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if V_FROM_K:
+            v = k  # V = K[..., :Dv]: the tile just read (DK == DV), widened if quantized
+        else:
+            v_base = Vh + blk * stride_vn + slot * stride_vt
+            if MASKED or PAGED:
+                v = tl.load(v_base[:, None] + dv[None, :], mask=key_ok[:, None] & (dv[None, :] < DV), other=0.0)
+            else:
+                v = tl.load(v_base[:, None] + dv[None, :], mask=dv[None, :] < DV, other=0.0)
+            if QUANT:
+                v = _widen(v, FP8).to(q.dtype)
+            elif DOT_F32:
+                v = v.to(tl.float32)
+        if QUANT:  # each probability (l_i has it) times its V row scale, over the tile's largest
+            if V_FROM_K:
+                vsc = ksc
+            elif MASKED or PAGED:
+                vsc = tl.load(VSh + blk * stride_vsn + slot * stride_vst, mask=key_ok, other=0.0)
+            else:
+                vsc = tl.load(VSh + blk * stride_vsn + slot * stride_vst)
+            if MASKED or PAGED:
+                top = tl.max(tl.where(key_ok & (tl.abs(vsc) < float("inf")), tl.abs(vsc), 0.0), 0)
+                top = tl.where(top > 0.0, top, 1.0)
+                p = tl.where(vis, p * (vsc / top)[None, :], 0.0)
+            else:  # every row sees every key of the tile
+                top = tl.max(tl.where(tl.abs(vsc) < float("inf"), tl.abs(vsc), 0.0), 0)
+                top = tl.where(top > 0.0, top, 1.0)
+                p = p * (vsc / top)[None, :]
+        # P rounded to q's (the float cache's) dtype, as every fused kernel does (a no-op for fp32).
+        p = p.to(Q.dtype.element_ty)
+        if DOT_F32:
+            p = p.to(tl.float32)
+        pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        if QUANT:
+            pv = pv * top
+        acc = acc * alpha[:, None] + pv
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _walk(
+        n_lo, n_hi, end, m_i, l_i, acc, Q, q, q_r, dk, dr, dv, Kh, Vh, KSh, VSh, TB,
+        stride_kn, stride_kt, stride_vn, stride_vt, stride_ksn, stride_kst, stride_vsn, stride_vst,
+        KV_BLOCK_SIZE, NUM_KV_BLOCKS, DK, DR, DV, lim, low, row_ok, slope, alibi_pos, scale_log2, softcap,
+        ids_row, SEL_BLOCK, u_lo, u_hi, lo, hi,
+        V_FROM_K: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, QUANT: tl.constexpr, FP8: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, SEL: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
+        MASKED: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        """The key tiles from ``n_lo`` up to ``n_hi`` (:func:`_tile` each), with STAGES pipeline
+        stages (None: the launch's). Each tile's page ids are loaded one iteration ahead, into
+        registers: a tile's K/V addresses never wait on a table load of its own iteration, and
+        the pipeliner can issue the next tiles' K/V copies while this one's math runs."""
+        ids = _page_ids(TB, n_lo, end, PAGED, PAGE, BLOCK_N)
+        for n0 in tl.range(n_lo, n_hi, BLOCK_N, num_stages=STAGES):
+            ids_next = _page_ids(TB, n0 + BLOCK_N, end, PAGED, PAGE, BLOCK_N)
+            m_i, l_i, acc = _tile(
+                n0, end, ids, m_i, l_i, acc, Q, q, q_r, dk, dr, dv, Kh, Vh, KSh, VSh, TB,
+                stride_kn, stride_kt, stride_vn, stride_vt, stride_ksn, stride_kst, stride_vsn, stride_vst,
+                KV_BLOCK_SIZE, NUM_KV_BLOCKS, DK, DR, DV, lim, low, row_ok, slope, alibi_pos, scale_log2, softcap,
+                ids_row, SEL_BLOCK, u_lo, u_hi, lo, hi,
+                V_FROM_K, HAS_ROPE, PRECISION, DOT_F32, HAS_SOFTCAP, HAS_ALIBI, QUANT, FP8, HAS_WINDOW, SEL, PAGED,
+                PAGE, MASKED, BLOCK_N)
+            ids = ids_next
+        return m_i, l_i, acc
+
+    @triton.jit
     def _attend(
         Q, K, V, TABLE, QSTART, LENGTHS, OP, LSEP, SLOPES, ALIBI_QSTART, KS, VS, WIN_QSTART, OUT, SINKS,
         scale_log2, softcap,
@@ -150,7 +368,7 @@ if triton is not None:
         V_FROM_K: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, QUANT: tl.constexpr, FP8: tl.constexpr,
         HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, HAS_SINKS: tl.constexpr,
-        SEL: tl.constexpr,
+        SEL: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_DK: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
     ):
@@ -161,13 +379,14 @@ if triton is not None:
         kvh = pid_bh % HKV
         # Scalar bases in int64 (offsets past 2**31 elements are realistic); per-element offsets
         # from them stay int32 (a sequence's rows of one head), except cache blocks and slots
-        # (int64 below).
+        # (int64 in _tile).
         Qb = Q + b.to(tl.int64) * stride_qb
         Kh = K + kvh.to(tl.int64) * stride_kh
         Vh = V + kvh.to(tl.int64) * stride_vh
-        if QUANT:  # the row scales of this KV head (VS is unread when V comes from K)
-            KSh = KS + kvh.to(tl.int64) * stride_ksh
-            VSh = VS + kvh.to(tl.int64) * stride_vsh
+        # the row scales of this KV head when quantized (unread otherwise; VS unread when V comes from K)
+        KSh = KS + kvh.to(tl.int64) * stride_ksh
+        VSh = VS + kvh.to(tl.int64) * stride_vsh
+        TB = TABLE + b * stride_tb  # this sequence's block table row
 
         if SEL:
             # One query token jq and a chunk of SEL_CH query heads that read one selection list:
@@ -189,12 +408,13 @@ if triton is not None:
             hi = tl.load(bounds + 1)
             u_lo = tl.load(bounds + 2)
             u_hi = tl.load(bounds + 3)
-            u_len = u_hi - u_lo
             ids_row = SEL_IDS + b * stride_ib + lst * stride_ih + jq * stride_is
             n_sel = tl.load(SEL_COUNTS + b * stride_cb + lst * stride_ch + jq * stride_cs)
             n_sel = tl.where(hi > lo, n_sel, 0)  # nothing visible: no entry to walk
-            total = u_len + n_sel * SEL_BLOCK  # entries of this program's walk: W's keys, then the list's
+            total = u_hi - u_lo + n_sel * SEL_BLOCK  # entries of this program's walk: W's keys, then the list's
             base = 0
+            lim = j  # unread: the walk applies the limits
+            low = j
         else:
             rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # row = g * S + j
             row_ok = rows < G * S
@@ -206,12 +426,23 @@ if triton is not None:
                 w_qstart = tl.load(WIN_QSTART + b)
                 lim = tl.minimum(lim, w_qstart + j + WRIGHT + 1)
                 low = w_qstart + j - WLEFT
-                base = tl.maximum(w_qstart - WLEFT, 0)  # the first key any row of the sequence sees
+                # the first key any row of the sequence sees, down to a tile boundary (a tile
+                # never straddles pages it does not fully hold)
+                base = tl.maximum(w_qstart - WLEFT, 0) // BLOCK_N * BLOCK_N
             else:
+                low = lim  # unread
                 base = 0
+            ids_row = SEL_IDS  # unread: no selection
+            lo = 0
+            hi = 0
+            u_lo = 0
+            u_hi = 0
         if HAS_ALIBI:  # slope of each row's head (log2 units), and the row's ALiBi query position
             slope = tl.load(SLOPES + h, mask=row_ok, other=0.0) * 1.4426950408889634
             alibi_pos = tl.load(ALIBI_QSTART + b) + j
+        else:
+            slope = 0.0
+            alibi_pos = 0
 
         dk = tl.arange(0, BLOCK_DK)
         q_base = Qb + h[:, None] * stride_qh + j[:, None] * stride_qs
@@ -223,6 +454,9 @@ if triton is not None:
             q_r = tl.load(q_base + DK + dr[None, :], mask=row_ok[:, None] & (dr[None, :] < DR), other=0.0)
             if DOT_F32:
                 q_r = q_r.to(tl.float32)
+        else:
+            dr = dk  # unread
+            q_r = q
         dv = tl.arange(0, BLOCK_DV)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -234,96 +468,62 @@ if triton is not None:
             end = tl.minimum(start + SPLIT_LEN, total)
         else:
             end = tl.minimum(start + SPLIT_LEN, length)
-        for n0 in range(start, end, BLOCK_N):
+        if not PAGED:
+            # One block holds the whole sequence (a contiguous cache): its one table entry, read
+            # once; its keys are contiguous rows of it. An entry outside the pool: nothing is read.
+            blk0 = tl.load(TB).to(tl.int64)
+            ok0 = (blk0 >= 0) & (blk0 < NUM_KV_BLOCKS)
+            blk0 = tl.where(ok0, blk0, 0)
+            Kh += blk0 * stride_kn
+            Vh += blk0 * stride_vn
+            KSh += blk0 * stride_ksn
+            VSh += blk0 * stride_vsn
             if SEL:
-                # Entry e of the walk: W's key u_lo + e (e < u_len), else key t % SEL_BLOCK of the
-                # list's entry t // SEL_BLOCK (t = e - u_len): a block's keys are contiguous.
-                e = n0 + tl.arange(0, BLOCK_N)
-                e_ok = e < end
-                in_u = e < u_len
-                t = tl.maximum(e - u_len, 0)
-                sid = tl.load(ids_row + t // SEL_BLOCK, mask=e_ok & (e >= u_len), other=-1)
-                spos = sid * SEL_BLOCK + t % SEL_BLOCK
-                # A listed key counts if visible and not W's (W's keys were counted above).
-                s_ok = (sid >= 0) & (spos >= lo) & (spos < hi) & ((spos < u_lo) | (spos >= u_hi))
-                pos = tl.where(in_u, u_lo + e, spos)
-                pos_ok = e_ok & (in_u | s_ok)
-                pos = tl.where(pos_ok, pos, 0)
+                end = tl.where(ok0, end, start)
+            else:  # (and no key past the block, whatever a check=False call's lengths say)
+                end = tl.where(ok0, tl.minimum(end, KV_BLOCK_SIZE), start)
+        if SEL or V_FROM_K:
+            # One walk, every tile masked (a selection's rows share keys but its tiles are gathered;
+            # the latent kernel's registers hold one loop body, not three).
+            m_i, l_i, acc = _walk(
+                start, end, end, m_i, l_i, acc, Q, q, q_r, dk, dr, dv, Kh, Vh, KSh, VSh, TB,
+                stride_kn, stride_kt, stride_vn, stride_vt, stride_ksn, stride_kst, stride_vsn, stride_vst,
+                KV_BLOCK_SIZE, NUM_KV_BLOCKS, DK, DR, DV, lim, low, row_ok, slope, alibi_pos, scale_log2, softcap,
+                ids_row, SEL_BLOCK, u_lo, u_hi, lo, hi,
+                V_FROM_K, HAS_ROPE, PRECISION, DOT_F32, HAS_SOFTCAP, HAS_ALIBI, QUANT, FP8, HAS_WINDOW, SEL, PAGED,
+                PAGE, True, None, BLOCK_N)
+        else:
+            # Interior tiles, [mid_lo, mid_hi): every key of them is visible to every row (below
+            # every row's limit, at or above every row's window start), so they skip the
+            # visibility masks; the few tiles before and after them (the window's start, the
+            # rows' limits, the split's end) take them, in loops of their own left unpipelined.
+            mid_hi = start + tl.maximum(tl.minimum(tl.min(lim, 0), end) - start, 0) // BLOCK_N * BLOCK_N
+            if HAS_WINDOW:
+                mid_lo = start + (tl.maximum(tl.max(low, 0) - start, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+                mid_lo = tl.minimum(mid_lo, mid_hi)
+                m_i, l_i, acc = _walk(
+                    start, mid_lo, end, m_i, l_i, acc, Q, q, q_r, dk, dr, dv, Kh, Vh, KSh, VSh, TB,
+                stride_kn, stride_kt, stride_vn, stride_vt, stride_ksn, stride_kst, stride_vsn, stride_vst,
+                KV_BLOCK_SIZE, NUM_KV_BLOCKS, DK, DR, DV, lim, low, row_ok, slope, alibi_pos, scale_log2, softcap,
+                ids_row, SEL_BLOCK, u_lo, u_hi, lo, hi,
+                V_FROM_K, HAS_ROPE, PRECISION, DOT_F32, HAS_SOFTCAP, HAS_ALIBI, QUANT, FP8, HAS_WINDOW, SEL, PAGED,
+                PAGE, True, 1, BLOCK_N)
             else:
-                pos = n0 + tl.arange(0, BLOCK_N)
-                pos_ok = pos < end
-            blk = tl.load(TABLE + b * stride_tb + pos // KV_BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
-            # A table entry outside the pool (a caller's check=False table that lies: checking
-            # it would cost a device sync) is never read; its keys count as masked.
-            pos_ok = pos_ok & (blk >= 0) & (blk < NUM_KV_BLOCKS)
-            blk = tl.where(pos_ok, blk, 0)
-            # int64 too: a contiguous cache is one block of L slots, and L x its slot stride can pass 2**31.
-            slot = (pos % KV_BLOCK_SIZE).to(tl.int64)
-            k_base = Kh + blk * stride_kn + slot * stride_kt
-            k = tl.load(k_base[:, None] + dk[None, :], mask=pos_ok[:, None] & (dk[None, :] < DK), other=0.0)
-            if QUANT:  # exact: int8 and e4m3 values are values of q's dtype
-                k = _widen(k, FP8).to(q.dtype)
-            elif DOT_F32:
-                k = k.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-            if HAS_ROPE:
-                k_r = tl.load(k_base[:, None] + DK + dr[None, :], mask=pos_ok[:, None] & (dr[None, :] < DR),
-                              other=0.0)
-                if QUANT:
-                    k_r = _widen(k_r, FP8).to(q_r.dtype)
-                elif DOT_F32:
-                    k_r = k_r.to(tl.float32)
-                s += tl.dot(q_r, tl.trans(k_r), input_precision=PRECISION)
-            if QUANT:  # each key's score times its K row scale, before soft-capping and ALiBi
-                ksc = tl.load(KSh + blk * stride_ksn + slot * stride_kst, mask=pos_ok, other=0.0)
-                s = s * ksc[None, :]
-            if HAS_SOFTCAP:  # c * tanh(scaled score / c), in log2 units after
-                y = s * (scale_log2 * 0.6931471805599453 / softcap)
-                e = tl.exp2(-2.8853900817779268 * tl.abs(y))  # exp(-2|y|)
-                t = (1.0 - e) / (1.0 + e)
-                s = tl.where(y < 0, -t, t) * (softcap * 1.4426950408889634)
-            else:
-                s = s * scale_log2
-            if HAS_ALIBI:
-                s += slope[:, None] * (pos[None, :] - alibi_pos[:, None]).to(tl.float32)
-            if SEL:  # every row of the program sees the same keys
-                vis = pos_ok[None, :] & row_ok[:, None]
-            else:
-                vis = (pos[None, :] < lim[:, None]) & pos_ok[None, :]
-                if HAS_WINDOW:
-                    vis = vis & (pos[None, :] >= low[:, None])
-            s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if V_FROM_K:
-                v = k  # V = K[..., :Dv]: the tile just read (DK == DV), widened if quantized
-            else:
-                v_base = Vh + blk * stride_vn + slot * stride_vt
-                v = tl.load(v_base[:, None] + dv[None, :], mask=pos_ok[:, None] & (dv[None, :] < DV), other=0.0)
-                if QUANT:
-                    v = _widen(v, FP8).to(q.dtype)
-                elif DOT_F32:
-                    v = v.to(tl.float32)
-            if QUANT:  # each probability (l_i has it) times its V row scale, over the tile's largest
-                if V_FROM_K:
-                    vsc = ksc
-                else:
-                    vsc = tl.load(VSh + blk * stride_vsn + slot * stride_vst, mask=pos_ok, other=0.0)
-                top = tl.max(tl.where(pos_ok & (tl.abs(vsc) < float("inf")), tl.abs(vsc), 0.0), 0)
-                top = tl.where(top > 0.0, top, 1.0)
-                p = tl.where(vis, p * (vsc / top)[None, :], 0.0)
-            # P rounded to q's (the float cache's) dtype, as every fused kernel does (a no-op for fp32).
-            p = p.to(Q.dtype.element_ty)
-            if DOT_F32:
-                p = p.to(tl.float32)
-            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            if QUANT:
-                pv = pv * top
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+                mid_lo = start
+            m_i, l_i, acc = _walk(
+                mid_lo, mid_hi, end, m_i, l_i, acc, Q, q, q_r, dk, dr, dv, Kh, Vh, KSh, VSh, TB,
+                stride_kn, stride_kt, stride_vn, stride_vt, stride_ksn, stride_kst, stride_vsn, stride_vst,
+                KV_BLOCK_SIZE, NUM_KV_BLOCKS, DK, DR, DV, lim, low, row_ok, slope, alibi_pos, scale_log2, softcap,
+                ids_row, SEL_BLOCK, u_lo, u_hi, lo, hi,
+                V_FROM_K, HAS_ROPE, PRECISION, DOT_F32, HAS_SOFTCAP, HAS_ALIBI, QUANT, FP8, HAS_WINDOW, SEL, PAGED,
+                PAGE, False, None, BLOCK_N)
+            m_i, l_i, acc = _walk(
+                mid_hi, end, end, m_i, l_i, acc, Q, q, q_r, dk, dr, dv, Kh, Vh, KSh, VSh, TB,
+                stride_kn, stride_kt, stride_vn, stride_vt, stride_ksn, stride_kst, stride_vsn, stride_vst,
+                KV_BLOCK_SIZE, NUM_KV_BLOCKS, DK, DR, DV, lim, low, row_ok, slope, alibi_pos, scale_log2, softcap,
+                ids_row, SEL_BLOCK, u_lo, u_hi, lo, hi,
+                V_FROM_K, HAS_ROPE, PRECISION, DOT_F32, HAS_SOFTCAP, HAS_ALIBI, QUANT, FP8, HAS_WINDOW, SEL, PAGED,
+                PAGE, True, 1, BLOCK_N)
 
         seen = l_i > 0.0
         if DIRECT:  # the only split: the normalized output, in OUT's dtype (what the merge would give)
@@ -356,8 +556,8 @@ if triton is not None:
         HKV, G, S, DK, DR, DV, KV_BLOCK_SIZE, SPLIT_LEN, NSPLIT, NUM_KV_BLOCKS, WLEFT, WRIGHT,
         V_FROM_K: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, QUANT: tl.constexpr, FP8: tl.constexpr,
-        HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, HAS_SINKS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, HAS_SINKS: tl.constexpr, PAGED: tl.constexpr,
+        PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_DK: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
     ):
         # The decode kernel over the call's limits (causal, lengths, window): _attend without a selection.
@@ -373,7 +573,7 @@ if triton is not None:
             LENGTHS, LENGTHS, LENGTHS, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1,  # no selection: unread
             V_FROM_K, HAS_ROPE, PRECISION, DOT_F32, HAS_SOFTCAP, HAS_ALIBI, QUANT, FP8, HAS_WINDOW, DIRECT,
             HAS_SINKS,
-            False, BLOCK_M, BLOCK_N, BLOCK_DK, BLOCK_DR, BLOCK_DV)
+            False, PAGED, PAGE, BLOCK_M, BLOCK_N, BLOCK_DK, BLOCK_DR, BLOCK_DV)
 
     @triton.jit
     def _select_kernel(
@@ -391,8 +591,8 @@ if triton is not None:
         SEL_BLOCK, SEL_GS, SEL_CH, SEL_MT,
         V_FROM_K: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, QUANT: tl.constexpr, FP8: tl.constexpr,
-        HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, HAS_SINKS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, HAS_SINKS: tl.constexpr, PAGED: tl.constexpr,
+        PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_DK: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
     ):
         # The decode kernel walking a per-query selection (within the call's limits): _attend with SEL.
@@ -409,25 +609,30 @@ if triton is not None:
             SEL_BLOCK, SEL_GS, SEL_CH, SEL_MT,
             V_FROM_K, HAS_ROPE, PRECISION, DOT_F32, HAS_SOFTCAP, HAS_ALIBI, QUANT, FP8, HAS_WINDOW, DIRECT,
             HAS_SINKS,
-            True, BLOCK_M, BLOCK_N, BLOCK_DK, BLOCK_DR, BLOCK_DV)
+            True, PAGED, PAGE, BLOCK_M, BLOCK_N, BLOCK_DK, BLOCK_DR, BLOCK_DV)
 
     @triton.jit
-    def _merge_kernel(OP, LSEP, OUT, SINKS, NSPLIT, DV, HQ, S, HAS_SINKS: tl.constexpr, BLOCK_SPLIT: tl.constexpr,
-                      BLOCK_DV: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)  # (b, h, j) flattened; OUT is contiguous (B, Hq, S, DV)
+    def _merge_kernel(OP, LSEP, OUT, SINKS, ROWS, NSPLIT, DV, HQ, S, HAS_SINKS: tl.constexpr,
+                      BLOCK_R: tl.constexpr, BLOCK_SPLIT: tl.constexpr, BLOCK_DV: tl.constexpr):
+        # BLOCK_R rows (b, h, j) flattened a program, as one (rows, splits, channels) tile: OUT is
+        # contiguous (B, Hq, S, DV), the partials (B, Hq, S, NSPLIT[, DV]).
+        row = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = row < ROWS
         sp = tl.arange(0, BLOCK_SPLIT)
         dv = tl.arange(0, BLOCK_DV)
-        lse = tl.load(LSEP + row * NSPLIT + sp, mask=sp < NSPLIT, other=float("-inf"))
-        mx = tl.max(lse, 0)
-        w = tl.exp2(lse - tl.where(mx == float("-inf"), 0.0, mx))  # splits that saw nothing: 0
-        den = tl.sum(w, 0)
+        ok = row_ok[:, None] & (sp[None, :] < NSPLIT)
+        lse = tl.load(LSEP + row[:, None] * NSPLIT + sp[None, :], mask=ok, other=float("-inf"))
+        mx = tl.max(lse, 1)
+        w = tl.exp2(lse - tl.where(mx == float("-inf"), 0.0, mx)[:, None])  # splits that saw nothing: 0
+        den = tl.sum(w, 1)
         if HAS_SINKS:  # the head's sink joins the denominator once (a row that saw nothing stays 0)
-            sink = tl.load(SINKS + (row // S) % HQ) * 1.4426950408889634
+            sink = tl.load(SINKS + (row // S) % HQ, mask=row_ok, other=0.0) * 1.4426950408889634
             den += tl.where(mx == float("-inf"), 0.0, tl.exp2(sink - mx))
-        o = tl.load(OP + (row * NSPLIT + sp[:, None]) * DV + dv[None, :],
-                    mask=(sp[:, None] < NSPLIT) & (dv[None, :] < DV), other=0.0)
-        res = tl.sum(o * w[:, None], 0) / tl.where(den > 0.0, den, 1.0)
-        tl.store(OUT + row * DV + dv, res.to(OUT.dtype.element_ty), mask=dv < DV)
+        o = tl.load(OP + (row[:, None, None] * NSPLIT + sp[None, :, None]) * DV + dv[None, None, :],
+                    mask=ok[:, :, None] & (dv[None, None, :] < DV), other=0.0)
+        res = tl.sum(o * w[:, :, None], 1) / tl.where(den > 0.0, den, 1.0)[:, None]
+        tl.store(OUT + row[:, None] * DV + dv[None, :], res.to(OUT.dtype.element_ty),
+                 mask=row_ok[:, None] & (dv[None, :] < DV))
 
 
 def _pow2(n: int, lo: int = 16) -> int:
@@ -449,8 +654,32 @@ def _config(dtype: torch.dtype, D: int, Dv: int, rows: int, v_from_k: bool) -> d
     else:
         block_m = min(64 if bdv <= 128 else 32, _pow2(rows))
         block_n = 64 if width <= 512 else 32
+    # The pipelined loop keeps num_stages - 1 K/V tiles in flight in shared memory: two where they
+    # leave room on an A100 (163 KB a block) for the rest of the kernel's shared memory, else one.
+    tile_bytes = block_n * width * dtype.itemsize
     return dict(DK=dk, DR=dr, BLOCK_DK=bdk, BLOCK_DR=bdr, BLOCK_DV=bdv, BLOCK_M=block_m, BLOCK_N=block_n,
-                num_warps=4 if width <= 512 else 8, num_stages=3)
+                num_warps=4 if width <= 512 else 8, num_stages=3 if 2 * tile_bytes <= 96 * 1024 else 2)
+
+
+def _addressing(block_size: int, max_len: int, selection: bool) -> tuple[bool, int]:
+    """How the kernel finds a sequence's keys: ``(PAGED, PAGE)``. A sequence in one block
+    (contiguous caches: ``block_size = L``; or pages no shorter than any sequence): not PAGED, its
+    keys are contiguous rows of that block, one table entry per program. Pages of a power-of-two
+    size: PAGE = that size, a tile's page ids loaded as one vector (or one id when a page holds
+    whole tiles) ahead of its K/V loads. Any other size, or a selection's scattered keys: PAGE = 0,
+    one table entry per key."""
+    paged = max_len > block_size
+    page = block_size if paged and not selection and block_size & (block_size - 1) == 0 else 0
+    return paged, page
+
+
+def _merge_rows(rows: int, block_split: int, block_dv: int) -> int:
+    """Rows one merge program combines: a power of two, up to 16, whose (rows, splits, channels)
+    fp32 tile stays within 8192 elements (32 KB of registers over a 4-warp program)."""
+    r = 1
+    while r < 16 and r < rows and 2 * r * block_split * block_dv <= 8192:
+        r *= 2
+    return r
 
 
 #: The interpreter's stand-in for a GPU's size (SMs, programs per SM) in the split rule.
@@ -524,7 +753,8 @@ def launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tenso
         m_tiles = -(-G * S // cfg["BLOCK_M"])
         span = max(1, max_len)  # keys the splits of a sequence cover
         if window_q_start is not None and max(window_left, window_right) < UNBOUNDED:
-            span = max(1, min(span, window_left + window_right + S))  # what the rows of a window can see
+            # what the rows of a window can see, from the tile boundary below the window's start
+            span = max(1, min(span, window_left + window_right + S + cfg["BLOCK_N"] - 1))
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     longest = -(-span // block_n)  # key tiles of the longest span
     if num_splits <= 0:  # the wave rule (plan.split_plan)
@@ -534,6 +764,7 @@ def launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tenso
         split_len = -(-span // num_splits)
         split_len = -(-split_len // block_n) * block_n
     direct = num_splits == 1  # the split kernel writes the output: no partials, no merge
+    paged, page = _addressing(block_size, max_len, sel)
     if direct:
         op = lsep = lengths  # unread
     else:
@@ -569,13 +800,17 @@ def launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tenso
         DOT_F32=q.dtype == torch.bfloat16 and interpreting(),
         HAS_SOFTCAP=softcap > 0, HAS_ALIBI=slopes is not None, QUANT=quant, FP8=fp8,
         HAS_WINDOW=window_q_start is not None, DIRECT=direct, HAS_SINKS=sinks is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DK=cfg["BLOCK_DK"],
+        PAGED=paged, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DK=cfg["BLOCK_DK"],
         BLOCK_DR=cfg["BLOCK_DR"], BLOCK_DV=cfg["BLOCK_DV"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if direct:
         return out
-    _merge_kernel[(B * Hq * S,)](op, lsep, out, lsep if sinks is None else sinks, num_splits, Dv, Hq, S,
-                                 HAS_SINKS=sinks is not None, BLOCK_SPLIT=_pow2(num_splits, 2), BLOCK_DV=_pow2(Dv))
+    rows = B * Hq * S
+    block_split, block_dv = _pow2(num_splits, 2), _pow2(Dv)
+    block_r = _merge_rows(rows, block_split, block_dv)
+    _merge_kernel[(-(-rows // block_r),)](op, lsep, out, lsep if sinks is None else sinks, rows, num_splits, Dv, Hq,
+                                          S, HAS_SINKS=sinks is not None, BLOCK_R=block_r, BLOCK_SPLIT=block_split,
+                                          BLOCK_DV=block_dv)
     return out
 
 
