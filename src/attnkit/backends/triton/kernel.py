@@ -805,13 +805,7 @@ def launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tenso
     )
     if direct:
         return out
-    rows = B * Hq * S
-    block_split, block_dv = _pow2(num_splits, 2), _pow2(Dv)
-    block_r = _merge_rows(rows, block_split, block_dv)
-    _merge_kernel[(-(-rows // block_r),)](op, lsep, out, lsep if sinks is None else sinks, rows, num_splits, Dv, Hq,
-                                          S, HAS_SINKS=sinks is not None, BLOCK_R=block_r, BLOCK_SPLIT=block_split,
-                                          BLOCK_DV=block_dv)
-    return out
+    return merge_splits(op, lsep, out, sinks)
 
 
 def merge_splits(op: Tensor, lsep: Tensor, out: Tensor, sinks: Tensor | None = None) -> Tensor:
@@ -820,8 +814,12 @@ def merge_splits(op: Tensor, lsep: Tensor, out: Tensor, sinks: Tensor | None = N
     (sinks (Hq,) fp32 join each row's denominator once); returns out. The merge of every decode
     kernel here (:mod:`attnkit.backends.triton.latent`'s too)."""
     B, Hq, S, nsplit, Dv = op.shape
-    _merge_kernel[(B * Hq * S,)](op, lsep, out, lsep if sinks is None else sinks, nsplit, Dv, Hq, S,
-                                 HAS_SINKS=sinks is not None, BLOCK_SPLIT=_pow2(nsplit, 2), BLOCK_DV=_pow2(Dv))
+    rows = B * Hq * S
+    block_split, block_dv = _pow2(nsplit, 2), _pow2(Dv)
+    block_r = _merge_rows(rows, block_split, block_dv)  # a block of rows per program
+    _merge_kernel[(-(-rows // block_r),)](op, lsep, out, lsep if sinks is None else sinks, rows, nsplit, Dv, Hq, S,
+                                          HAS_SINKS=sinks is not None, BLOCK_R=block_r, BLOCK_SPLIT=block_split,
+                                          BLOCK_DV=block_dv)
     return out
 
 
