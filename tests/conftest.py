@@ -130,6 +130,44 @@ def make_qkv(B, Hq, Hkv, Sq, Sk, D, Dv=None, dtype=torch.float32, *, dist="randn
     return mk(B, Hq, Sq, D), mk(B, Hkv, Sk, D), mk(B, Hkv, Sk, Dv)
 
 
+#: The start of every ahead-of-time compile script (:func:`compile_ahead` runs them): imports,
+#: ``kernel_params`` (a kernel's constexprs, its int arguments, and the 16-byte divisibility hints a
+#: real launch specialises on) and ``ptxas_report`` (registers and spill bytes of the compiled PTX).
+AOT_PREAMBLE = r"""
+import collections, inspect, json, os, re, subprocess, sys, tempfile, torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+
+def kernel_params(fn, ptrs, floats, sizes):
+    # (constexpr names, int argument names, divisibility attrs) of the @triton.jit ``fn``: pointers,
+    # strides and the named ``sizes`` get the 16-byte hints a real launch specialises on.
+    params = inspect.signature(fn.fn).parameters
+    consts = [n for n, p in params.items() if "constexpr" in str(p.annotation)]
+    ints = [n for n in params if n not in consts and n not in ptrs and n not in floats]
+    aligned = sorted(ptrs) + [n for n in ints if n.startswith("stride")] + list(sizes)
+    return consts, ints, {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+
+
+def ptxas_report(ptx, cap):
+    # ptxas -v on the kernel's PTX: (spill bytes, registers) (the metadata holds them only once a GPU
+    # driver has loaded the binary).
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        r = subprocess.run([get_ptxas(cap).path, "-v", "--regAllocOptLevel=2",
+                            f"--gpu-name={sm_arch_from_capability(cap)}", src, "-o", os.path.join(d, "k.o")],
+                           capture_output=True, text=True, check=True)
+    log = r.stdout + r.stderr
+    assert "spill" in log and "registers" in log, log
+    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
+    regs = max((int(n) for n in re.findall(r"Used (\d+) registers", log)), default=-1)
+    return spills, regs
+
+"""
+
+
 def compile_ahead(script: str, cases: list) -> list:
     """Run ``script`` (a Triton ahead-of-time compile for CUDA, which needs no GPU) in a child
     process with ``cases`` as its JSON argument, and return the JSON list it prints last. A child,

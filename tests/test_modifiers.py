@@ -239,7 +239,7 @@ def test_per_query_sinks_on_the_split_k_engine(implementation):
     """The split-K engine reads one sink logit per query row: rule R against the oracle for a
     decode step, speculative rows, a chunked soft-capped prefill, paged K/V and a selection (each
     query its own sequence), and each query given its head's logit equals the (Hq,) result. The
-    Triton kernel reads one per query head: it refuses them, naming them."""
+    Triton kernel takes them too (tests/test_triton_kernels.py checks its numbers)."""
     from attnkit.backends import get_backend
     from attnkit.functional import _validate
 
@@ -265,31 +265,37 @@ def test_per_query_sinks_on_the_split_k_engine(implementation):
     torch.testing.assert_close(attnkit.attention(q, kv, None, causal=True, sinks=sinks, backend="paged"), want,
                                atol=1e-5, rtol=0)
     call = _validate(q, k, v, None, True, None, 0.0, False, "auto", None, sinks)
-    assert any("per-query sinks" in r for r in get_backend("triton").not_supported_reasons(call))
+    assert not any("sinks" in r for r in get_backend("triton").not_supported_reasons(call))
     assert not get_backend("decode").not_supported_reasons(call)
 
 
-def test_per_query_sinks_on_cuda_go_to_flex_for_prefill_never_to_the_decode_kernel():
+def test_per_query_sinks_on_cuda_go_to_flex_for_prefill_and_to_the_decode_kernel():
     """The CUDA decision, on CPU (a pure function of the call): FlexAttention joins per-query
-    sinks through its log-sum-exp, so ``auto`` runs prefill there; the Triton kernel refuses
-    them, and so does SDPA, so a decode step falls to math."""
+    sinks through its log-sum-exp, so ``auto`` runs prefill there; the Triton kernel reads one
+    logit per query row, so a decode step runs there (math where Triton cannot run); SDPA
+    refuses them."""
     from attnkit.backends import AttentionCall, get_backend, select
 
-    def call(Sq, sinks):
+    def call(Sq, sinks, grad=True):
         return AttentionCall(2, 8, 2, Sq, 300, 64, 64, torch.float16, torch.device("cuda"), None, 0.125, 0.0,
-                             False, True, sinks=sinks)
+                             False, grad, sinks=sinks)
 
-    prefill, step = call(64, torch.zeros(2, 8, 64)), call(1, torch.zeros(1, 8, 1))
+    prefill, step = call(64, torch.zeros(2, 8, 64)), call(1, torch.zeros(1, 8, 1), grad=False)
     assert get_backend("flex").not_supported_reasons(prefill) == [] and select(prefill, "auto").name == "flex"
-    assert any("per-query sinks (1, 8, 1)" in r for r in get_backend("triton").not_supported_reasons(step))
-    assert get_backend("sdpa").not_supported_reasons(step) and select(step, "auto").name == "math"
+    assert get_backend("triton").not_supported_reasons(step) == []
+    want = "triton" if get_backend("triton").available() is None else "math"
+    assert get_backend("sdpa").not_supported_reasons(step) and select(step, "auto").name == want
+    trained = call(1, torch.zeros(1, 8, 1))  # with gradients: the forward-only kernel declines
+    assert not any("sinks" in r for r in get_backend("triton").not_supported_reasons(trained))
+    assert select(trained, "auto").name == "math"
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("Sq", [1, 5, 64])
 def test_per_query_sinks_on_cuda_match_the_oracle(Sq):
-    """On CUDA: flex (prefill) and math (decode), forward and backward, d(sinks) included."""
+    """On CUDA: flex (prefill), the Triton kernel (decode without gradients) and math (decode with
+    them), forward and backward, d(sinks) included."""
     q, k, v = (t.cuda() for t in make_qkv(2, 8, 2, Sq, 200, 64, dtype=torch.bfloat16, seed=31))
     sinks = torch.randn(2, 8, Sq, 1, generator=torch.Generator().manual_seed(32)).cuda()
     check_against_oracle(q, k, v, causal=True, sinks=sinks)

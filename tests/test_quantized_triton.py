@@ -21,7 +21,7 @@ from attnkit import masks as M
 from attnkit.backends import registry
 from attnkit.masks import ALiBi, Causal, KeyPadding
 
-from conftest import base_attention, compile_ahead, rule_r, scattered_table, stable_seed
+from conftest import AOT_PREAMBLE, base_attention, compile_ahead, rule_r, scattered_table, stable_seed
 
 triton_ops = pytest.importorskip("attnkit.backends.triton.ops")
 if triton_ops.available() is not None:
@@ -342,19 +342,12 @@ def test_auto_on_cpu_never_picks_triton_for_quantized_kv():
 
 _SMEM = {80: 166912, 90: 232448}  # shared memory per block (bytes) on A100 and H100/H200
 
-_AOT = r"""
-import inspect, json, sys, torch, triton
-from triton.backends.compiler import GPUTarget
+_AOT = AOT_PREAMBLE + r"""
 from attnkit.backends.triton import kernel as td
 fn = td._split_kernel
-params = inspect.signature(fn.fn).parameters
-consts = [n for n, p in params.items() if "constexpr" in str(p.annotation)]
 ptrs = {"Q", "K", "V", "TABLE", "QSTART", "LENGTHS", "OP", "LSEP", "SLOPES", "ALIBI_QSTART", "KS", "VS", "WIN_QSTART",
         "OUT", "SINKS"}
-ints = [n for n in params if n not in consts and n not in ptrs and n not in ("scale_log2", "softcap")]
-# Pointers, strides and sizes get the 16-byte divisibility hints a real launch specialises on.
-aligned = sorted(ptrs) + [n for n in ints if n.startswith("stride")] + ["DK", "DV", "KV_BLOCK_SIZE", "SPLIT_LEN"]
-attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+consts, ints, attrs = kernel_params(fn, ptrs, ("scale_log2", "softcap"), ["DK", "DV", "KV_BLOCK_SIZE", "SPLIT_LEN"])
 out = []
 for dt, storage, D, Dv, vfk, cap in json.loads(sys.argv[1]):
     cfg = td._config(getattr(torch, dt), D, Dv, 128, vfk)

@@ -19,7 +19,7 @@ from attnkit import masks as M
 from attnkit.masks import Causal, KeyPadding, SlidingWindow
 from attnkit.backends.triton.plan import split_plan
 
-from conftest import base_attention, compile_ahead, rule_r, scattered_table, stable_seed
+from conftest import AOT_PREAMBLE, base_attention, compile_ahead, rule_r, scattered_table, stable_seed
 
 triton_ops = pytest.importorskip("attnkit.backends.triton.ops")
 if triton_ops.available() is not None:
@@ -248,9 +248,9 @@ class _CountMerges:
 def test_single_and_multi_split_paths_match_oracle_with_modifiers(layout, splits, dtype, monkeypatch):
     """The single split writes the normalized output itself (the merge kernel never runs); the
     multi-split path (a forced count, or the wave rule on an H100-sized device) writes partials
-    and merges them. Both against the oracle, dense and paged, plain and with every modifier at
-    once (sinks, soft-cap, ALiBi, a sliding window with its own anchor), ragged lengths with an
-    empty sequence (exact zeros)."""
+    and merges them. Both against the oracle, dense and paged, plain, with every modifier at
+    once (sinks, soft-cap, ALiBi, a sliding window with its own anchor) and with one sink logit
+    per query row, ragged lengths with an empty sequence (exact zeros)."""
     from attnkit.backends.triton import kernel as td
 
     seed = stable_seed("split-paths", layout, splits, str(dtype))
@@ -270,9 +270,11 @@ def test_single_and_multi_split_paths_match_oracle_with_modifiers(layout, splits
     merges = _CountMerges(td._merge_kernel)
     monkeypatch.setattr(td, "_merge_kernel", merges)
     plain = Causal(q_start=q_start) & KeyPadding(seq)
+    query_sinks = torch.randn(B, Hkv * G, S, generator=g)  # one logit per query row (Inkling 2)
     for mods, mask in (({}, plain),
                        (dict(sinks=sinks, softcap=6.0, alibi_slopes=slopes, window=(200, 0), window_q_start=w_start),
-                        M.ALiBi(slopes, q_start=q_start) & plain & SlidingWindow(200, 0, q_start=w_start))):
+                        M.ALiBi(slopes, q_start=q_start) & plain & SlidingWindow(200, 0, q_start=w_start)),
+                       (dict(sinks=query_sinks), plain)):
         dev_mods = {key: val.to(DEV) if isinstance(val, torch.Tensor) else val for key, val in mods.items()}
         if layout == "paged":
             out = triton_ops.paged_decode_attention(q.to(DEV), k_pool, v_pool, table, seq.to(DEV),
@@ -281,13 +283,13 @@ def test_single_and_multi_split_paths_match_oracle_with_modifiers(layout, splits
             out = triton_ops.decode_attention(q.to(DEV), k.to(DEV), v.to(DEV), lengths=seq.to(DEV),
                                               q_start=q_start.to(DEV), num_splits=num_splits, **dev_mods)
         gold = attnkit.attention_reference(q.double(), k.double(), v.double(), mask, softcap=mods.get("softcap"),
-                                           sinks=None if "sinks" not in mods else sinks.double())
+                                           sinks=None if "sinks" not in mods else mods["sinks"].double())
         base = base_attention(q, k, v, mask, softcap=mods.get("softcap"), sinks=mods.get("sinks"))
         rule_r(out.cpu(), base, gold)
         if layout == "paged":
             assert (out[0] == 0).all(), "a sequence with no keys gives exact zeros"
     # The window (202 keys the rows see together) still spans several 128-key chunks.
-    assert merges.launches == (0 if splits == "single" else 2), "the merge runs exactly when there are splits"
+    assert merges.launches == (0 if splits == "single" else 3), "the merge runs exactly when there are splits"
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
@@ -506,6 +508,9 @@ def test_bad_input_names_the_argument():
         (dict(v_pool=None), "v_head_dim"),
         (dict(v_pool=torch.randn(4, 16, 1, 16, device=DEV)), "v_pool"),
         (dict(q=torch.randn(1, 4, 1, 16, device=DEV, dtype=torch.float64)), "dtype"),
+        (dict(sinks=torch.zeros(3, device=DEV)), r"sinks must be \(Hq,\) = \(4,\) or .*got shape \(3,\)"),
+        (dict(sinks=torch.zeros(1, 4, 2, device=DEV)), r"sinks must be .*\(1, 4, 2\)"),
+        (dict(sinks=torch.zeros(4, dtype=torch.long, device=DEV)), "sinks must be a floating tensor"),
     ]
     for change, text in cases:
         kw = dict(q=q, k_pool=pool, v_pool=pool, block_table=table, lengths=torch.tensor([5], device=DEV))
@@ -516,37 +521,12 @@ def test_bad_input_names_the_argument():
 
 _SMEM = {80: 166912, 90: 232448}  # shared memory per block (bytes) on A100 and H100/H200
 
-_AOT = r"""
-import collections, inspect, json, os, re, subprocess, sys, tempfile, torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+_AOT = AOT_PREAMBLE + r"""
 from attnkit.backends.triton import kernel as td
 fn = td._split_kernel
-params = inspect.signature(fn.fn).parameters
-consts = [n for n, p in params.items() if "constexpr" in str(p.annotation)]
 ptrs = {"Q", "K", "V", "TABLE", "QSTART", "LENGTHS", "OP", "LSEP", "SLOPES", "ALIBI_QSTART", "KS", "VS", "WIN_QSTART",
         "OUT", "SINKS"}
-ints = [n for n in params if n not in consts and n not in ptrs and n not in ("scale_log2", "softcap")]
-# Pointers, strides and sizes get the 16-byte divisibility hints a real launch specialises on.
-aligned = sorted(ptrs) + [n for n in ints if n.startswith("stride")] + ["DK", "DV", "KV_BLOCK_SIZE", "SPLIT_LEN"]
-attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-
-
-def ptxas_report(ptx, cap):
-    # ptxas -v on the kernel's PTX: registers and spill bytes (the metadata holds them only once a
-    # GPU driver has loaded the binary).
-    with tempfile.TemporaryDirectory() as d:
-        src = os.path.join(d, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        r = subprocess.run([get_ptxas(cap).path, "-v", "--regAllocOptLevel=2",
-                            f"--gpu-name={sm_arch_from_capability(cap)}", src, "-o", os.path.join(d, "k.o")],
-                           capture_output=True, text=True, check=True)
-    log = r.stdout + r.stderr
-    assert "spill" in log and "registers" in log, log
-    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
-    regs = max((int(n) for n in re.findall(r"Used (\d+) registers", log)), default=-1)
-    return spills, regs
+consts, ints, attrs = kernel_params(fn, ptrs, ("scale_log2", "softcap"), ["DK", "DV", "KV_BLOCK_SIZE", "SPLIT_LEN"])
 
 
 out = []
@@ -644,7 +624,7 @@ out = []
 for cap, splits, dv in json.loads(sys.argv[1]):
     block_r = td._merge_rows(4096, splits, dv)
     sig = dict(OP="*fp32", LSEP="*fp32", OUT="*bf16", SINKS="*fp32", ROWS="i32", NSPLIT="i32", DV="i32", HQ="i32",
-               S="i32", HAS_SINKS="constexpr", BLOCK_R="constexpr", BLOCK_SPLIT="constexpr", BLOCK_DV="constexpr")
+               S="i32", SINK_ROWS="i32", HAS_SINKS="constexpr", BLOCK_R="constexpr", BLOCK_SPLIT="constexpr", BLOCK_DV="constexpr")
     cv = dict(HAS_SINKS=True, BLOCK_R=block_r, BLOCK_SPLIT=splits, BLOCK_DV=dv)
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("OP", "LSEP", "OUT", "SINKS", "DV")}
     k = triton.compile(triton.compiler.ASTSource(fn, sig, cv, attrs), target=GPUTarget("cuda", cap, 32),

@@ -16,7 +16,7 @@ from attnkit.backends.triton import tuning
 from attnkit import masks as M
 from attnkit.masks import Causal, KeyPadding
 
-from conftest import base_attention, compile_ahead, rule_r, stable_seed
+from conftest import AOT_PREAMBLE, base_attention, compile_ahead, rule_r, stable_seed
 
 triton_ops = pytest.importorskip("attnkit.backends.triton.ops")
 if triton_ops.available() is not None:
@@ -295,35 +295,11 @@ def test_latent_selection_at_deepseek_widths(lean):
 
 # ------------------------------------------------------------------ ahead-of-time compile (no GPU)
 
-_AOT = r"""
-import inspect, json, os, re, subprocess, sys, tempfile, torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+_AOT = AOT_PREAMBLE + r"""
 from attnkit.backends.triton import latent
 fn = latent._latent_kernel
-params = inspect.signature(fn.fn).parameters
-consts = [n for n, p in params.items() if "constexpr" in str(p.annotation)]
 ptrs = {"Q", "K", "TABLE", "QSTART", "LENGTHS", "OP", "LSEP", "OUT", "SEL_IDS", "SEL_COUNTS", "SEL_BOUNDS"}
-ints = [n for n in params if n not in consts and n not in ptrs and n != "scale_log2"]
-# Pointers, strides and sizes get the 16-byte divisibility hints a real launch specialises on.
-aligned = sorted(ptrs) + [n for n in ints if n.startswith("stride")] + ["KV_BLOCK_SIZE", "SPLIT_LEN"]
-attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-
-
-def ptxas_report(ptx, cap):
-    # ptxas -v on the kernel's PTX: registers and spill bytes.
-    with tempfile.TemporaryDirectory() as d:
-        src = os.path.join(d, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        r = subprocess.run([get_ptxas(cap).path, "-v", "--regAllocOptLevel=2",
-                            f"--gpu-name={sm_arch_from_capability(cap)}", src, "-o", os.path.join(d, "k.o")],
-                           capture_output=True, text=True, check=True)
-    log = r.stdout + r.stderr
-    assert "spill" in log and "registers" in log, log
-    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
-    regs = max((int(n) for n in re.findall(r"Used (\d+) registers", log)), default=-1)
-    return spills, regs
+consts, ints, attrs = kernel_params(fn, ptrs, ("scale_log2",), ["KV_BLOCK_SIZE", "SPLIT_LEN"])
 
 
 out = []

@@ -16,7 +16,7 @@ import attnkit
 from attnkit import masks as M
 from attnkit.masks import Causal, KeyPadding, SelectedBlocks, SelectedKeys, SlidingWindow
 
-from conftest import base_attention, rule_r, stable_seed
+from conftest import AOT_PREAMBLE, base_attention, rule_r, stable_seed
 
 triton_ops = pytest.importorskip("attnkit.backends.triton.ops")
 if triton_ops.available() is not None:
@@ -269,19 +269,12 @@ _SMEM = {80: 166912, 90: 232448}  # shared memory per block (bytes) on A100 and 
 
 #: Compiles the selection kernel ahead of time for CUDA (no GPU needed), with the heaviest
 #: modifiers, and reports its shared memory and ptxas's register spills.
-_AOT = r"""
-import inspect, json, os, re, subprocess, sys, tempfile, torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+_AOT = AOT_PREAMBLE + r"""
 from attnkit.backends.triton import kernel as td
 fn = td._select_kernel
-params = inspect.signature(fn.fn).parameters
-consts = [n for n, p in params.items() if "constexpr" in str(p.annotation)]
 ptrs = {"Q", "K", "V", "TABLE", "QSTART", "LENGTHS", "OP", "LSEP", "SLOPES", "ALIBI_QSTART", "KS", "VS", "WIN_QSTART",
         "OUT", "SINKS", "SEL_IDS", "SEL_COUNTS", "SEL_BOUNDS"}
-ints = [n for n in params if n not in consts and n not in ptrs and n not in ("scale_log2", "softcap")]
-aligned = sorted(ptrs) + [n for n in ints if n.startswith("stride")] + ["DK", "DV", "KV_BLOCK_SIZE", "SPLIT_LEN"]
-attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+consts, ints, attrs = kernel_params(fn, ptrs, ("scale_log2", "softcap"), ["DK", "DV", "KV_BLOCK_SIZE", "SPLIT_LEN"])
 out = []
 for dt, D, Dv, vfk, rows, direct, quant, cap in json.loads(sys.argv[1]):
     cfg = td._config(getattr(torch, dt), D, Dv, rows, vfk)
@@ -299,14 +292,7 @@ for dt, D, Dv, vfk, rows, direct, quant, cap in json.loads(sys.argv[1]):
     sig.update({k: "constexpr" for k in cv})
     k = triton.compile(triton.compiler.ASTSource(fn, sig, cv, attrs), target=GPUTarget("cuda", cap, 32),
                        options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
-    with tempfile.TemporaryDirectory() as d:
-        src = os.path.join(d, "k.ptx")
-        with open(src, "w") as f:
-            f.write(k.asm["ptx"])
-        r = subprocess.run([get_ptxas(cap).path, "-v", "--regAllocOptLevel=2",
-                            f"--gpu-name={sm_arch_from_capability(cap)}", src, "-o", os.path.join(d, "k.o")],
-                           capture_output=True, text=True, check=True)
-    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", r.stdout + r.stderr))
+    spills, _ = ptxas_report(k.asm["ptx"], cap)
     out.append(dict(case=[dt, D, Dv, vfk, rows, direct, quant, cap], shared=k.metadata.shared, spills=spills))
 print(json.dumps(out))
 """

@@ -268,9 +268,8 @@ def attention(
         sinks: logits that join each row's softmax denominator and carry no value: (Hq,), one
             per query head (gpt-oss's attention sinks), or (B|1, Hq, Sq) / (B|1, Hq, Sq, 1), one
             per query (Inkling 2's); differentiable. A row with no allowed key still outputs
-            exactly 0. Per-query sinks run on ``math``, ``sdpa`` (CPU inference), ``flex`` and
-            the CPU split-K engine (``decode``, ``paged``); the Triton kernel reads one logit per
-            query head.
+            exactly 0. Per-query sinks run on ``math``, ``sdpa`` (CPU inference), ``flex``, the
+            CPU split-K engine (``decode``, ``paged``) and the Triton kernel.
 
     Returns:
         out (B, Hq, Sq, Dv) in q's dtype, or (out, weights) with ``return_weights=True``.

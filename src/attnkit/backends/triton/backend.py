@@ -58,7 +58,7 @@ class TritonBackend(BackendBase):
     def not_supported_reasons(self, call: AttentionCall) -> list[str]:
         walks = call.reduced.limit_parts() is None and call.reduced.selection is not None
         # a selection's programs take one query token each: prefill too (only the selected keys read)
-        why = decode_refusals(call, None if walks else MAX_Q_LEN)
+        why = decode_refusals(call, None if walks else MAX_Q_LEN, query_sinks=True)
         if call.needs_grad:
             why.append("gradients required (forward-only kernel)")
         if call.dtype not in (torch.float16, torch.bfloat16, torch.float32):

@@ -361,7 +361,7 @@ if triton is not None:
         stride_ksn, stride_kst, stride_ksh,
         stride_vsn, stride_vst, stride_vsh,
         stride_tb,
-        HKV, G, S, DK, DR, DV, KV_BLOCK_SIZE, SPLIT_LEN, NSPLIT, NUM_KV_BLOCKS, WLEFT, WRIGHT,
+        HKV, G, S, DK, DR, DV, KV_BLOCK_SIZE, SPLIT_LEN, NSPLIT, NUM_KV_BLOCKS, WLEFT, WRIGHT, SINK_ROWS,
         SEL_IDS, SEL_COUNTS, SEL_BOUNDS,
         stride_ib, stride_ih, stride_is, stride_cb, stride_ch, stride_cs,
         SEL_BLOCK, SEL_GS, SEL_CH, SEL_MT,
@@ -527,12 +527,13 @@ if triton is not None:
 
         seen = l_i > 0.0
         if DIRECT:  # the only split: the normalized output, in OUT's dtype (what the merge would give)
+            orow = ((b * HKV * G + h) * S + j).to(tl.int64)  # OUT is contiguous (B, Hq, S, DV)
             den = l_i
-            if HAS_SINKS:  # the head's sink joins the denominator (a row that saw nothing stays 0)
-                sink = tl.load(SINKS + h, mask=row_ok, other=0.0) * 1.4426950408889634
+            if HAS_SINKS:  # the row's sink joins the denominator (a row that saw nothing stays 0)
+                # SINKS: one logit per query head (Hq,), or per query row (B, Hq, S) when SINK_ROWS
+                sink = tl.load(SINKS + tl.where(SINK_ROWS != 0, orow, h), mask=row_ok, other=0.0) * 1.4426950408889634
                 den += tl.where(seen, tl.exp2(sink - tl.where(seen, m_i, 0.0)), 0.0)
             out = acc / tl.where(seen, den, 1.0)[:, None]
-            orow = ((b * HKV * G + h) * S + j).to(tl.int64)  # OUT is contiguous (B, Hq, S, DV)
             tl.store(OUT + orow[:, None] * DV + dv[None, :], out.to(OUT.dtype.element_ty),
                      mask=row_ok[:, None] & (dv[None, :] < DV))
         else:
@@ -553,7 +554,7 @@ if triton is not None:
         stride_ksn, stride_kst, stride_ksh,
         stride_vsn, stride_vst, stride_vsh,
         stride_tb,
-        HKV, G, S, DK, DR, DV, KV_BLOCK_SIZE, SPLIT_LEN, NSPLIT, NUM_KV_BLOCKS, WLEFT, WRIGHT,
+        HKV, G, S, DK, DR, DV, KV_BLOCK_SIZE, SPLIT_LEN, NSPLIT, NUM_KV_BLOCKS, WLEFT, WRIGHT, SINK_ROWS,
         V_FROM_K: tl.constexpr, HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, QUANT: tl.constexpr, FP8: tl.constexpr,
         HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, HAS_SINKS: tl.constexpr, PAGED: tl.constexpr,
@@ -569,7 +570,7 @@ if triton is not None:
             stride_ksn, stride_kst, stride_ksh,
             stride_vsn, stride_vst, stride_vsh,
             stride_tb,
-            HKV, G, S, DK, DR, DV, KV_BLOCK_SIZE, SPLIT_LEN, NSPLIT, NUM_KV_BLOCKS, WLEFT, WRIGHT,
+            HKV, G, S, DK, DR, DV, KV_BLOCK_SIZE, SPLIT_LEN, NSPLIT, NUM_KV_BLOCKS, WLEFT, WRIGHT, SINK_ROWS,
             LENGTHS, LENGTHS, LENGTHS, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1,  # no selection: unread
             V_FROM_K, HAS_ROPE, PRECISION, DOT_F32, HAS_SOFTCAP, HAS_ALIBI, QUANT, FP8, HAS_WINDOW, DIRECT,
             HAS_SINKS,
@@ -585,7 +586,7 @@ if triton is not None:
         stride_ksn, stride_kst, stride_ksh,
         stride_vsn, stride_vst, stride_vsh,
         stride_tb,
-        HKV, G, S, DK, DR, DV, KV_BLOCK_SIZE, SPLIT_LEN, NSPLIT, NUM_KV_BLOCKS, WLEFT, WRIGHT,
+        HKV, G, S, DK, DR, DV, KV_BLOCK_SIZE, SPLIT_LEN, NSPLIT, NUM_KV_BLOCKS, WLEFT, WRIGHT, SINK_ROWS,
         SEL_IDS, SEL_COUNTS, SEL_BOUNDS,
         stride_ib, stride_ih, stride_is, stride_cb, stride_ch, stride_cs,
         SEL_BLOCK, SEL_GS, SEL_CH, SEL_MT,
@@ -604,7 +605,7 @@ if triton is not None:
             stride_ksn, stride_kst, stride_ksh,
             stride_vsn, stride_vst, stride_vsh,
             stride_tb,
-            HKV, G, S, DK, DR, DV, KV_BLOCK_SIZE, SPLIT_LEN, NSPLIT, NUM_KV_BLOCKS, WLEFT, WRIGHT,
+            HKV, G, S, DK, DR, DV, KV_BLOCK_SIZE, SPLIT_LEN, NSPLIT, NUM_KV_BLOCKS, WLEFT, WRIGHT, SINK_ROWS,
             SEL_IDS, SEL_COUNTS, SEL_BOUNDS, stride_ib, stride_ih, stride_is, stride_cb, stride_ch, stride_cs,
             SEL_BLOCK, SEL_GS, SEL_CH, SEL_MT,
             V_FROM_K, HAS_ROPE, PRECISION, DOT_F32, HAS_SOFTCAP, HAS_ALIBI, QUANT, FP8, HAS_WINDOW, DIRECT,
@@ -612,7 +613,7 @@ if triton is not None:
             True, PAGED, PAGE, BLOCK_M, BLOCK_N, BLOCK_DK, BLOCK_DR, BLOCK_DV)
 
     @triton.jit
-    def _merge_kernel(OP, LSEP, OUT, SINKS, ROWS, NSPLIT, DV, HQ, S, HAS_SINKS: tl.constexpr,
+    def _merge_kernel(OP, LSEP, OUT, SINKS, ROWS, NSPLIT, DV, HQ, S, SINK_ROWS, HAS_SINKS: tl.constexpr,
                       BLOCK_R: tl.constexpr, BLOCK_SPLIT: tl.constexpr, BLOCK_DV: tl.constexpr):
         # BLOCK_R rows (b, h, j) flattened a program, as one (rows, splits, channels) tile: OUT is
         # contiguous (B, Hq, S, DV), the partials (B, Hq, S, NSPLIT[, DV]).
@@ -625,8 +626,9 @@ if triton is not None:
         mx = tl.max(lse, 1)
         w = tl.exp2(lse - tl.where(mx == float("-inf"), 0.0, mx)[:, None])  # splits that saw nothing: 0
         den = tl.sum(w, 1)
-        if HAS_SINKS:  # the head's sink joins the denominator once (a row that saw nothing stays 0)
-            sink = tl.load(SINKS + (row // S) % HQ, mask=row_ok, other=0.0) * 1.4426950408889634
+        if HAS_SINKS:  # the row's sink joins the denominator once (a row that saw nothing stays 0)
+            sink = tl.load(SINKS + tl.where(SINK_ROWS != 0, row, (row // S) % HQ), mask=row_ok, other=0.0) \
+                * 1.4426950408889634
             den += tl.where(mx == float("-inf"), 0.0, tl.exp2(sink - mx))
         o = tl.load(OP + (row[:, None, None] * NSPLIT + sp[None, :, None]) * DV + dv[None, None, :],
                     mask=ok[:, :, None] & (dv[None, None, :] < DV), other=0.0)
@@ -710,7 +712,7 @@ def launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tenso
     and v (N, bs, Hkv, Dv) | None (V = K[..., :Dv]) with bs tokens per cache block, last dims
     contiguous; table (B, nb) int; q_start, lengths (B,) int32; softcap (0: off); slopes (Hq,)
     fp32 with alibi_q_start (B,) int32 (ALiBi query position of each sequence's first query);
-    sinks (Hq,) fp32; quantized (int8 / fp8 e4m3) k and v: k_scale (N, bs, Hkv) and v_scale
+    sinks (Hq,) fp32, one logit per query head, or (B|1, Hq, S[, 1]), one per query row; quantized (int8 / fp8 e4m3) k and v: k_scale (N, bs, Hkv) and v_scale
     (N, bs, Hkv) | None (with v None) fp32, any strides; window_q_start (B,) int32 with
     window_left / window_right in [0, UNBOUNDED]: a sliding window. Returns (B, Hq, S, Dv).
 
@@ -770,6 +772,7 @@ def launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tenso
     else:
         op = torch.empty((B, Hq, S, num_splits, Dv), dtype=torch.float32, device=q.device)
         lsep = torch.empty((B, Hq, S, num_splits), dtype=torch.float32, device=q.device)
+    sinks, sink_rows = _sink_rows(sinks, B, Hq, S)
     quant = k_scale is not None
     fp8 = quant and k.dtype != torch.int8
     if fp8:  # e4m3 rows go in as their bytes: the kernel decodes them (_widen), on any GPU
@@ -791,7 +794,7 @@ def launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tenso
         *scale_strides,
         table.stride(0),
         Hkv, G, S, cfg["DK"], cfg["DR"], Dv, block_size, split_len, num_splits, k.shape[0], window_left,
-        window_right,
+        window_right, int(sink_rows),
         *((sel_ids, sel_counts, sel_bounds, *sel_ids.stride()[:3], *sel_counts.stride(), sel_block_size, sel_gs,
            sel_ch, sel_mt) if sel else ()),
         V_FROM_K=v_from_k, HAS_ROPE=cfg["DR"] > 0, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
@@ -808,17 +811,27 @@ def launch(q: Tensor, k: Tensor, v: Tensor | None, table: Tensor, q_start: Tenso
     return merge_splits(op, lsep, out, sinks)
 
 
+def _sink_rows(sinks: Tensor | None, B: int, Hq: int, S: int) -> tuple[Tensor | None, bool]:
+    """The kernels' sinks: (Hq,) fp32 as given (one logit per query head), or one per query row as
+    a contiguous (B, Hq, S) fp32 tensor from (B|1, Hq, S[, 1]); and whether they are per row."""
+    if sinks is None or sinks.dim() == 1:
+        return sinks, False
+    rows = sinks.reshape(sinks.shape[0], Hq, S).expand(B, Hq, S)
+    return rows.to(torch.float32).contiguous(), True
+
+
 def merge_splits(op: Tensor, lsep: Tensor, out: Tensor, sinks: Tensor | None = None) -> Tensor:
     """Merge the splits' partial outputs op (B, Hq, S, NSPLIT, Dv) fp32 and their base-2
     log-sum-exps lsep (B, Hq, S, NSPLIT), both contiguous, into out (B, Hq, S, Dv) contiguous
-    (sinks (Hq,) fp32 join each row's denominator once); returns out. The merge of every decode
-    kernel here (:mod:`attnkit.backends.triton.latent`'s too)."""
+    (sinks (Hq,) or (B|1, Hq, S[, 1]) fp32 join each row's denominator once); returns out. The
+    merge of every decode kernel here (:mod:`attnkit.backends.triton.latent`'s too)."""
     B, Hq, S, nsplit, Dv = op.shape
+    sinks, sink_rows = _sink_rows(sinks, B, Hq, S)
     rows = B * Hq * S
     block_split, block_dv = _pow2(nsplit, 2), _pow2(Dv)
     block_r = _merge_rows(rows, block_split, block_dv)  # a block of rows per program
     _merge_kernel[(-(-rows // block_r),)](op, lsep, out, lsep if sinks is None else sinks, rows, nsplit, Dv, Hq, S,
-                                          HAS_SINKS=sinks is not None, BLOCK_R=block_r, BLOCK_SPLIT=block_split,
+                                          int(sink_rows), HAS_SINKS=sinks is not None, BLOCK_R=block_r, BLOCK_SPLIT=block_split,
                                           BLOCK_DV=block_dv)
     return out
 

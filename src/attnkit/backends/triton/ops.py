@@ -78,7 +78,8 @@ def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor | None, blo
         softcap: c of ``c * tanh(score / c)`` on the scaled scores (Gemma 2).
         alibi_slopes: (Hq,) ALiBi slopes, with ``alibi_q_start`` (B,) or int: the ALiBi position of
             each sequence's first query (default ``q_start``); adds ``slope * (key - query)``.
-        sinks: (Hq,) logits joining each row's softmax denominator (gpt-oss).
+        sinks: logits joining each row's softmax denominator: (Hq,), one per query head (gpt-oss),
+            or (B|1, Hq, S) / (B|1, Hq, S, 1), one per query row (Inkling 2).
         k_scale: (N, block_size, Hkv) fp32 scales of quantized ``k_pool`` rows
             (:mod:`attnkit.kvquant`): attention over ``k_pool * k_scale[..., None]``; any strides.
         v_scale: (N, block_size, Hkv) fp32 scales of quantized ``v_pool`` rows (None with v_pool
@@ -131,7 +132,7 @@ def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor | None, blo
     if alibi_slopes is not None:
         slopes = alibi_slopes.to(device=q.device, dtype=torch.float32).contiguous()
         alibi_qs = _per_sequence(alibi_q_start, "alibi_q_start", B, q.device, default=qs).to(torch.int32).contiguous()
-    sinks = None if sinks is None else sinks.detach().to(device=q.device, dtype=torch.float32).contiguous()
+    sinks = _kernel_sinks(sinks, q)
     w_qs, w_left, w_right = None, 0, 0
     if window is not None:
         if not isinstance(window, (tuple, list)) or len(window) != 2 or any(
@@ -152,6 +153,22 @@ def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor | None, blo
                      qs.clamp(-NO_CAUSAL, NO_CAUSAL).to(torch.int32).contiguous(), lens.to(torch.int32).contiguous(),
                      float(scale), int(Dv), int(max_len), int(num_splits), float(softcap or 0.0), slopes, alibi_qs,
                      sinks, k_scale, v_scale, w_qs, int(w_left), int(w_right), **sel)
+
+
+def _kernel_sinks(sinks, q: Tensor) -> Tensor | None:
+    """``sinks`` as the kernel reads them: None, (Hq,) or (B|1, Hq, S) fp32 contiguous; an error
+    naming the shapes for any other (the kernel would read past a shorter tensor)."""
+    if sinks is None:
+        return None
+    B, Hq, S, _ = q.shape
+    want = f"(Hq,) = ({Hq},) or (B|1, Hq, S[, 1]) = ({B}|1, {Hq}, {S}[, 1])"
+    if not isinstance(sinks, Tensor) or not sinks.dtype.is_floating_point:
+        raise TypeError(f"sinks must be a floating tensor {want}, got {getattr(sinks, 'dtype', type(sinks).__name__)}")
+    rows = sinks.squeeze(-1) if sinks.dim() == 4 and sinks.shape[-1] == 1 else sinks
+    if not (tuple(rows.shape) == (Hq,) or (rows.dim() == 3 and rows.shape[0] in (1, B)
+                                          and tuple(rows.shape[1:]) == (Hq, S))):
+        raise ValueError(f"sinks must be {want}, got shape {shape_of(sinks)} for q {shape_of(q)}")
+    return rows.detach().to(device=q.device, dtype=torch.float32).contiguous()
 
 
 def _selection_args(selection, q: Tensor, kv_len: int, check: bool, q_start: Tensor, lengths: Tensor,
