@@ -27,14 +27,19 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench_gpu import DEV, contiguous_from_pool, copy_bandwidth, kernel_call, median_ms, scattered_pool
+from bench_gpu import (DEV, _random_ids, _select_call, contiguous_from_pool, copy_bandwidth, kernel_call, median_ms,
+                       scattered_pool)
 from attnkit.backends.triton import tuning
 
 #: (name, dtype, B, Hq, Hkv, D, Dv (None: V from K), page, contexts): the shapes of the GPU check.
+#: ``mla-sel``: DeepSeek-V3.2's sparse decode, each query's top SELECTED keys over the context.
 SHAPES = [
     ("gqa", torch.bfloat16, 32, 32, 8, 128, 128, 16, (4096, 32768)),
     ("mla", torch.bfloat16, 32, 128, 1, 576, None, 64, (4096, 32768)),
+    ("mla-sel", torch.bfloat16, 64, 128, 1, 576, None, 64, (32768,)),
 ]
+#: Keys each query of a ``-sel`` shape selects (DSA's top-k).
+SELECTED = 2048
 CANDIDATES = {"BLOCK_N": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3, 4)}
 #: The lean MLA kernel's (attnkit.backends.triton.latent): a 64 x 512 fp32 accumulator per program,
 #: so few keys per tile (16 is its own choice; 32 and 64 spill registers when compiled ahead, but
@@ -44,6 +49,7 @@ CANDIDATES_LATENT = {"BLOCK_N": (16, 32, 64), "num_warps": (8,), "num_stages": (
 SHAPES_QUICK = [
     ("gqa", torch.float32, 2, 4, 2, 32, 32, 16, (64,)),
     ("mla", torch.float32, 2, 8, 1, 48, None, 16, (64,)),
+    ("mla-sel", torch.float32, 2, 8, 1, 48, None, 16, (64,)),
 ]
 CANDIDATES_QUICK = {"BLOCK_N": (16, 32), "num_warps": (4,), "num_stages": (2,)}
 
@@ -59,11 +65,16 @@ def _steps(shape, dev):
         seq = torch.full((B,), ctx, dtype=torch.int32, device=dev)
         dv = D - _rope(D) if Dv is None else Dv
         scale = (192 if Dv is None else D) ** -0.5
-        steps.append(kernel_call(q, kp, vp, table, seq, seq - 1, scale, dv, ctx))
+        if name.endswith("-sel"):  # the selected keys only; SDPA below is dense over the context (a reference)
+            ids = _random_ids(B, 1, ctx, min(SELECTED, ctx // 2), seed=3)
+            steps.append(_select_call(q, kp, vp, table, ctx, ids, scale, dv))
+        else:
+            steps.append(kernel_call(q, kp, vp, table, seq, seq - 1, scale, dv, ctx))
         k = contiguous_from_pool(kp, table, ctx)
         v = k[..., :dv] if vp is None else contiguous_from_pool(vp, table, ctx)
         sdpa.append(lambda q=q, k=k, v=v, s=scale: F.scaled_dot_product_attention(q, k, v, scale=s, enable_gqa=True))
-        nbytes.append(B * ctx * Hkv * (D + (0 if vp is None else Dv)) * kp.element_size())  # read once
+        keys = min(SELECTED, ctx // 2) if name.endswith("-sel") else ctx
+        nbytes.append(B * keys * Hkv * (D + (0 if vp is None else Dv)) * kp.element_size())  # read once
     return steps, sdpa, nbytes
 
 
@@ -78,14 +89,14 @@ def _lean(shape) -> bool:
 
     name, dtype, B, Hq, Hkv, D, Dv, page, contexts = shape
     dv = D - _rope(D) if Dv is None else Dv
-    return latent.takes(dtype, D, dv, Hkv, Dv is None, page, max(contexts))
+    return latent.takes(dtype, D, dv, Hkv, Dv is None, page, max(contexts), selection=name.endswith("-sel"))
 
 
 def tune_shape(shape, dev, reps: int, candidates: dict) -> dict:
     name, dtype, B, Hq, Hkv, D, Dv, page, contexts = shape
     dv = D - _rope(D) if Dv is None else Dv
     lean = _lean(shape)
-    key = tuning.shape_key(dtype, D, dv, Dv is None, None, latent=lean)
+    key = tuning.shape_key(dtype, D, dv, Dv is None, None, selection=name.endswith("-sel"), latent=lean)
     if lean and candidates is CANDIDATES:
         candidates = CANDIDATES_LATENT
     steps, sdpa, nbytes = _steps(shape, dev)
