@@ -200,6 +200,31 @@ def test_launch_sends_the_rest_to_the_shared_kernel(lean, monkeypatch):
     assert (lean.n, len(shared)) == (1, 6)
 
 
+def test_describe_call_names_the_kernel_that_runs(lean):
+    """``describe_call(..., detail=True)`` says which Triton kernel serves a call, and it is the
+    one that runs: ``triton[latent]`` for a plain bf16 latent call (paged or contiguous),
+    ``triton[latent+selection]`` with a selection every head reads, ``triton[split-k]`` with
+    sinks or in fp32."""
+    k_pool, _, table, k, _ = _pools(1, 1, 80, 64, 16, [40], torch.bfloat16, seed=41, value_from_key=True)
+    q = torch.randn(1, 16, 1, 80, generator=torch.Generator().manual_seed(42)).to(torch.bfloat16).to(DEV)
+    seq = torch.tensor([40], device=DEV)
+    paged = attnkit.PagedKV(k_pool.to(DEV), None, table.to(DEV), seq, v_head_dim=64)
+    dense = k.to(DEV)
+    ids = torch.randint(0, 40, (1, 1, 6), generator=torch.Generator().manual_seed(43))
+    cases = [
+        ((q, paged, None, Causal()), {}, "triton[latent]", 1),
+        ((q, dense, dense[..., :64], Causal()), {}, "triton[latent]", 1),
+        ((q, paged, None, M.SelectedKeys(ids.to(DEV)) & Causal()), {}, "triton[latent+selection]", 1),
+        ((q, paged, None, Causal()), dict(sinks=torch.zeros(16, device=DEV)), "triton[split-k]", 0),
+        ((q.float(), dense.float(), dense.float()[..., :64], Causal()), {}, "triton[split-k]", 0),
+    ]
+    for (qq, kk, vv, mask), kw, name, served in cases:
+        before = lean.n
+        assert attnkit.describe_call(qq, kk, vv, mask, backend="triton", detail=True, **kw) == name
+        attnkit.attention(qq, kk, vv, mask, backend="triton", **kw)
+        assert lean.n - before == served, name
+
+
 def test_tuned_entries_have_a_key_of_their_own_and_reach_the_launch(monkeypatch, lean):
     """The lean kernel reads the tuned table under the shared key plus ``-latent`` (an entry tuned
     for it never reaches the shared kernel's calls of the same shape: sinks, soft cap). A forced

@@ -84,9 +84,24 @@ class TritonBackend(BackendBase):
         return None  # paged / quantized K/V: read in place (the alternative gathers the whole cache every step)
 
     def kernel_name(self, q, k, v, call: AttentionCall) -> str:
-        """``split-k``, or ``split-k+selection`` when the kernel walks a per-query selection
-        (reads only the selected keys)."""
-        return "split-k+selection" if call.reduced.limit_parts() is None else "split-k"
+        """``split-k`` (the shared kernel) or ``latent`` (the lean MLA kernel, which
+        :func:`attnkit.backends.triton.latent.takes` gives the call to), with ``+selection`` when it
+        walks a per-query selection (reads only the selected keys)."""
+        from . import latent  # Triton itself is imported only if installed
+
+        parts = call.reduced.limit_parts()  # None: a selection
+        if call.kv_layout == "paged":  # what run() hands the kernel: the pool's blocks, V from K without a v_pool
+            v_from_k, block = k.v_pool is None, k.k_pool.shape[1]
+        elif call.kv_layout == "dense":  # one block of Sk keys per sequence
+            v_from_k, block = v_is_prefix_of_k(k, v), call.kv_len
+        else:  # quantized: the shared kernel
+            v_from_k, block = False, 0
+        lean = v_from_k and latent.takes(
+            call.dtype, call.head_dim, call.v_head_dim, call.num_kv_heads, True, block, call.kv_len,
+            softcap=call.softcap or 0.0, alibi=call.reduced.alibi is not None,
+            window=parts is not None and parts[2] is not None, sinks=call.sinks is not None, selection=parts is None,
+            selection_lists=1 if parts is not None else call.reduced.selection.heads)
+        return ("latent" if lean else "split-k") + ("+selection" if parts is None else "")
 
     def run(self, q, k, v, call: AttentionCall):
         from . import ops  # imports Triton: only a call that runs here does
