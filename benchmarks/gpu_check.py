@@ -21,7 +21,8 @@ It runs, in order, each step with its own time limit so that one hang cannot eat
 4. the oracle sweep (``--sweep-budget`` seconds at most: no case starts after it, and the
    cases left out are reported): ``auto`` and every backend that accepts the call, against the fp64 oracle
    under rule R (docs/testing.md) for every mask kind (per-query selections included) and score
-   modifier, in bf16 and fp16, prefill (forward and backward), decode, decode over scattered
+   modifier (per-query sinks included), in bf16 and fp16, prefill (forward and backward), decode,
+   absorbed-MLA decode over one latent head with V from K (the lean Triton kernel's calls), decode over scattered
    pages (``PagedKV``), and decode over quantized K/V (``QuantizedKV``, int8 and fp8 e4m3, dense
    and paged; the oracle runs on the dequantized K/V), with the kernel ``auto`` picked;
 5. ``benchmarks/bench_gpu.py`` (its tables go to ``DIR/bench``).
@@ -159,6 +160,7 @@ def sweep_cases(B: int, H: int, Sq: int, Sk: int, Hkv: int = 1) -> dict:
                                    & M.Causal(), {}),
         "selected+sinks+alibi": (M.ALiBi(slopes) & M.SelectedKeys(keys) & M.Causal(),
                                  {"sinks": torch.randn(H, generator=gs), "softcap": 20.0}),
+        "query-sinks+causal": (M.Causal(), {"sinks": torch.randn(B, H, Sq, generator=gs)}),  # Inkling 2's
     }
 
 
@@ -188,7 +190,11 @@ def _verdict(row: dict, check) -> dict:
 
 #: Cases the paged phase runs (masks a cache's step carries, with every score modifier).
 PAGED_CASES = ("none", "causal", "window", "alibi+causal", "softcap+causal", "sinks+causal", "selected-keys+causal",
-               "selected-blocks+window", "selected+sinks+alibi")
+               "selected-blocks+window", "selected+sinks+alibi", "query-sinks+causal")
+#: Cases the latent phase runs: absorbed MLA's decode (one KV head, V the first channels of K),
+#: which the lean Triton kernel serves plain, over a selection, and leaves to the shared one with
+#: a modifier.
+LATENT_CASES = ("none", "causal", "ragged-causal", "selected-keys+causal", "softcap+causal", "query-sinks+causal")
 
 
 def _paged(k, v, block: int, g: torch.Generator):
@@ -247,6 +253,7 @@ def sweep(device: str, quick: bool, budget: float | None = None) -> list[dict]:
     # decode first: its rows (pages, quantized K/V, the Triton decode kernel) are the ones a spent
     # budget must not cut
     shapes = {"decode": (2, 8, 2, 2, 40, 16) if quick else (2, 8, 2, 2, 2048, 128),
+              "latent": (2, 16, 1, 2, 40, 32) if quick else (2, 128, 1, 2, 2048, 576),
               "prefill": (2, 8, 2, 24, 40, 16) if quick else (2, 8, 2, 256, 320, 64)}
     skip = {"flex", "flash"} if quick else set()  # on CPU flex compiles for seconds per case
     rows = []
@@ -254,6 +261,8 @@ def sweep(device: str, quick: bool, budget: float | None = None) -> list[dict]:
         for dtype in dtypes:
             cases = sweep_cases(B, Hq, Sq, Sk, Hkv)
             for name, (mask, kw) in cases.items():
+                if phase == "latent" and name not in LATENT_CASES:
+                    continue
                 if deadline is not None and time.time() > deadline:
                     rows.append({"phase": phase, "dtype": str(dtype).replace("torch.", ""), "case": name,
                                  "backend": "-", "status": "not run", "why": "sweep budget spent"})
@@ -262,6 +271,8 @@ def sweep(device: str, quick: bool, budget: float | None = None) -> list[dict]:
                 g = torch.Generator().manual_seed(len(rows))
                 q, k, v = (torch.randn(*s, generator=g).to(dtype).to(device)
                            for s in ((B, Hq, Sq, D), (B, Hkv, Sk, D), (B, Hkv, Sk, D)))
+                if phase == "latent":  # V = the latent, K's first channels (the rest: rope, 64 of 576)
+                    v = k[..., :D - (64 if D >= 256 else D // 2)]
                 for backend in ["auto"] + [b for b in backend_names() if b not in skip]:
                     grad = phase == "prefill" and device == "cuda"
                     t0 = time.time()
