@@ -17,7 +17,8 @@ from torch import nn
 
 from attnkit import native
 from attnkit.modules import linear as L
-from attnkit.modules.linear import MAX_ROWS, Linear, LinearInputError, native_applies, native_max_rows
+from attnkit.modules.linear import (MAX_ROWS, Linear, LinearInputError, native_applies, native_max_rows, upcast_applies,
+                                    upcast_linear, upcast_min_rows)
 
 from conftest import rule_r
 
@@ -231,8 +232,9 @@ def test_linear_gives_more_rows_than_the_bound_to_torch(calls):
         m = m.to(dtype)
         bound = L._MAX_ROWS_HERE[dtype]
         x = torch.randn(bound + 1, 32, dtype=dtype)
-        with torch.no_grad():
-            assert torch.equal(m(x), F.linear(x, m.weight, m.bias))
+        with torch.no_grad():  # torch's GEMM, or (16-bit, where this CPU's rule says) the upcast one
+            want = upcast_linear if upcast_applies(x, m.weight, m.bias) else F.linear
+            assert torch.equal(m(x), want(x, m.weight, m.bias))
             assert calls[0] == 0
             m(x[:bound])
             assert calls[0] == 1
@@ -278,6 +280,96 @@ def test_linear_names_the_width_it_expects(x):
     assert issubclass(LinearInputError, ValueError) and issubclass(LinearInputError, RuntimeError)
     with pytest.raises(TypeError, match="x must be a Tensor for Linear"):
         Linear(8, 4)([1.0] * 8)
+
+
+# ------------------------------------------------------------ many 16-bit rows: upcast GEMM
+
+
+def test_upcast_min_rows_is_a_rule_of_dtype_and_cpu_flags():
+    """16-bit prompts run as fp32 GEMM over upcast weights where the CPU has no 16-bit GEMM unit:
+    bf16 from 9 rows (past the native kernel) on AVX2 and plain AVX-512, from 128 with
+    AVX-512-BF16, never with AMX-BF16; fp16 from 9 rows unless AVX-512-FP16 or AMX-FP16; fp32 and
+    fp64 never."""
+    zen3 = {"avx2", "fma", "f16c"}
+    icl = {"avx2", "avx512f", "avx512_vnni"}
+    zen4 = {"avx2", "avx512f", "avx512_bf16"}
+    spr = {"avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile"}
+    gnr = spr | {"amx_fp16"}
+    assert upcast_min_rows(torch.bfloat16, zen3) == upcast_min_rows(torch.bfloat16, icl) == MAX_ROWS + 1
+    assert upcast_min_rows(torch.bfloat16, zen4) == 128
+    assert upcast_min_rows(torch.bfloat16, spr) is None
+    assert upcast_min_rows(torch.float16, zen3) == upcast_min_rows(torch.float16, zen4) == MAX_ROWS + 1
+    assert upcast_min_rows(torch.float16, spr) is upcast_min_rows(torch.float16, gnr) is None
+    assert upcast_min_rows(torch.float16, {"avx2", "amx_fp16"}) is None
+    for flags in (zen3, zen4, spr):
+        assert upcast_min_rows(torch.float32, flags) is upcast_min_rows(torch.float64, flags) is None
+
+
+UPCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("M, N, K", [(1, 1, 1), (9, 7, 37), (130, 200, 64), (300, 65, 2053), (0, 5, 8), (4, 0, 8)],
+                         ids=str)
+@pytest.mark.parametrize("dtype", UPCAST_DTYPES.values(), ids=UPCAST_DTYPES.keys())
+def test_upcast_linear_matches_the_oracle(dtype, M, N, K, bias):
+    """Rule R and the fp32 dot product's bound against the fp64 oracle, the weights one slab
+    (here as small as 64 rows) at a time or whole."""
+    for slab in (1, L.UPCAST_SLAB_BYTES):
+        for rand in (False, True):
+            x, w, b = _inputs(M, N, K, dtype, bias, seed=M * 1000 + N * 10 + K, rand=rand)
+            with torch.inference_mode():
+                got = upcast_linear(x, w, b, slab_bytes=slab)
+            if M and N:
+                _check(got, x, w, b, f"{dtype} M{M} N{N} K{K} bias={bias} slab={slab} rand={rand}")
+            assert got.shape == (M, N) and got.dtype == dtype
+
+
+def test_upcast_linear_keeps_leading_dims_and_nan_in_its_row():
+    x = torch.randn(2, 70, 16, dtype=torch.bfloat16)
+    w = torch.randn(100, 16, dtype=torch.bfloat16)
+    x[1, 3, 5] = float("nan")
+    w[70, 2] = float("inf")
+    got = upcast_linear(x, w, None, slab_bytes=1)  # slabs of 64 rows: 0..63, 64..99
+    assert got.shape == (2, 70, 100)
+    nan = torch.isnan(got)
+    assert nan[1, 3].all() and not nan[1, 4].any() and not nan[0, :, :70].any()
+    assert not torch.isfinite(got[..., 70]).any() and torch.isfinite(got[0, :, 71:]).all()
+
+
+@pytest.fixture
+def upcasts(monkeypatch):
+    """Counts the calls ``Linear`` gives to the upcast GEMM."""
+    n = [0]
+    real = L.upcast_linear
+
+    def counting(*args, **kwargs):
+        n[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(L, "upcast_linear", counting)
+    return n
+
+
+@pytest.mark.parametrize("dtype", UPCAST_DTYPES.values(), ids=UPCAST_DTYPES.keys())
+def test_linear_upcasts_from_the_rows_the_rule_names(dtype, monkeypatch, upcasts):
+    """Where this CPU's rule says (forced here: 12 rows), 16-bit calls of that many rows run the
+    upcast GEMM; fewer rows, another dtype or autograd keep their path."""
+    monkeypatch.setitem(L._UPCAST_ROWS_HERE, dtype, 12)
+    torch.manual_seed(0)
+    m = Linear(40, 24, dtype=dtype)
+    x = torch.randn(3, 4, 40, dtype=dtype)  # 12 rows
+    with torch.no_grad():
+        y = m(x)
+        assert upcasts[0] == 1
+        _check(y.reshape(-1, 24), x.reshape(-1, 40), m.weight, m.bias, f"{dtype} Linear upcast")
+        m(x[:, :2])  # 6 rows
+    assert upcasts[0] == 1
+    y = m(x)  # the weights want gradients: F.linear, which autograd differentiates
+    assert upcasts[0] == 1 and y.requires_grad
+    monkeypatch.setitem(L._UPCAST_ROWS_HERE, dtype, None)
+    with torch.no_grad():
+        assert torch.equal(m(x), F.linear(x, m.weight, m.bias)) and upcasts[0] == 1
 
 
 def test_linear_doctest_runs():

@@ -26,6 +26,17 @@ past a few rows the tiles win. fp32 has no such unit; there the native kernel ta
 8. (benchmarks/bench_linear.py measures both; one machine's table is
 benchmarks/results/xeon-amx/linear.md.)
 
+Many rows of 16-bit weights (a prompt) on a CPU without a 16-bit GEMM unit
+(:func:`upcast_min_rows`, a function of the dtype and the CPU's flags): torch's bf16 / fp16 GEMM
+runs at a fraction of its fp32 GEMM there (it widens the operands inside its inner loops, or, on
+AVX2, runs a generic kernel), so ``Linear`` upcasts the weights a slab of rows at a time
+(:data:`UPCAST_SLAB_BYTES` of fp32), multiplies by the fp32 GEMM and rounds once, after the bias
+is added in fp32: exact widening, fp32 sums, one rounding, the same error bound as torch's 16-bit
+GEMM (which sums in fp32 too). It needs no gradient (autograd keeps ``F.linear``) and holds an fp32
+copy of x, one slab and one slab of outputs at a time. AMX-BF16 / AMX-FP16 and AVX-512-FP16 CPUs
+keep torch's op (oneDNN's tiles or fp16 instructions are faster); AVX-512-BF16 ones upcast from
+:data:`_BF16_DOT_UPCAST_ROWS` rows, where the fp32 GEMM's speed pays for the slab copies.
+
 Under ``torch.compile`` (``fullgraph=True`` included) the decision traces like any shape check and
 the graph calls the kernel as an op with a Meta kernel for its output shape: the C++ op itself when
 the library is already loaded while tracing (it is after any eager call, such as a prefill), else
@@ -45,12 +56,18 @@ from torch import Tensor, nn
 from .. import native
 from .._sysinfo import cpu_flags
 
-__all__ = ["Linear", "LinearInputError", "MAX_ROWS", "native_max_rows", "native_applies"]
+__all__ = ["Linear", "LinearInputError", "MAX_ROWS", "UPCAST_SLAB_BYTES", "native_max_rows", "native_applies",
+           "upcast_min_rows", "upcast_applies"]
 
 #: The most rows of x the native kernel takes (``kMaxRows`` in ``native/linear.cpp``).
 MAX_ROWS = 8
 #: bf16 rows above which torch's GEMM is kept on a CPU with AMX-BF16 (see the module docstring).
 _AMX_BF16_ROWS = 4
+#: bf16 rows from which an AVX-512-BF16 CPU (no AMX) runs the upcast GEMM (torch's bf16 GEMM
+#: there: about 0.6x its fp32 GEMM; the slab copies cost as much as that gap near 96 rows).
+_BF16_DOT_UPCAST_ROWS = 128
+#: fp32 bytes of weights one slab of the upcast GEMM widens at a time.
+UPCAST_SLAB_BYTES = 16 << 20
 
 
 class LinearInputError(ValueError, RuntimeError):
@@ -73,6 +90,26 @@ def native_max_rows(dtype: torch.dtype, flags: frozenset[str] | set[str]) -> int
 _MAX_ROWS_HERE = {dt: native_max_rows(dt, cpu_flags()) for dt in (torch.float32, torch.bfloat16)}
 
 
+def upcast_min_rows(dtype: torch.dtype, flags: frozenset[str] | set[str]) -> int | None:
+    """From how many rows of x ``Linear`` runs a ``dtype`` call as an fp32 GEMM over upcast weights
+    on a CPU with feature ``flags`` (``/proc/cpuinfo`` names); None: never (fp32 and fp64; bf16
+    with ``amx_bf16``; fp16 with ``amx_fp16`` or ``avx512_fp16``). bf16 with ``avx512_bf16``:
+    :data:`_BF16_DOT_UPCAST_ROWS`; other 16-bit cases: every call past the native kernel's
+    :data:`MAX_ROWS`. A pure function, so the rule for any CPU is testable on this one."""
+    if dtype == torch.bfloat16:
+        if "amx_bf16" in flags:
+            return None
+        return _BF16_DOT_UPCAST_ROWS if "avx512_bf16" in flags else MAX_ROWS + 1
+    if dtype == torch.float16:
+        return None if ("amx_fp16" in flags or "avx512_fp16" in flags) else MAX_ROWS + 1
+    return None
+
+
+def _wants_grad(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                        or (bias is not None and bias.requires_grad))
+
+
 def native_applies(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     """Whether ``Linear`` gives this call to the native kernel on this CPU, apart from the library
     being built: CPU tensors of one dtype the kernel takes, a contiguous weight, at most
@@ -84,8 +121,43 @@ def native_applies(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
             and x.numel() // K <= _MAX_ROWS_HERE[x.dtype]
             and weight.is_contiguous()
             and (bias is None or (bias.dtype == x.dtype and bias.device.type == "cpu"))
-            and not (torch.is_grad_enabled()
-                     and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))))
+            and not _wants_grad(x, weight, bias))
+
+
+#: This CPU's :func:`upcast_min_rows`, read once at import.
+_UPCAST_ROWS_HERE = {dt: upcast_min_rows(dt, cpu_flags()) for dt in (torch.bfloat16, torch.float16)}
+
+
+def upcast_applies(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    """Whether ``Linear`` runs this call as the upcast fp32 GEMM on this CPU: CPU tensors of one
+    16-bit dtype, a 2-D weight, at least :func:`upcast_min_rows` rows, no gradient wanted."""
+    K = weight.shape[-1]
+    rows = _UPCAST_ROWS_HERE.get(x.dtype)
+    return (rows is not None and x.device.type == "cpu" and weight.device.type == "cpu" and weight.dim() == 2
+            and K > 0 and x.dtype == weight.dtype and x.numel() // K >= rows
+            and (bias is None or (bias.dtype == x.dtype and bias.device.type == "cpu"))
+            and not _wants_grad(x, weight, bias))
+
+
+def upcast_linear(x: Tensor, weight: Tensor, bias: Tensor | None, slab_bytes: int = UPCAST_SLAB_BYTES) -> Tensor:
+    """``F.linear(x, weight, bias)`` for 16-bit x (..., K), weight (N, K), bias (N,) computed in
+    fp32: x widened once, the weights a slab of rows (``slab_bytes`` of fp32, at least 64 rows)
+    at a time, each slab's outputs (M, n) summed by the fp32 GEMM, the bias added in fp32, then
+    rounded once to x's dtype. Inference only (see :func:`upcast_applies`)."""
+    N, K = weight.shape
+    xf = x.reshape(-1, K).float()
+    M = xf.shape[0]
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    step = max(64, slab_bytes // (4 * max(K, M, 1)))  # a slab of weights and of outputs within the bytes
+    for n0 in range(0, N, step):
+        n1 = min(N, n0 + step)
+        w = weight[n0:n1].float()
+        if bias is None:
+            y = xf @ w.T
+        else:
+            y = torch.addmm(bias[n0:n1].float(), xf, w.T)
+        out[:, n0:n1] = y
+    return out.view(*x.shape[:-1], N)
 
 
 @torch.library.custom_op("attnkit::linear_rows", mutates_args=())
@@ -140,4 +212,6 @@ class Linear(nn.Linear):
             y = _linear_rows(x.reshape(-1, w.shape[-1]), w, b)
             if y is not None:
                 return y.view(*x.shape[:-1], w.shape[0])
+        if upcast_applies(x, w, b):
+            return upcast_linear(x, w, b)
         return F.linear(x, w, b)
