@@ -10,6 +10,13 @@ set) in alternating order; the table reports medians, the weight bytes streamed 
 share of that read bandwidth, and which of the two ``attnkit.modules.Linear`` runs for the call
 (its rule: ``native_max_rows``).
 
+Prompts (many rows, 16-bit weights): torch's bf16 / fp16 GEMM against the upcast GEMM ``Linear``
+runs where this CPU has no 16-bit GEMM unit (``upcast_linear``: the weights widened to fp32 a slab
+at a time, fp32 GEMM, one rounding) and against torch's fp32 GEMM over fp32 copies of the weights
+(what holding fp32 weights would cost), on the llama.cpp comparison model's projections (hidden
+1024) and a Llama-7B-like layer, M = 16 to 512 rows, in GFLOP/s; "Linear runs" is this CPU's rule
+(``upcast_min_rows``).
+
 The native library is built for ``-march=native``, or for ``$ATTNKIT_NATIVE_MARCH`` (``haswell``:
 the AVX2 code path on an AVX-512 machine); the table names the target.
 
@@ -28,7 +35,7 @@ import torch.nn.functional as F
 from _common import bench_main, interleaved_medians, machine, read_probe, skip, timed
 from attnkit import native
 from attnkit._sysinfo import cpu_flags
-from attnkit.modules.linear import native_max_rows
+from attnkit.modules.linear import native_max_rows, upcast_linear, upcast_min_rows
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 512, 8, 2, 64, 1376, 4096
 #: (name, out_features N, in_features K)
@@ -78,7 +85,38 @@ def run(quick: bool) -> dict:
                              "read_GBps": read, "speedup": t["torch"] / t["native"],
                              "linear_runs": "native" if M <= native_max_rows(dt, flags) else "torch"})
     march = os.environ.get("ATTNKIT_NATIVE_MARCH", "").strip() or "native"
-    return {"machine": machine(), "quick": quick, "native_march": march, "rows": rows}
+    return {"machine": machine(), "quick": quick, "native_march": march, "rows": rows,
+            "prompt_rows": _prompt_rows(quick, flags)}
+
+
+#: The llama.cpp comparison model's projections (benchmarks/bench_llamacpp.py: hidden 1024, 16 / 4
+#: heads of 64, intermediate 2816), fused as the decoder loads them.
+PROMPT_SHAPES = [("qkv fused", 1536, 1024), ("gate_up fused", 5632, 1024), ("down", 1024, 2816)]
+PROMPT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _prompt_rows(quick: bool, flags) -> list[dict]:
+    shapes = PROMPT_SHAPES[1:2] if quick else PROMPT_SHAPES + LLAMA_7B[1:]
+    rows = []
+    for layer, N, K in shapes:
+        for dname, dt in PROMPT_DTYPES.items():
+            w = (torch.randn(N, K) / K ** 0.5).to(dt)
+            wf = w.float()
+            from_rows = upcast_min_rows(dt, flags)
+            for M in ((16, 128) if quick else (16, 64, 128, 512)):
+                x = torch.randn(M, K).to(dt)
+                fns = {"torch": timed(lambda: F.linear(x, w)), "upcast": timed(lambda: upcast_linear(x, w, None)),
+                       "fp32": timed(lambda: F.linear(x.float(), wf))}
+                with torch.inference_mode():
+                    torch.testing.assert_close(upcast_linear(x, w, None), F.linear(x, w), rtol=2e-2, atol=2e-2)
+                    t = interleaved_medians(fns, 3 if quick else 7, warmup=1)
+                flop = 2 * M * N * K
+                rows.append({"layer": layer, "shape": f"{N}x{K}", "M": M, "dtype": dname,
+                             **{f"{k}_ms": v * 1e3 for k, v in t.items()},
+                             **{f"{k}_GFLOPs": flop / v / 1e9 for k, v in t.items()},
+                             "speedup": t["torch"] / t["upcast"],
+                             "linear_runs": "upcast" if from_rows is not None and M >= from_rows else "torch"})
+    return rows
 
 
 def to_markdown(res: dict) -> str:
@@ -100,6 +138,20 @@ def to_markdown(res: dict) -> str:
                      f"{r['native_ms']:.3f} | {r['speedup']:.2f}x | {r['torch_GBps']:.1f} | {r['native_GBps']:.1f} | "
                      f"{r['read_GBps']:.1f} | {100 * r['torch_GBps'] / r['read_GBps']:.0f}% | "
                      f"{100 * r['native_GBps'] / r['read_GBps']:.0f}% | {r['linear_runs']} |")
+    lines += [
+        "",
+        "Prompts, 16-bit weights: torch's 16-bit GEMM (`F.linear`), the upcast GEMM (`upcast_linear`: weights "
+        "widened to fp32 a slab at a time, fp32 GEMM, one rounding) and torch's fp32 GEMM over fp32 copies of the "
+        "weights (x widened in the call); GFLOP/s = 2 M N K / time; speedup = F.linear time / upcast time; Linear "
+        "runs: this CPU's rule (`upcast_min_rows`).",
+        "",
+        "| layer | shape | M | dtype | F.linear 16-bit GFLOP/s | upcast GFLOP/s | F.linear fp32 GFLOP/s | speedup | "
+        "Linear runs |",
+        "|---|---|---:|---|---:|---:|---:|---:|---|",
+    ]
+    for r in res.get("prompt_rows", []):
+        lines.append(f"| {r['layer']} | {r['shape']} | {r['M']} | {r['dtype']} | {r['torch_GFLOPs']:.0f} | "
+                     f"{r['upcast_GFLOPs']:.0f} | {r['fp32_GFLOPs']:.0f} | {r['speedup']:.2f}x | {r['linear_runs']} |")
     return "\n".join(lines) + "\n"
 
 

@@ -105,9 +105,14 @@ def upcast_min_rows(dtype: torch.dtype, flags: frozenset[str] | set[str]) -> int
     return None
 
 
-def _wants_grad(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
-    return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                        or (bias is not None and bias.requires_grad))
+def _inference_on_cpu(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    """CPU x and 2-D weight of one dtype, K > 0, a bias of that dtype on CPU (or none), and no
+    gradient wanted: what both of ``Linear``'s own paths need (attribute reads only)."""
+    return (x.device.type == "cpu" and weight.device.type == "cpu" and weight.dim() == 2 and weight.shape[-1] > 0
+            and x.dtype == weight.dtype
+            and (bias is None or (bias.dtype == x.dtype and bias.device.type == "cpu"))
+            and not (torch.is_grad_enabled()
+                     and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))))
 
 
 def native_applies(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
@@ -115,13 +120,8 @@ def native_applies(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     being built: CPU tensors of one dtype the kernel takes, a contiguous weight, at most
     ``native_max_rows`` rows, no gradient wanted. (Runs on every projection of a decode step, and
     inside traced code: attribute reads only.)"""
-    K = weight.shape[-1]
-    return (x.device.type == "cpu" and weight.device.type == "cpu" and weight.dim() == 2 and K > 0
-            and x.dtype == weight.dtype and x.dtype in _MAX_ROWS_HERE
-            and x.numel() // K <= _MAX_ROWS_HERE[x.dtype]
-            and weight.is_contiguous()
-            and (bias is None or (bias.dtype == x.dtype and bias.device.type == "cpu"))
-            and not _wants_grad(x, weight, bias))
+    return (_inference_on_cpu(x, weight, bias) and x.dtype in _MAX_ROWS_HERE
+            and x.numel() // weight.shape[-1] <= _MAX_ROWS_HERE[x.dtype] and weight.is_contiguous())
 
 
 #: This CPU's :func:`upcast_min_rows`, read once at import.
@@ -131,12 +131,8 @@ _UPCAST_ROWS_HERE = {dt: upcast_min_rows(dt, cpu_flags()) for dt in (torch.bfloa
 def upcast_applies(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     """Whether ``Linear`` runs this call as the upcast fp32 GEMM on this CPU: CPU tensors of one
     16-bit dtype, a 2-D weight, at least :func:`upcast_min_rows` rows, no gradient wanted."""
-    K = weight.shape[-1]
     rows = _UPCAST_ROWS_HERE.get(x.dtype)
-    return (rows is not None and x.device.type == "cpu" and weight.device.type == "cpu" and weight.dim() == 2
-            and K > 0 and x.dtype == weight.dtype and x.numel() // K >= rows
-            and (bias is None or (bias.dtype == x.dtype and bias.device.type == "cpu"))
-            and not _wants_grad(x, weight, bias))
+    return rows is not None and _inference_on_cpu(x, weight, bias) and x.numel() // weight.shape[-1] >= rows
 
 
 def upcast_linear(x: Tensor, weight: Tensor, bias: Tensor | None, slab_bytes: int = UPCAST_SLAB_BYTES) -> Tensor:
