@@ -59,7 +59,7 @@ def run(quick: bool) -> dict:
     torch.manual_seed(0)
     shapes = DECODER if quick else DECODER + LLAMA_7B
     rows_list = (1, 8) if quick else (1, 2, 4, 8)
-    flags = cpu_flags()
+    flags = _rule_flags()
     rows = []
     for layer, N, K in shapes:
         for dname, dt in DTYPES.items():
@@ -84,9 +84,24 @@ def run(quick: bool) -> dict:
                              "torch_GBps": nbytes / t["torch"] / 1e9, "native_GBps": nbytes / t["native"] / 1e9,
                              "read_GBps": read, "speedup": t["torch"] / t["native"],
                              "linear_runs": "native" if M <= native_max_rows(dt, flags) else "torch"})
-    march = os.environ.get("ATTNKIT_NATIVE_MARCH", "").strip() or "native"
+    march = _march()
     return {"machine": machine(), "quick": quick, "native_march": march, "rows": rows,
             "prompt_rows": _prompt_rows(quick, flags)}
+
+
+def _march() -> str:
+    return os.environ.get("ATTNKIT_NATIVE_MARCH", "").strip() or "native"
+
+
+def _rule_flags() -> set[str]:
+    """The CPU flags the "Linear runs" columns apply ``Linear``'s rules to: this CPU's, or, for the
+    AVX2 build (``ATTNKIT_NATIVE_MARCH=haswell``, best run with torch's libraries held to AVX2 as
+    well: ``ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2``), this
+    CPU's without its AVX-512 and AMX ones: an AVX2 CPU's."""
+    flags = set(cpu_flags())
+    if _march() == "haswell":
+        flags = {f for f in flags if not f.startswith(("avx512", "amx"))}
+    return flags
 
 
 #: The llama.cpp comparison model's projections (benchmarks/bench_llamacpp.py: hidden 1024, 16 / 4
