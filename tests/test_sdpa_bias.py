@@ -96,3 +96,65 @@ def test_bias_dtype_policy():
     assert sdpa_bias_dtype("cuda", torch.float32) == torch.float32
     assert sdpa_bias_dtype("cuda", torch.float64) == torch.float64
     assert sdpa_bias_dtype("cpu", torch.float64) == torch.float64
+
+
+# ------------------------------------------------- bf16 SDPA in fp32 on AVX-512 CPUs without AMX
+
+
+def _call(dtype=torch.bfloat16, device="cpu", grad=False, dropout=0.0):
+    q = torch.zeros(1, 4, 3, 8, dtype=dtype, device=device, requires_grad=grad)
+    k = torch.zeros(1, 2, 5, 8, dtype=dtype, device=device)
+    with torch.set_grad_enabled(grad):
+        return _validate(q, k, k, None, True, None, dropout, False)
+
+
+def test_sdpa_upcasts_is_a_rule_of_the_call_and_cpu_flags():
+    """bf16 CPU inference runs in fp32 on AVX-512 CPUs without AMX-BF16 (Skylake-X to Emerald
+    Rapids without AMX, Zen 4 / 5); AVX2 and AMX CPUs, other dtypes, CUDA, gradients and dropout
+    keep the call as it is."""
+    from attnkit.backends.sdpa import sdpa_upcasts
+
+    zen3 = {"avx2", "fma"}
+    icl = {"avx2", "avx512f", "avx512_vnni"}
+    zen4 = icl | {"avx512_bf16"}
+    spr = zen4 | {"avx512_fp16", "amx_bf16", "amx_tile"}
+    call = _call()
+    assert sdpa_upcasts(call, icl) and sdpa_upcasts(call, zen4)
+    assert not sdpa_upcasts(call, zen3) and not sdpa_upcasts(call, spr)
+    for other in (_call(torch.float16), _call(torch.float32), _call(grad=True), _call(dropout=0.1),
+                  _call(device="meta")):
+        assert not sdpa_upcasts(other, zen4)
+
+
+@pytest.mark.parametrize("case", ["causal", "gqa-padding-empty-rows", "mla-widths", "sinks"])
+def test_sdpa_in_fp32_for_bf16_holds_rule_r(case, monkeypatch):
+    """With the upcast forced on (this CPU's flags as an AVX-512 CPU without AMX), bf16 calls
+    through ``sdpa`` against the fp64 oracle and the eager base, and the output's dtype."""
+    import attnkit.backends.sdpa as S
+    from conftest import check_against_oracle
+
+    monkeypatch.setattr(S, "_FLAGS_HERE", frozenset({"avx512f"}))
+    seen = []
+    real = S.sdpa_upcasts
+    monkeypatch.setattr(S, "sdpa_upcasts", lambda call, flags: seen.append(real(call, flags)) or seen[-1])
+    g = torch.Generator().manual_seed(7)
+    B, Hq, Hkv, Sq, Sk, D, Dv = 2, 4, 2, 33, 47, 24, 24
+    sinks, mask, causal = None, None, False
+    if case == "causal":
+        causal = True
+    elif case == "gqa-padding-empty-rows":
+        mask = M.KeyPadding(torch.tensor([Sk, 0])) & M.Causal()
+    elif case == "mla-widths":
+        Dv = 16
+        causal = True
+    else:
+        Hkv, Sk, sinks = Hq, Sq, torch.randn(Hq, generator=g)  # SDPA takes sinks with a plain causal mask
+        causal = True
+    q = torch.randn(B, Hq, Sq, D, generator=g).bfloat16()
+    k = torch.randn(B, Hkv, Sk, D, generator=g).bfloat16()
+    v = torch.randn(B, Hkv, Sk, Dv, generator=g).bfloat16()
+    with torch.inference_mode():
+        out = check_against_oracle(q, k, v, mask, causal=causal, backend="sdpa", grad=False, sinks=sinks)
+    assert seen == [True] and out.dtype == torch.bfloat16 and out.shape == (B, Hq, Sq, Dv)
+    if case == "gqa-padding-empty-rows":
+        assert (out[1] == 0).all()

@@ -19,6 +19,13 @@ Sinks on CPU, for inference, one per query head (gpt-oss) or one per query (Inkl
 CPU flash kernel returns each row's log-sum-exp beside its output, which is all a sink needs
 (:func:`attnkit.backends.common.with_sinks`), so unmasked and causal prefill with sinks runs the
 fused kernel (K/V expanded per query head, as the op has no grouped heads). Soft-capping changes every score, which no SDPA kernel can do.
+
+bf16 inference on AVX-512 CPUs without AMX-BF16 (:func:`sdpa_upcasts`, a rule of the call and
+the CPU's flags): torch's CPU flash kernel runs bf16 at about 0.6-0.7x its fp32 speed there (its
+fp32 blocks use MKL's GEMM, its bf16 ones do not gain from the bf16 dot product), so q, k and v
+are widened to fp32 for the call and the output rounded once to bf16: the same kernel, fp32
+inputs exact, a result at least as accurate. The call holds fp32 copies of q, k and v meanwhile.
+AVX2 CPUs (bf16 about as fast as fp32 there) and AMX ones keep bf16.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from .._sysinfo import cpu_flags
 from .common import CPU_FLASH, sinks_refusals, with_sinks
 from .registry import AttentionCall, BackendBase
 
@@ -160,6 +168,19 @@ def _math_for_grads(call: AttentionCall) -> bool:
     return call.needs_grad and call.device_type == "cpu" and call.dtype in (torch.float16, torch.bfloat16)
 
 
+def sdpa_upcasts(call: AttentionCall, flags: frozenset[str] | set[str]) -> bool:
+    """Whether :class:`SdpaBackend` runs ``call`` in fp32 on a CPU with feature ``flags``
+    (``/proc/cpuinfo`` names): a bf16 CPU call with no gradient or dropout, on a CPU with AVX-512
+    (``avx512f``) and without AMX-BF16 (see the module docstring). A pure function, so the rule
+    for any CPU is testable on this one."""
+    return (call.device_type == "cpu" and call.dtype == torch.bfloat16 and not call.needs_grad
+            and call.dropout_p == 0.0 and "avx512f" in flags and "amx_bf16" not in flags)
+
+
+#: This CPU's flags, read once at import (never inside code torch.compile traces).
+_FLAGS_HERE = cpu_flags()
+
+
 class SdpaBackend(BackendBase):
     name = "sdpa"
 
@@ -194,16 +215,22 @@ class SdpaBackend(BackendBase):
                                     call.num_heads != call.num_kv_heads)
 
     def run(self, q, k, v, call: AttentionCall):
-        Dv = v.shape[-1]
+        Dv, dtype = v.shape[-1], q.dtype
         q, k, v = _equal_widths(q, k, v)
+        if sdpa_upcasts(call, _FLAGS_HERE):
+            q, k, v = q.float(), k.float(), v.float()
+        out = self._run(q, k, v, call)
+        return out[..., :Dv].to(dtype), None
+
+    def _run(self, q, k, v, call: AttentionCall) -> Tensor:
+        """:meth:`run` on equal widths, in q's dtype (bf16 calls maybe already widened)."""
         if call.sinks is not None:  # the CPU flash kernel's log-sum-exp carries the sinks
             G = call.groups
             if G > 1:
                 k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
             out, lse = CPU_FLASH[0](q, k, v, 0.0, call.mask is not None, scale=call.scale)
             ct = torch.float64 if q.dtype == torch.float64 else torch.float32  # the kernel's own precision
-            out = with_sinks(out.to(ct), lse.to(ct), call.sinks.detach())[0].to(q.dtype)
-            return out[..., :Dv], None
+            return with_sinks(out.to(ct), lse.to(ct), call.sinks.detach())[0].to(q.dtype)
         attn_mask, row_ok, is_causal = self.sdpa_args(q, k, v, call)
         args = dict(attn_mask=attn_mask, dropout_p=call.dropout_p, is_causal=is_causal, scale=call.scale,
                     enable_gqa=call.num_heads != call.num_kv_heads)
@@ -212,11 +239,7 @@ class SdpaBackend(BackendBase):
                 out = F.scaled_dot_product_attention(q, k, v, **args)
         else:
             out = F.scaled_dot_product_attention(q, k, v, **args)
-        if out.shape[-1] != Dv:
-            out = out[..., :Dv]
-        if row_ok is not None:
-            out = out.masked_fill(~row_ok, 0.0)
-        return out, None
+        return out if row_ok is None else out.masked_fill(~row_ok, 0.0)
 
 
 def _equal_widths(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
