@@ -9,6 +9,8 @@ would be for the GPU and SDPA's CPU kernel adds it to fp32 scores, as the CUDA k
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -105,13 +107,14 @@ def _call(dtype=torch.bfloat16, device="cpu", grad=False, dropout=0.0):
     q = torch.zeros(1, 4, 3, 8, dtype=dtype, device=device, requires_grad=grad)
     k = torch.zeros(1, 2, 5, 8, dtype=dtype, device=device)
     with torch.set_grad_enabled(grad):
-        return _validate(q, k, k, None, True, None, dropout, False)
+        return _validate(q, k, k, None, False, None, dropout, False)
 
 
 def test_sdpa_upcasts_is_a_rule_of_the_call_and_cpu_flags():
     """bf16 CPU inference runs in fp32 on AVX-512 CPUs without AMX-BF16 (Skylake-X to Emerald
     Rapids without AMX, Zen 4 / 5); AVX2 and AMX CPUs, other dtypes, CUDA, gradients and dropout
     keep the call as it is."""
+    import attnkit.backends.sdpa as S
     from attnkit.backends.sdpa import sdpa_upcasts
 
     zen3 = {"avx2", "fma"}
@@ -124,6 +127,10 @@ def test_sdpa_upcasts_is_a_rule_of_the_call_and_cpu_flags():
     for other in (_call(torch.float16), _call(torch.float32), _call(grad=True), _call(dropout=0.1),
                   _call(device="meta")):
         assert not sdpa_upcasts(other, zen4)
+    # the fp32 copies: q (4 heads x Sq x 8) and k, v (2 heads x Sk x 8 each), up to UPCAST_MAX_BYTES
+    rows = S.UPCAST_MAX_BYTES // (4 * 8 * 8)  # Sq = Sk = rows: 4 + 2 * 2 rows of 8 fp32 per position
+    assert sdpa_upcasts(dataclasses.replace(call, q_len=rows, kv_len=rows), zen4)
+    assert not sdpa_upcasts(dataclasses.replace(call, q_len=rows + 1, kv_len=rows), zen4)
 
 
 @pytest.mark.parametrize("case", ["causal", "gqa-padding-empty-rows", "mla-widths", "sinks"])

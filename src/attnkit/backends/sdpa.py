@@ -24,8 +24,9 @@ bf16 inference on AVX-512 CPUs without AMX-BF16 (:func:`sdpa_upcasts`, a rule of
 the CPU's flags): torch's CPU flash kernel runs bf16 at about 0.6-0.7x its fp32 speed there (its
 fp32 blocks use MKL's GEMM, its bf16 ones do not gain from the bf16 dot product), so q, k and v
 are widened to fp32 for the call and the output rounded once to bf16: the same kernel, fp32
-inputs exact, a result at least as accurate. The call holds fp32 copies of q, k and v meanwhile.
-AVX2 CPUs (bf16 about as fast as fp32 there) and AMX ones keep bf16.
+inputs exact, a result at least as accurate. The call holds fp32 copies of q, k and v meanwhile,
+so calls whose copies would pass :data:`UPCAST_MAX_BYTES` keep bf16. AVX2 CPUs (bf16 about as
+fast as fp32 there) and AMX ones keep bf16.
 """
 
 from __future__ import annotations
@@ -168,13 +169,21 @@ def _math_for_grads(call: AttentionCall) -> bool:
     return call.needs_grad and call.device_type == "cpu" and call.dtype in (torch.float16, torch.bfloat16)
 
 
+#: The most bytes of fp32 copies of q, k and v a bf16 call widened to fp32 holds (see the module
+#: docstring); larger calls keep bf16.
+UPCAST_MAX_BYTES = 256 << 20
+
+
 def sdpa_upcasts(call: AttentionCall, flags: frozenset[str] | set[str]) -> bool:
     """Whether :class:`SdpaBackend` runs ``call`` in fp32 on a CPU with feature ``flags``
-    (``/proc/cpuinfo`` names): a bf16 CPU call with no gradient or dropout, on a CPU with AVX-512
-    (``avx512f``) and without AMX-BF16 (see the module docstring). A pure function, so the rule
-    for any CPU is testable on this one."""
+    (``/proc/cpuinfo`` names): a bf16 CPU call with no gradient or dropout whose fp32 q, k and v
+    fit :data:`UPCAST_MAX_BYTES`, on a CPU with AVX-512 (``avx512f``) and without AMX-BF16 (see
+    the module docstring). A pure function, so the rule for any CPU is testable on this one."""
+    widths = max(call.head_dim, call.v_head_dim)  # as run: the narrower of K and V is padded
+    copies = 4 * call.batch * widths * (call.num_heads * call.q_len + 2 * call.num_kv_heads * call.kv_len)
     return (call.device_type == "cpu" and call.dtype == torch.bfloat16 and not call.needs_grad
-            and call.dropout_p == 0.0 and "avx512f" in flags and "amx_bf16" not in flags)
+            and call.dropout_p == 0.0 and "avx512f" in flags and "amx_bf16" not in flags
+            and copies <= UPCAST_MAX_BYTES)
 
 
 #: This CPU's flags, read once at import (never inside code torch.compile traces).
