@@ -21,8 +21,8 @@ CPU flash kernel returns each row's log-sum-exp beside its output, which is all 
 fused kernel (K/V expanded per query head, as the op has no grouped heads). Soft-capping changes every score, which no SDPA kernel can do.
 
 bf16 inference on AVX-512 CPUs without AMX-BF16 (:func:`sdpa_upcasts`, a rule of the call and
-the CPU's flags): torch's CPU flash kernel runs bf16 at about 0.6-0.7x its fp32 speed there (its
-fp32 blocks use MKL's GEMM, its bf16 ones do not gain from the bf16 dot product), so q, k and v
+the CPU's flags): torch's CPU flash kernel runs bf16 slower than fp32 there (its fp32 blocks use
+MKL's GEMM, its bf16 ones do not gain from the bf16 dot product; benchmarks/NOTES.md), so q, k and v
 are widened to fp32 for the call and the output rounded once to bf16: the same kernel, fp32
 inputs exact, a result at least as accurate. The call holds fp32 copies of q, k and v meanwhile,
 so calls whose copies would pass :data:`UPCAST_MAX_BYTES` keep bf16. AVX2 CPUs (bf16 about as

@@ -63,8 +63,8 @@ __all__ = ["Linear", "LinearInputError", "MAX_ROWS", "UPCAST_SLAB_BYTES", "nativ
 MAX_ROWS = 8
 #: bf16 rows above which torch's GEMM is kept on a CPU with AMX-BF16 (see the module docstring).
 _AMX_BF16_ROWS = 4
-#: bf16 rows from which an AVX-512-BF16 CPU (no AMX) runs the upcast GEMM (torch's bf16 GEMM
-#: there: about 0.6x its fp32 GEMM; the slab copies cost as much as that gap near 96 rows).
+#: bf16 rows from which an AVX-512-BF16 CPU (no AMX) runs the upcast GEMM: where the fp32 GEMM's
+#: lead over torch's bf16 GEMM pays for the slab copies (benchmarks/results/xeon-amx/linear.md).
 _BF16_DOT_UPCAST_ROWS = 128
 #: fp32 bytes of weights one slab of the upcast GEMM widens at a time.
 UPCAST_SLAB_BYTES = 16 << 20
