@@ -17,8 +17,8 @@ from torch import nn
 
 from attnkit import native
 from attnkit.modules import linear as L
-from attnkit.modules.linear import (MAX_ROWS, Linear, LinearInputError, native_applies, native_max_rows, upcast_applies,
-                                    upcast_linear, upcast_min_rows)
+from attnkit.modules.linear import (MAX_ROWS, Linear, LinearInputError, half_gemm_unit, native_applies, native_max_rows,
+                                    upcast_applies, upcast_linear, upcast_min_rows)
 
 from conftest import rule_r
 
@@ -303,6 +303,10 @@ def test_upcast_min_rows_is_a_rule_of_dtype_and_cpu_flags():
     assert upcast_min_rows(torch.float16, {"avx2", "amx_fp16"}) is None
     for flags in (zen3, zen4, spr):
         assert upcast_min_rows(torch.float32, flags) is upcast_min_rows(torch.float64, flags) is None
+    assert not half_gemm_unit(torch.bfloat16, zen3) and not half_gemm_unit(torch.bfloat16, icl)
+    assert half_gemm_unit(torch.bfloat16, zen4) and half_gemm_unit(torch.bfloat16, {"amx_bf16"})
+    assert not half_gemm_unit(torch.float16, zen4) and half_gemm_unit(torch.float16, spr)
+    assert not half_gemm_unit(torch.float32, spr)
 
 
 UPCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -430,3 +430,26 @@ def test_a_failing_call_leaves_the_latent_cache_unchanged(mode, kind):
             assert cache.lengths.tolist() == [5, 5], name
             torch.testing.assert_close(m(x[:, 5:], cache=cache), m(x[:, 5:], cache=twin), rtol=0, atol=0)
             assert cache.lengths.tolist() == [8, 8]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("widen", [False, True], ids=["16-bit", "widened"])
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_per_head_matmul_matches_the_oracle(dtype, widen, rows, monkeypatch):
+    """Both products of absorbed MLA (q_nope @ W_UK, out_latent @ W_UV^T read through W_UV in its
+    own row order), in the CPU's 16-bit GEMM and widened to fp32 (which of the two a CPU takes is
+    ``half_gemm_unit``'s rule, tests/test_linear.py), against fp64 and torch's matmul in the dtype."""
+    import attnkit.modules.mla as MLA
+
+    monkeypatch.setattr(MLA, "_PER_HEAD_UPCAST", frozenset({dtype}) if widen else frozenset())
+    g = torch.Generator().manual_seed(rows)
+    H, dn, dv, r = 3, 16, 8, 40
+    w = torch.randn(H, dn + dv, r, generator=g).to(dtype)  # kv_b_proj's weight as (H, dn + dv, r)
+    w_uk, w_uv = w[:, :dn], w[:, dn:]
+    B, S = (1, rows) if rows != 40 else (4, 10)
+    x = torch.randn(B, H, S, dn, generator=g).to(dtype)
+    o = torch.randn(B, H, S, r, generator=g).to(dtype)
+    for got, a, b in ((MLA._per_head_matmul(x, w_uk), x, w_uk),
+                      (MLA._per_head_matmul(o, w_uv, w_transposed=True), o, w_uv.transpose(1, 2))):
+        assert got.dtype == dtype and got.shape == (B, H, S, b.shape[-1])
+        rule_r(got, a @ b, a.double() @ b.double(), n_terms=a.shape[-1], what=f"rows {rows}")

@@ -57,7 +57,7 @@ from .. import native
 from .._sysinfo import cpu_flags
 
 __all__ = ["Linear", "LinearInputError", "MAX_ROWS", "UPCAST_SLAB_BYTES", "native_max_rows", "native_applies",
-           "upcast_min_rows", "upcast_applies"]
+           "half_gemm_unit", "upcast_min_rows", "upcast_applies"]
 
 #: The most rows of x the native kernel takes (``kMaxRows`` in ``native/linear.cpp``).
 MAX_ROWS = 8
@@ -90,19 +90,29 @@ def native_max_rows(dtype: torch.dtype, flags: frozenset[str] | set[str]) -> int
 _MAX_ROWS_HERE = {dt: native_max_rows(dt, cpu_flags()) for dt in (torch.float32, torch.bfloat16)}
 
 
+def half_gemm_unit(dtype: torch.dtype, flags: frozenset[str] | set[str]) -> bool:
+    """Whether a CPU with feature ``flags`` (``/proc/cpuinfo`` names) has instructions torch's
+    ``dtype`` GEMM runs on natively: bf16 with ``avx512_bf16`` or ``amx_bf16``, fp16 with
+    ``avx512_fp16`` or ``amx_fp16``. Without them torch widens the operands inside its own
+    loops, or runs a generic kernel, far slower than its fp32 GEMM."""
+    if dtype == torch.bfloat16:
+        return "avx512_bf16" in flags or "amx_bf16" in flags
+    if dtype == torch.float16:
+        return "avx512_fp16" in flags or "amx_fp16" in flags
+    return False
+
+
 def upcast_min_rows(dtype: torch.dtype, flags: frozenset[str] | set[str]) -> int | None:
     """From how many rows of x ``Linear`` runs a ``dtype`` call as an fp32 GEMM over upcast weights
-    on a CPU with feature ``flags`` (``/proc/cpuinfo`` names); None: never (fp32 and fp64; bf16
-    with ``amx_bf16``; fp16 with ``amx_fp16`` or ``avx512_fp16``). bf16 with ``avx512_bf16``:
-    :data:`_BF16_DOT_UPCAST_ROWS`; other 16-bit cases: every call past the native kernel's
-    :data:`MAX_ROWS`. A pure function, so the rule for any CPU is testable on this one."""
-    if dtype == torch.bfloat16:
-        if "amx_bf16" in flags:
-            return None
-        return _BF16_DOT_UPCAST_ROWS if "avx512_bf16" in flags else MAX_ROWS + 1
-    if dtype == torch.float16:
-        return None if ("amx_fp16" in flags or "avx512_fp16" in flags) else MAX_ROWS + 1
-    return None
+    on a CPU with feature ``flags``; None: never (fp32 and fp64; 16-bit with AMX, and fp16 with
+    AVX-512-FP16). Without a :func:`half_gemm_unit`: every call past the native kernel's
+    :data:`MAX_ROWS`; bf16 with AVX-512-BF16 and no AMX: :data:`_BF16_DOT_UPCAST_ROWS`. A pure
+    function, so the rule for any CPU is testable on this one."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if not half_gemm_unit(dtype, flags):
+        return MAX_ROWS + 1
+    return _BF16_DOT_UPCAST_ROWS if dtype == torch.bfloat16 and "amx_bf16" not in flags else None
 
 
 def _inference_on_cpu(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:

@@ -47,7 +47,8 @@ from ..caches import BoundCache, KVCache, new_cache
 from ..functional import attention
 from ..masks import as_mask
 from ..rope import RopeConfig, RotaryEmbedding, yarn_get_mscale
-from .linear import Linear
+from .._sysinfo import cpu_flags
+from .linear import Linear, half_gemm_unit
 from .norm import RMSNorm
 from .options import and_masks, attention_kwargs, check_flag, check_variant_options, torch_key_padding, window_mask
 
@@ -230,23 +231,28 @@ class _RopeView:
 # --------------------------------------------------------------------------- module
 
 
-def _cpu_half(x: Tensor) -> bool:
-    """fp16/bf16 GEMMs on CPU have no fast kernel without AVX512-BF16/AMX (much slower than fp32:
-    ``benchmarks/bench_mla.py``, ``benchmarks/results/mla.md``), so the matmuls MLA adds run in fp32 there and round once to the input
-    dtype (the same single rounding a half GEMM with fp32 accumulation makes)."""
-    return x.device.type == "cpu" and x.dtype in (torch.float16, torch.bfloat16)
+#: The 16-bit dtypes MLA's per-head matmuls widen to fp32 on this CPU: those without a
+#: :func:`~attnkit.modules.linear.half_gemm_unit`, where torch's batched 16-bit GEMM is slower
+#: than widening at every size; with one, widening the weights costs more than it saves
+#: (benchmarks/NOTES.md). Read once at import.
+_PER_HEAD_UPCAST = frozenset(dt for dt in (torch.float16, torch.bfloat16) if not half_gemm_unit(dt, cpu_flags()))
 
 
-def _per_head_matmul(x: Tensor, w: Tensor) -> Tensor:
+def _per_head_matmul(x: Tensor, w: Tensor, *, w_transposed: bool = False) -> Tensor:
     """x (B, H, S, i) @ w (H, i, o) -> (B, H, S, o), one GEMM per head with the batch folded in
-    (``torch.matmul`` would broadcast w over B by copying it). fp32 compute for CPU fp16/bf16.
+    (``torch.matmul`` would broadcast w over B by copying it); with ``w_transposed``, w is
+    (H, o, i) and x @ w^T is computed as (w @ x^T)^T, so each head's weights are read in their own
+    row order (a transposed view sends torch's 16-bit GEMM to a slow path). CPU fp16/bf16 of
+    :data:`_PER_HEAD_UPCAST` run in fp32 and round once to x's dtype (the same single rounding a
+    16-bit GEMM with fp32 sums makes).
     """
     B, H, S, i = x.shape
     dt = x.dtype
-    if _cpu_half(x):
+    if x.device.type == "cpu" and dt in _PER_HEAD_UPCAST:
         x, w = x.float(), w.float()
-    out = torch.bmm(x.transpose(0, 1).reshape(H, B * S, i), w)  # (H, B*S, o)
-    return out.view(H, B, S, -1).transpose(0, 1).to(dt)
+    x2 = x.transpose(0, 1).reshape(H, B * S, i)
+    out = torch.bmm(w, x2.transpose(1, 2)).transpose(1, 2) if w_transposed else torch.bmm(x2, w)  # (H, B*S, o)
+    return out.reshape(H, B, S, -1).transpose(0, 1).to(dt)
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -333,10 +339,7 @@ class MultiHeadLatentAttention(nn.Module):
         c = self.config
         B, _, L, _ = latent.shape
         c_kv = latent[:, 0, :, :c.kv_lora_rank]
-        if _cpu_half(c_kv) and B * L >= 16:  # enough rows that the GEMM, not the weight's upcast, dominates
-            kv = nn.functional.linear(c_kv.float(), self.kv_b_proj.weight.float()).to(c_kv.dtype)
-        else:
-            kv = self.kv_b_proj(c_kv)  # (B, L, H * (dn + dv))
+        kv = self.kv_b_proj(c_kv)  # (B, L, H * (dn + dv)); Linear widens 16-bit GEMMs where that pays
         kv = kv.view(B, L, c.num_heads, c.qk_nope_head_dim + c.v_head_dim).transpose(1, 2)
         k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
         k_pe = latent[..., c.kv_lora_rank:].expand(B, c.num_heads, L, c.qk_rope_head_dim)
@@ -428,7 +431,7 @@ class MultiHeadLatentAttention(nn.Module):
             else:  # MQA over the single latent head; V is the cache's first r channels
                 res = cache.attend(q_cat, latent, None, user_mask, **kw)
             out_latent, weights = res if need_weights else (res, None)  # (B, H, S, r)
-            out = _per_head_matmul(out_latent, w_uv.transpose(1, 2))  # (B, H, S, dv)
+            out = _per_head_matmul(out_latent, w_uv, w_transposed=True)  # (B, H, S, dv)
         else:
             q = torch.cat((q_nope, q_pe), dim=-1)
             if cache is None:
