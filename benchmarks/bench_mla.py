@@ -11,6 +11,10 @@ v 128, no query compression), batch 1, one decode step after a context of C toke
 * ``re-expand``: the latent cache, re-expanded to per-head K/V every step (mode="naive"; what
   Hugging Face transformers 5.x's DeepseekV3Attention does with its cache).
 
+Absorption's per-head matmuls (q_nope @ W_UK, out_latent @ W_UV^T) in bf16 at 16 and 128 heads
+(DeepSeek-V3's), 1 to 256 rows: torch's bf16 GEMM against widening both operands to fp32 first;
+"MLA runs" is this CPU's rule (``half_gemm_unit``: widen only without a 16-bit GEMM unit).
+
 The cache is filled directly with random latents (a 16k-token prefill would dominate the run);
 each measured step is rolled back with ``cache.crop(-1)`` so every repetition sees C tokens.
 The three steps' outputs are checked to agree before timing. Contenders run interleaved; medians.
@@ -31,6 +35,7 @@ import torch
 
 from _common import bench_main, interleaved_medians, machine
 from attnkit import DynamicCache
+from attnkit.modules import mla as mla_module
 from attnkit.modules.mla import MLAConfig, MultiHeadLatentAttention
 
 LITE = dict(hidden_size=2048, num_heads=16, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
@@ -145,8 +150,41 @@ def run(quick: bool) -> dict:
             del exp, lat_a, lat_n
     # The load average says how shared the machine was (other jobs skew absolute times; the
     # interleaved ratios much less).
-    return {"machine": machine(), "quick": quick, "dims": dims, "rows": rows,
+    return {"machine": machine(), "quick": quick, "dims": dims, "rows": rows, "per_head": _per_head_rows(quick),
             "load_average": [load_start, os.getloadavg()[0]]}
+
+
+def _per_head_rows(quick: bool) -> list[dict]:
+    """Each absorbed product in bf16, as torch's bf16 GEMM and widened to fp32 (the module's
+    ``_PER_HEAD_UPCAST`` set both ways around the same call), interleaved."""
+    d = QUICK if quick else LITE
+    dn, dv, r = d["qk_nope_head_dim"], d["v_head_dim"], d["kv_lora_rank"]
+    rows = []
+    here = mla_module._PER_HEAD_UPCAST
+    for H in ((4,) if quick else (16, 128)):
+        w = torch.randn(H, dn + dv, r).bfloat16()  # kv_b_proj's weight as (H, dn + dv, r)
+        w_uk, w_uv = w[:, :dn], w[:, dn:]
+        for n in ((1, 16) if quick else (1, 16, 256)):
+            x, o = torch.randn(1, H, n, dn).bfloat16(), torch.randn(1, H, n, r).bfloat16()
+            for product, fn in (("q_nope @ W_UK", lambda: mla_module._per_head_matmul(x, w_uk)),
+                                ("out_latent @ W_UV^T", lambda: mla_module._per_head_matmul(o, w_uv, w_transposed=True))):
+                def timed_as(widen, fn=fn):
+                    def call():
+                        mla_module._PER_HEAD_UPCAST = frozenset({torch.bfloat16}) if widen else frozenset()
+                        try:
+                            t0 = time.perf_counter()
+                            fn()
+                            return time.perf_counter() - t0
+                        finally:
+                            mla_module._PER_HEAD_UPCAST = here
+                    return call
+                with torch.inference_mode():
+                    t = interleaved_medians({"bf16": timed_as(False), "widened": timed_as(True)}, 3 if quick else 9,
+                                            warmup=1)
+                rows.append({"heads": H, "rows": n, "product": product, "bf16_ms": t["bf16"] * 1e3,
+                             "widened_ms": t["widened"] * 1e3,
+                             "mla_runs": "widened" if torch.bfloat16 in here else "bf16"})
+    return rows
 
 
 def _naive_layer(m, x, cache):
@@ -194,6 +232,14 @@ def to_markdown(res: dict) -> str:
             f"| {r['re-expand_layer_ms'] / a_l:.1f}x / {r['re-expand_core_ms'] / a_c:.1f}x "
             f"| {r['absorbed_cache_mb']:.2f} | {r['expanded_cache_mb']:.2f} "
             f"| {r['expanded_cache_mb'] / r['absorbed_cache_mb']:.1f}x |")
+    lines += ["", "Absorption's per-head matmuls in bf16 (kv_lora_rank "
+              f"{d['kv_lora_rank']}, nope {d['qk_nope_head_dim']}, v {d['v_head_dim']}): torch's bf16 GEMM against "
+              "widening both operands to fp32 first; MLA runs: this CPU's rule (`half_gemm_unit`).", "",
+              "| heads | rows | product | bf16 ms | widened ms | widened / bf16 | MLA runs |",
+              "|---:|---:|---|---:|---:|---:|---|"]
+    for p in res.get("per_head", []):
+        lines.append(f"| {p['heads']} | {p['rows']} | {p['product']} | {p['bf16_ms']:.3f} | {p['widened_ms']:.3f} "
+                     f"| {p['widened_ms'] / p['bf16_ms']:.2f}x | {p['mla_runs']} |")
     return "\n".join(lines) + "\n"
 
 
