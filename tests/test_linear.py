@@ -341,6 +341,27 @@ def test_upcast_linear_keeps_leading_dims_and_nan_in_its_row():
     assert not torch.isfinite(got[..., 70]).any() and torch.isfinite(got[0, :, 71:]).all()
 
 
+def test_upcast_linear_bad_input_names_the_shapes():
+    x, w = torch.randn(3, 8, dtype=torch.bfloat16), torch.randn(4, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"x \(2, 12\), weight \(4, 8\)"):
+        upcast_linear(torch.randn(2, 12, dtype=torch.bfloat16), w, None)  # 24 elements: 3 rows of 8 if reshaped
+    with pytest.raises(ValueError, match="bias must be"):
+        upcast_linear(x, w, torch.randn(5, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="share a dtype"):
+        upcast_linear(x, w.half(), None)
+
+
+def test_upcast_applies_only_on_cpu(monkeypatch):
+    """The CUDA branch's decision, on CPU: tensors on another device (meta standing in) keep
+    F.linear whatever the rule says."""
+    monkeypatch.setitem(L._UPCAST_ROWS_HERE, torch.bfloat16, 1)
+    x, w = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(2, 8, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert upcast_applies(x, w, None)
+        assert not upcast_applies(x.to("meta"), w.to("meta"), None)
+        assert not upcast_applies(x, w.float(), None)
+
+
 @pytest.fixture
 def upcasts(monkeypatch):
     """Counts the calls ``Linear`` gives to the upcast GEMM."""

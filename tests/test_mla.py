@@ -453,3 +453,13 @@ def test_per_head_matmul_matches_the_oracle(dtype, widen, rows, monkeypatch):
                       (MLA._per_head_matmul(o, w_uv, w_transposed=True), o, w_uv.transpose(1, 2))):
         assert got.dtype == dtype and got.shape == (B, H, S, b.shape[-1])
         rule_r(got, a @ b, a.double() @ b.double(), n_terms=a.shape[-1], what=f"rows {rows}")
+
+
+def test_per_head_matmul_widens_only_on_cpu(monkeypatch):
+    """The CUDA branch's decision, on CPU: a non-CPU tensor (meta standing in) never widens."""
+    import attnkit.modules.mla as MLA
+
+    monkeypatch.setattr(MLA, "_PER_HEAD_UPCAST", frozenset({torch.bfloat16}))
+    x = torch.zeros(1, 2, 1, 4, dtype=torch.bfloat16)
+    assert MLA._per_head_widens(x) and not MLA._per_head_widens(x.to("meta"))
+    assert not MLA._per_head_widens(x.half())

@@ -124,8 +124,10 @@ def test_sdpa_upcasts_is_a_rule_of_the_call_and_cpu_flags():
     call = _call()
     assert sdpa_upcasts(call, icl) and sdpa_upcasts(call, zen4)
     assert not sdpa_upcasts(call, zen3) and not sdpa_upcasts(call, spr)
+    cuda = dataclasses.replace(call, device=torch.device("cuda", 0))  # the CUDA branch, decided on CPU
+    assert cuda.device_type == "cuda"
     for other in (_call(torch.float16), _call(torch.float32), _call(grad=True), _call(dropout=0.1),
-                  _call(device="meta")):
+                  _call(device="meta"), cuda):
         assert not sdpa_upcasts(other, zen4)
     # the fp32 copies: q (4 heads x Sq x 8) and k, v (2 heads x Sk x 8 each), up to UPCAST_MAX_BYTES
     rows = S.UPCAST_MAX_BYTES // (4 * 8 * 8)  # Sq = Sk = rows: 4 + 2 * 2 rows of 8 fp32 per position

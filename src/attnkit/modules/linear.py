@@ -149,7 +149,19 @@ def upcast_linear(x: Tensor, weight: Tensor, bias: Tensor | None, slab_bytes: in
     """``F.linear(x, weight, bias)`` for 16-bit x (..., K), weight (N, K), bias (N,) computed in
     fp32: x widened once, the weights a slab of rows (``slab_bytes`` of fp32, at least 64 rows)
     at a time, each slab's outputs (M, n) summed by the fp32 GEMM, the bias added in fp32, then
-    rounded once to x's dtype. Inference only (see :func:`upcast_applies`)."""
+    rounded once to x's dtype. Inference only (see :func:`upcast_applies`).
+
+    Raises:
+        ValueError: weight not 2-D, x's last dim not K, or bias not (N,).
+        TypeError: x, weight or bias of different dtypes."""
+    if weight.dim() != 2 or x.dim() == 0 or x.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"upcast_linear needs x (..., K) and weight (N, K), got x {tuple(x.shape)}, "
+                         f"weight {tuple(weight.shape)}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias must be (N,) = ({weight.shape[0]},), got {tuple(bias.shape)}")
+    if x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise TypeError(f"x, weight and bias must share a dtype, got {x.dtype}, {weight.dtype}, "
+                        f"{None if bias is None else bias.dtype}")
     N, K = weight.shape
     xf = x.reshape(-1, K).float()
     M = xf.shape[0]

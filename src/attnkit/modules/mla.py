@@ -238,6 +238,12 @@ class _RopeView:
 _PER_HEAD_UPCAST = frozenset(dt for dt in (torch.float16, torch.bfloat16) if not half_gemm_unit(dt, cpu_flags()))
 
 
+def _per_head_widens(x: Tensor) -> bool:
+    """Whether :func:`_per_head_matmul` runs x's product in fp32: CPU tensors of a dtype in
+    :data:`_PER_HEAD_UPCAST`; other devices (CUDA) never."""
+    return x.device.type == "cpu" and x.dtype in _PER_HEAD_UPCAST
+
+
 def _per_head_matmul(x: Tensor, w: Tensor, *, w_transposed: bool = False) -> Tensor:
     """x (B, H, S, i) @ w (H, i, o) -> (B, H, S, o), one GEMM per head with the batch folded in
     (``torch.matmul`` would broadcast w over B by copying it); with ``w_transposed``, w is
@@ -248,7 +254,7 @@ def _per_head_matmul(x: Tensor, w: Tensor, *, w_transposed: bool = False) -> Ten
     """
     B, H, S, i = x.shape
     dt = x.dtype
-    if x.device.type == "cpu" and dt in _PER_HEAD_UPCAST:
+    if _per_head_widens(x):
         x, w = x.float(), w.float()
     x2 = x.transpose(0, 1).reshape(H, B * S, i)
     out = torch.bmm(w, x2.transpose(1, 2)).transpose(1, 2) if w_transposed else torch.bmm(x2, w)  # (H, B*S, o)
