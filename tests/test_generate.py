@@ -302,7 +302,8 @@ def test_compiled_generation_survives_more_configurations_than_dynamos_recompile
     fp32 = Decoder(DecoderConfig(**{**TINY, "num_layers": 1, **VARIANTS["gqa"], "attention": "gqa"}),
                    init_std=0.2).eval()
     models = [fp32, copy.deepcopy(fp32).to(torch.bfloat16)]
-    configs = [(m, kv, p) for p in (4, 70, 140) for m in models for kv in (None, "int8")][:limit + 1]
+    # prompts of 4, 300 and 600 tokens: capacities 256, 512 and 1024 (compiled_capacity)
+    configs = [(m, kv, p) for p in (4, 300, 600) for m in models for kv in (None, "int8")][:limit + 1]
     torch._dynamo.reset()
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a fallback to eager would warn
@@ -312,6 +313,53 @@ def test_compiled_generation_survives_more_configurations_than_dynamos_recompile
             assert m.generate(prompt, 3, cache="static", compile="eager", kv_dtype=kv).tokens == want, \
                 (m.dtype, kv, p)
     assert torch._dynamo.config.recompile_limit == limit
+
+
+def test_compiled_capacity_rule():
+    """A new compiled step's capacity: the next power of two from 256, at most the model's
+    max_position_embeddings (rounded up to 64) when the call fits in it, never below the call."""
+    from attnkit.models.generation import compiled_capacity
+    assert [compiled_capacity(t) for t in (1, 7, 256, 257, 1000, 5000)] == [256, 256, 256, 512, 1024, 8192]
+    assert compiled_capacity(300, limit=2048) == 512
+    assert compiled_capacity(3000, limit=3000) == 3008  # not 4096: no call of this model reaches it
+    assert compiled_capacity(5000, limit=3000) == 8192  # beyond the model's positions: the plain rule
+    assert compiled_capacity(100, limit=40) == 256
+
+
+def test_compiled_steps_are_reused_by_every_call_that_fits():
+    """Calls of other prompt and generation lengths reuse a compiled step whose static caches
+    hold them (the smallest that does), without recompiling, and give the eager tokens; a call
+    that fits none compiles a step of the next capacity."""
+    import torch._dynamo
+    from attnkit.models import generation
+    m = tiny("gqa", seed=10)
+    torch._dynamo.reset()
+
+    def prompt(n):
+        return [[(5 * i + 1) % 64 for i in range(n)]]
+
+    assert m.generate(prompt(100), 20, cache="static", compile="eager").tokens == \
+        m.generate(prompt(100), 20, cache=None).tokens
+    with torch._dynamo.config.patch(error_on_recompile=True):  # any recompile raises
+        for n, new in ((5, 3), (230, 20), (37, 9)):
+            assert m.generate(prompt(n), new, cache="static", compile="eager").tokens == \
+                m.generate(prompt(n), new, cache=None).tokens, (n, new)
+    assert [key[1] for key in generation._COMPILED[m]] == [256]
+    m.generate(prompt(300), 4, cache="static", compile="eager")  # 304 positions: a step of 512
+    m.generate(prompt(10), 4, cache="static", compile="eager")  # the smallest that fits: 256
+    assert [key[1] for key in generation._COMPILED[m]] == [512, 256]
+
+
+def test_compiled_capacity_falls_back_to_the_call_when_memory_is_short(monkeypatch):
+    """Where the power-of-two capacity would not fit the device's memory, the step gets the
+    call's own positions rounded up to 64."""
+    from attnkit.models import generation
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+    m = tiny("gqa", seed=11)
+    per_token = m.kv_bytes_per_token()
+    monkeypatch.setattr(generation, "_device_memory", lambda device: 192 * per_token)
+    m.generate([[1, 2, 3]] * 1, 150, cache="static", compile=True)  # 153 positions: 256 does not fit
+    assert [key[1] for key in generation._COMPILED[m]] == [192]
 
 
 def test_a_step_compile_refuses_runs_eagerly_with_a_warning(monkeypatch):

@@ -208,6 +208,26 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+#: The smallest capacity of a compiled step's static caches (:func:`compiled_capacity`).
+MIN_COMPILED_CAPACITY = 256
+
+
+def compiled_capacity(total: int, limit: int | None = None) -> int:
+    """The capacity a new compiled decode step's static caches get for a call of ``total``
+    positions (longest prompt + max_new_tokens): the next power of two from
+    :data:`MIN_COMPILED_CAPACITY`, and no more than ``limit`` (the model's
+    ``max_position_embeddings``) rounded up to 64 when ``total`` fits in it.
+
+    Later calls of any length up to that capacity reuse the step (:meth:`_CompiledSteps.fitting`)
+    instead of compiling their own: a compile costs seconds (tens with inductor on a CPU), while
+    the spare capacity costs memory only, since a static cache's decode step hands the kernels
+    each row's length and they read those keys alone."""
+    cap = max(MIN_COMPILED_CAPACITY, 1 << (total - 1).bit_length())
+    if limit and total <= limit:
+        cap = min(cap, _round_up(limit, 64))
+    return max(cap, total)
+
+
 def _device_memory(device: torch.device) -> int | None:
     """Bytes of memory of ``device`` (CPU: physical RAM), or None where unknown."""
     try:
@@ -228,7 +248,7 @@ def _check_capacity(model: GenerationMixin, kind: str, batch: int, capacity: int
     if have is not None and need > have:
         raise ValueError(
             f"cache={kind!r} preallocates its whole capacity: {batch} sequence(s) x {capacity} positions (longest "
-            f"prompt + max_new_tokens{', rounded up to 64 for compile' if kind == 'static' else ''}) x "
+            f"prompt + max_new_tokens{', rounded up for compile' if kind == 'static' else ''}) x "
             f"{per_token} bytes per token = {need / 2**30:.1f} GiB, more than the "
             f"{have / 2**30:.1f} GiB of {model.device}; lower max_new_tokens, or use cache='dynamic', which grows "
             f"with the tokens actually generated")
@@ -307,6 +327,12 @@ class _CompiledSteps(OrderedDict):
     The same cache objects serve every call of a configuration, so its compiled step sees the
     same objects every call and its guards hold (nothing recompiles across :func:`generate` calls)."""
 
+    def fitting(self, config: tuple, total: int) -> int | None:
+        """The smallest capacity >= ``total`` of a step kept for ``config`` (the key without its
+        capacity: (B, dtype, device, kv_dtype, backend)), or None."""
+        caps = [key[1] for key in self if (key[0], *key[2:]) == config and key[1] >= total]
+        return min(caps, default=None)
+
     def get_or_make(self, key: tuple, make: Callable[[], _CompiledStep]) -> _CompiledStep:
         if key in self:
             self.move_to_end(key)
@@ -358,9 +384,9 @@ class _Session:
             warnings.warn(f"prompt ({P} tokens) + max_new_tokens ({max_new_tokens}) = {total} positions exceeds the "
                           f"model's max_position_embeddings={limit}: RoPE extrapolates past what it was trained on "
                           f"(Hugging Face does the same, silently); expect degraded output", stacklevel=4)
-        # Fixed-capacity caches hold every position up front (compiled steps reuse them across
-        # calls of similar length); dynamic caches and recomputation grow as tokens come.
-        self.capacity = _round_up(total, 64) if compile else total
+        # Fixed-capacity caches hold every position up front (compiled steps reuse theirs across
+        # calls that fit in them); dynamic caches and recomputation grow as tokens come.
+        self.capacity = self._compiled_capacity(total, limit) if compile else total
         if cache in ("static", "paged"):
             _check_capacity(model, cache, B, self.capacity, self.kv_dtype)
         with torch.inference_mode():
@@ -391,10 +417,27 @@ class _Session:
             return m.new_caches("sliding", max_batch=self.B, kv_dtype=kv)
         return m.new_caches(self.cache_kind, max_batch=self.B, max_len=self.capacity, kv_dtype=kv)
 
+    def _compile_backend(self) -> str:
+        return "inductor" if self.compile is True else self.compile
+
+    def _compiled_capacity(self, total: int, limit: int | None) -> int:
+        """The capacity of this call's compiled step: a kept step's that fits ``total``, else
+        :func:`compiled_capacity`'s while the device's memory holds it, else ``total`` rounded
+        up to 64 (which :func:`_check_capacity` then checks)."""
+        m = self.model
+        config = (self.B, m.dtype, m.device, self.kv_dtype, self._compile_backend())
+        kept = _compiled_of(m).fitting(config, total)
+        if kept is not None:
+            return kept
+        cap, have = compiled_capacity(total, limit), _device_memory(m.device)
+        if have is not None and self.B * cap * m.kv_bytes_per_token(kv_dtype=self.kv_dtype) > have:
+            return _round_up(total, 64)
+        return cap
+
     def _compiled_step(self) -> _CompiledStep:
         """This configuration's compiled step and static caches, made on first use."""
         m, kv = self.model, self.kv_dtype
-        backend = "inductor" if self.compile is True else self.compile
+        backend = self._compile_backend()
         what = (f"batch {self.B}, capacity {self.capacity}, {str(m.dtype).removeprefix('torch.')}, "
                 f"kv_dtype {kv if kv is None else str(kv).removeprefix('torch.')} on {m.device}")
 
@@ -510,7 +553,8 @@ def generate(model: GenerationMixin, prompts, max_new_tokens: int = 32, *, tempe
             None uses torch's global RNG.
         compile: True (inductor) or a ``torch.compile`` backend name: the decode step runs
             compiled with ``fullgraph=True`` over a static cache; it compiles on the first call
-            for a batch size and capacity (``P + T`` rounded up to 64) and is reused after. Each
+            for a batch size and capacity (``P + T`` rounded up to a power of two from 256:
+            :func:`compiled_capacity`) and is reused by every later call that fits in it. Each
             configuration (model, batch, capacity, dtype, ``kv_dtype``, backend) has a step of
             its own, so many models and shapes in one process never meet dynamo's recompile
             limit; a model keeps its :data:`MAX_COMPILED_STEPS` most recently used ones. A step
