@@ -216,7 +216,40 @@ def test_prompt_forms_and_empty_generation():
 def test_timings_are_reported():
     g = tiny().generate(PROMPTS, 8)
     assert g.prefill_seconds > 0 and g.decode_seconds > 0 and g.decode_steps == 7
-    assert g.decode_tokens_per_second > 0
+    assert g.decode_tokens_per_second > 0 and g.compile_seconds == 0 and g.decode_tokens is None
+
+
+def test_the_compiling_step_is_timed_apart_from_the_decode_steps(monkeypatch):
+    """A compiled configuration's first decode step (its compilation) is reported as
+    ``compile_seconds``, not as a decode step: tokens/s count the timed steps' tokens only, and
+    a later call of the same configuration times every step."""
+    import time as time_module
+
+    from attnkit.models import generation
+
+    compiles = []
+
+    def slow_compile(fn, **kwargs):  # compiles on the first call, as torch.compile does
+        def compiled(*args):
+            if not compiles:
+                compiles.append(1)
+                time_module.sleep(0.2)
+            return fn(*args)
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", slow_compile)
+    m = tiny("gqa", seed=12)
+    eos = m.generate(PROMPTS, 8, cache=None).tokens[0][2]  # the first prompt stops after 3 tokens
+    first = m.generate(PROMPTS, 8, cache="static", compile=True, eos=eos)
+    assert first.tokens == m.generate(PROMPTS, 8, cache=None, eos=eos).tokens
+    assert first.compile_seconds >= 0.2 and first.decode_seconds < first.compile_seconds
+    assert first.decode_steps == 6  # 8 tokens: the prefill's, the compiling step's, 6 timed
+    produced_by_compiling_step = sum(len(t) >= 2 for t in first.tokens)
+    assert first.decode_tokens == sum(len(t) - 1 for t in first.tokens) - produced_by_compiling_step
+    assert first.decode_tokens_per_second == first.decode_tokens / first.decode_seconds
+    again = m.generate(PROMPTS, 8, cache="static", compile=True, eos=eos)
+    assert again.compile_seconds == 0 and again.decode_steps == 7 and again.decode_tokens is None
+    assert len(generation._COMPILED[m]) == 1
 
 
 @pytest.mark.parametrize("kw,err,msg", [

@@ -67,8 +67,13 @@ class Generation:
         prompts: the prompts, as lists of ints.
         finish_reasons: per prompt, "eos" or "length".
         prefill_seconds: wall time from the call to the first new token of every sequence.
-        decode_seconds: wall time of the remaining decode steps.
-        decode_steps: forward passes after the prefill.
+        decode_seconds: wall time of the remaining decode steps (the timed ones).
+        decode_steps: the timed forward passes after the prefill.
+        compile_seconds: with ``compile``, the wall time of the first decode step of a
+            configuration that had not run before (its compilation included); that step is
+            not among the timed ones. 0 otherwise.
+        decode_tokens: tokens the timed decode steps produced over the batch (None: every
+            token after each sequence's first).
     """
 
     tokens: list[list[int]]
@@ -77,6 +82,8 @@ class Generation:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     decode_steps: int = 0
+    compile_seconds: float = 0.0
+    decode_tokens: int | None = None
 
     @property
     def sequences(self) -> list[list[int]]:
@@ -87,7 +94,7 @@ class Generation:
     def decode_tokens_per_second(self) -> float:
         """Tokens produced by the decode steps per second, over the whole batch (each step
         produces one token per sequence still running)."""
-        made = sum(max(len(t) - 1, 0) for t in self.tokens)
+        made = sum(max(len(t) - 1, 0) for t in self.tokens) if self.decode_tokens is None else self.decode_tokens
         return made / self.decode_seconds if self.decode_seconds > 0 else float("nan")
 
 
@@ -278,11 +285,13 @@ class _CompiledStep:
     def __init__(self, model: GenerationMixin, caches: list, backend: str, what: str):
         self.model, self.caches, self.what = weakref.ref(model), caches, what
         self.backend = backend
+        self.calls = 0  # the first compiles (generate times it apart from the decode steps)
         step = _own_code(_step_function(self.model, caches), f"decode_step_{next(_step_names)}")
         self.fn: Callable[[Tensor], Tensor] | None = torch.compile(
             step, backend=backend, fullgraph=True, **compile_settings(backend, model.device.type))
 
     def __call__(self, ids: Tensor) -> Tensor:
+        self.calls += 1
         if self.fn is not None:
             try:
                 return self.fn(ids)
@@ -576,20 +585,27 @@ def generate(model: GenerationMixin, prompts, max_new_tokens: int = 32, *, tempe
     t0 = time.perf_counter()
     out: list[Tensor] = []  # one (B,) tensor per step: grows with the tokens produced
     steps = 0
+    compile_s, compiled = 0.0, False  # compiled: the first decode step compiled a new configuration
     if max_new_tokens:
         tok = s.first()
         out.append(tok)
         _sync(s.device)
-        t1 = time.perf_counter()
+        t_first = t1 = time.perf_counter()  # t1: where the timed decode steps begin
+        compiling = s.step is not None and s.step.calls == 0
         for t in range(max_new_tokens - 1):
             if s.all_finished():
                 break
             tok = s.next(t, tok)
             out.append(tok)
+            if compiling:  # timed apart: a compile takes seconds, a step milliseconds
+                _sync(s.device)
+                t_c = time.perf_counter()
+                compile_s, t1, compiling, compiled = t_c - t1, t_c, False, True
+                continue
             steps += 1
         _sync(s.device)
     else:
-        t1 = t0
+        t_first = t1 = t0
     t2 = time.perf_counter()
     tokens, reasons = [], []
     eos_set = set() if s.eos is None else set(s.eos.tolist())
@@ -598,8 +614,12 @@ def generate(model: GenerationMixin, prompts, max_new_tokens: int = 32, *, tempe
         row = [t for t in row if t >= 0]
         tokens.append(row)
         reasons.append("eos" if row and row[-1] in eos_set else "length")
-    return Generation(tokens, [list(r) for r in s.rows], reasons, prefill_seconds=t1 - t0,
-                      decode_seconds=t2 - t1, decode_steps=steps)
+    decode_tokens = None
+    if compiled:  # the compiling step's tokens (one per sequence still running) are not the timed steps'
+        decode_tokens = sum(max(len(t) - 1, 0) for t in tokens) - int((out[1] >= 0).sum())
+    return Generation(tokens, [list(r) for r in s.rows], reasons, prefill_seconds=t_first - t0,
+                      decode_seconds=t2 - t1, decode_steps=steps, compile_seconds=compile_s,
+                      decode_tokens=decode_tokens)
 
 
 def stream(model: GenerationMixin, prompts, max_new_tokens: int = 32, *, temperature: float = 0.0,
