@@ -359,12 +359,36 @@ def test_compiled_capacity_rule():
     assert compiled_capacity(100, limit=40) == 256
 
 
-def test_compiled_steps_are_reused_by_every_call_that_fits():
+def test_spare_capacity_is_free_only_where_the_decode_step_reads_held_keys(monkeypatch):
+    """The capacity rule's device branch, decided on CPU: CUDA (SDPA reads the whole capacity
+    under a key-padding mask) and a CPU without the native engine round P + T up to 64 and share
+    a step only at that size; a CPU with the engine takes power-of-two buckets."""
+    from attnkit import native
+    from attnkit.models import generation
+    assert not generation.spare_capacity_is_free(torch.device("cuda"))
+    assert not generation.spare_capacity_is_free(torch.device("meta"))
+    for impl in ("native", "torch"):
+        monkeypatch.setattr(native, "implementation", lambda build=True, impl=impl: impl)
+        assert generation.spare_capacity_is_free(torch.device("cpu")) == (impl == "native")
+
+
+def test_compiled_steps_are_per_rounded_size_where_spare_capacity_costs_time(monkeypatch):
+    from attnkit.models import generation
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+    monkeypatch.setattr(generation, "spare_capacity_is_free", lambda device: False)
+    m = tiny("gqa", seed=13)
+    for n, new in ((100, 20), (5, 3), (110, 10)):
+        m.generate([[1] * n], new, cache="static", compile=True)
+    assert [key[1] for key in generation._COMPILED[m]] == [64, 128]  # the two of 120 share a step, 8 does not
+
+
+def test_compiled_steps_are_reused_by_every_call_that_fits(monkeypatch):
     """Calls of other prompt and generation lengths reuse a compiled step whose static caches
     hold them (the smallest that does), without recompiling, and give the eager tokens; a call
     that fits none compiles a step of the next capacity."""
     import torch._dynamo
     from attnkit.models import generation
+    monkeypatch.setattr(generation, "spare_capacity_is_free", lambda device: True)
     m = tiny("gqa", seed=10)
     torch._dynamo.reset()
 
@@ -388,6 +412,7 @@ def test_compiled_capacity_falls_back_to_the_call_when_memory_is_short(monkeypat
     call's own positions rounded up to 64."""
     from attnkit.models import generation
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+    monkeypatch.setattr(generation, "spare_capacity_is_free", lambda device: True)
     m = tiny("gqa", seed=11)
     per_token = m.kv_bytes_per_token()
     monkeypatch.setattr(generation, "_device_memory", lambda device: 192 * per_token)

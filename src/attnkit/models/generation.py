@@ -32,6 +32,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
+from .. import native
 from ..kvquant import kv_storage_dtype
 
 #: What ``cache=`` takes. "dynamic" builds the decoder's "sliding" caches: they grow like dynamic
@@ -219,16 +220,23 @@ def _round_up(n: int, m: int) -> int:
 MIN_COMPILED_CAPACITY = 256
 
 
+def spare_capacity_is_free(device: torch.device) -> bool:
+    """Whether a compiled decode step over a static cache on ``device`` reads each row's keys
+    alone, so that capacity past them costs memory and no time: on CPU with the native split-K
+    engine, which takes each row's length. Elsewhere the step reads the whole capacity under a
+    key-padding mask (CUDA's SDPA for plain decode; torch's ops without a C++ compiler)."""
+    return device.type == "cpu" and native.implementation(build=False) == "native"
+
+
 def compiled_capacity(total: int, limit: int | None = None) -> int:
     """The capacity a new compiled decode step's static caches get for a call of ``total``
-    positions (longest prompt + max_new_tokens): the next power of two from
-    :data:`MIN_COMPILED_CAPACITY`, and no more than ``limit`` (the model's
-    ``max_position_embeddings``) rounded up to 64 when ``total`` fits in it.
+    positions (longest prompt + max_new_tokens) where spare capacity is free
+    (:func:`spare_capacity_is_free`): the next power of two from :data:`MIN_COMPILED_CAPACITY`,
+    and no more than ``limit`` (the model's ``max_position_embeddings``) rounded up to 64 when
+    ``total`` fits in it. (Where spare capacity costs time, generation rounds ``total`` up to 64.)
 
     Later calls of any length up to that capacity reuse the step (:meth:`_CompiledSteps.fitting`)
-    instead of compiling their own: a compile costs seconds (tens with inductor on a CPU), while
-    the spare capacity costs memory only, since a static cache's decode step hands the kernels
-    each row's length and they read those keys alone."""
+    instead of compiling their own: a compile costs seconds (tens with inductor on a CPU)."""
     cap = max(MIN_COMPILED_CAPACITY, 1 << (total - 1).bit_length())
     if limit and total <= limit:
         cap = min(cap, _round_up(limit, 64))
@@ -430,10 +438,14 @@ class _Session:
         return "inductor" if self.compile is True else self.compile
 
     def _compiled_capacity(self, total: int, limit: int | None) -> int:
-        """The capacity of this call's compiled step: a kept step's that fits ``total``, else
+        """The capacity of this call's compiled step. Where spare capacity is free
+        (:func:`spare_capacity_is_free`): a kept step's that fits ``total``, else
         :func:`compiled_capacity`'s while the device's memory holds it, else ``total`` rounded
-        up to 64 (which :func:`_check_capacity` then checks)."""
+        up to 64. Elsewhere ``total`` rounded up to 64, so only calls of that rounded size share
+        a step. :func:`_check_capacity` checks the result."""
         m = self.model
+        if not spare_capacity_is_free(m.device):
+            return _round_up(total, 64)
         config = (self.B, m.dtype, m.device, self.kv_dtype, self._compile_backend())
         kept = _compiled_of(m).fitting(config, total)
         if kept is not None:
@@ -562,8 +574,9 @@ def generate(model: GenerationMixin, prompts, max_new_tokens: int = 32, *, tempe
             None uses torch's global RNG.
         compile: True (inductor) or a ``torch.compile`` backend name: the decode step runs
             compiled with ``fullgraph=True`` over a static cache; it compiles on the first call
-            for a batch size and capacity (``P + T`` rounded up to a power of two from 256:
-            :func:`compiled_capacity`) and is reused by every later call that fits in it. Each
+            for a batch size and capacity and is reused by every later call that fits in it
+            (on CPU with the native engine the capacity is ``P + T`` rounded up to a power of
+            two from 256, :func:`compiled_capacity`; elsewhere to a multiple of 64). Each
             configuration (model, batch, capacity, dtype, ``kv_dtype``, backend) has a step of
             its own, so many models and shapes in one process never meet dynamo's recompile
             limit; a model keeps its :data:`MAX_COMPILED_STEPS` most recently used ones. A step
