@@ -489,12 +489,15 @@ def test_compiled_decode_on_cuda_equals_eager(attention, kv_dtype):
     place, the one-token step masked by the lengths) gives the eager CUDA tokens, and a second
     call replays the step without recompiling. Only a GPU run (``gpu_check.py``) reaches it."""
     import torch._dynamo
+    from attnkit.models import generation
     m = tiny(attention, seed=7).cuda()
     want = m.generate(PROMPTS, 12, cache="static", kv_dtype=kv_dtype).tokens
     torch._dynamo.reset()
     assert m.generate(PROMPTS, 12, cache="static", compile=True, kv_dtype=kv_dtype).tokens == want
     with torch._dynamo.config.patch(error_on_recompile=True):
         assert m.generate(PROMPTS, 12, cache="static", compile=True, kv_dtype=kv_dtype).tokens == want
+    # CUDA's plain decode reads the whole capacity (SDPA): the step keeps P + T rounded to 64
+    assert [key[1] for key in generation._COMPILED[m]] == [-(-(max(map(len, PROMPTS)) + 12) // 64) * 64]
 
 
 def test_generating_past_max_position_embeddings_warns():
